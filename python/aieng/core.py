@@ -1,0 +1,16 @@
+"""The Rust core for framework authors: embed the block allocator or the scheduler alone.
+
+`BlockPool` is a paged KV block pool with prefix caching; `EngineCore` is the
+continuous-batching scheduler that owns one and plans each step as flat numpy arrays.
+"""
+
+from aieng._core import (
+    BlockPool,
+    BlockTable,
+    EngineCore,
+    FinishedRequest,
+    StepOutputs,
+    StepPlan,
+)
+
+__all__ = ["BlockPool", "BlockTable", "EngineCore", "FinishedRequest", "StepOutputs", "StepPlan"]

@@ -1,0 +1,586 @@
+//! The Python bindings: `aieng._core`. The one place where Rust meets Python;
+//! the logic lives in the plain-Rust modules.
+
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyTuple, PyType};
+
+use crate::block_pool::{BlockPool, BlockTable, PoolStats};
+use crate::error::CoreError;
+use crate::request::{RequestParams, StopReason};
+use crate::scheduler::{EngineCore, FinishedRequest, SchedulerConfig, StepUpdate};
+use crate::step_plan::StepPlan;
+
+// ---------------------------------------------------------------- errors
+
+struct ErrorTypes {
+    base: Py<PyType>,
+    invalid_argument: Py<PyType>,
+    request_too_large: Py<PyType>,
+    out_of_blocks: Py<PyType>,
+    unknown_request: Py<PyType>,
+    state: Py<PyType>,
+}
+
+static ERRORS: PyOnceLock<ErrorTypes> = PyOnceLock::new();
+
+fn new_exception<'py>(
+    py: Python<'py>,
+    name: &str,
+    bases: Vec<Bound<'py, PyAny>>,
+    doc: &str,
+) -> PyResult<Bound<'py, PyType>> {
+    let namespace = PyDict::new(py);
+    namespace.set_item("__module__", "aieng")?;
+    namespace.set_item("__doc__", doc)?;
+    let class = py.import("builtins")?.getattr("type")?.call1((
+        name,
+        PyTuple::new(py, bases)?,
+        namespace,
+    ))?;
+    Ok(class.cast_into::<PyType>()?)
+}
+
+fn error_types(py: Python<'_>) -> PyResult<ErrorTypes> {
+    let builtin = |name: &str| py.import("builtins")?.getattr(name);
+    let base = new_exception(
+        py,
+        "AiengError",
+        vec![builtin("Exception")?],
+        "Base class of every error aieng raises.",
+    )?;
+    let invalid = new_exception(
+        py,
+        "InvalidArgumentError",
+        vec![base.clone().into_any(), builtin("ValueError")?],
+        "A bad argument: a value out of range, an empty prompt, a duplicate id.",
+    )?;
+    let too_large = new_exception(
+        py,
+        "RequestTooLargeError",
+        vec![invalid.clone().into_any()],
+        "A request that can never be served: longer than max_model_len or the KV pool.",
+    )?;
+    let out_of_blocks = new_exception(
+        py,
+        "OutOfBlocksError",
+        vec![base.clone().into_any(), builtin("RuntimeError")?],
+        "The block pool has fewer free blocks than an allocation needs.",
+    )?;
+    let unknown = new_exception(
+        py,
+        "UnknownRequestError",
+        vec![base.clone().into_any(), builtin("KeyError")?],
+        "No live request has this id.",
+    )?;
+    let state = new_exception(
+        py,
+        "EngineStateError",
+        vec![base.clone().into_any(), builtin("RuntimeError")?],
+        "A call made in the wrong state: a released table, update() without schedule().",
+    )?;
+    Ok(ErrorTypes {
+        base: base.unbind(),
+        invalid_argument: invalid.unbind(),
+        request_too_large: too_large.unbind(),
+        out_of_blocks: out_of_blocks.unbind(),
+        unknown_request: unknown.unbind(),
+        state: state.unbind(),
+    })
+}
+
+impl From<CoreError> for PyErr {
+    fn from(err: CoreError) -> PyErr {
+        Python::attach(|py| {
+            let Some(types) = ERRORS.get(py) else {
+                return PyValueError::new_err(err.to_string());
+            };
+            let class = match &err {
+                CoreError::InvalidArgument(_) => &types.invalid_argument,
+                CoreError::RequestTooLarge(_) => &types.request_too_large,
+                CoreError::OutOfBlocks(_) => &types.out_of_blocks,
+                CoreError::UnknownRequest(_) => &types.unknown_request,
+                CoreError::State(_) => &types.state,
+            };
+            PyErr::from_type(class.bind(py).clone(), err.to_string())
+        })
+    }
+}
+
+fn released() -> PyErr {
+    CoreError::State("this block table was already released".into()).into()
+}
+
+// ---------------------------------------------------------------- helpers
+
+fn pool_stats_dict<'py>(py: Python<'py>, s: &PoolStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("num_blocks", s.num_blocks)?;
+    d.set_item("block_size", s.block_size)?;
+    d.set_item("num_free_blocks", s.num_free_blocks)?;
+    d.set_item("num_cached_blocks", s.num_cached_blocks)?;
+    d.set_item("usage", s.usage)?;
+    d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
+    d.set_item("prefix_cache_hits", s.prefix_cache_hits)?;
+    d.set_item("evictions", s.evictions)?;
+    Ok(d)
+}
+
+/// Token ids from a numpy integer array or any sequence of ints.
+fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return Ok(a.as_array().to_vec());
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        return Ok(a.as_array().iter().map(|&t| t as i64).collect());
+    }
+    obj.extract::<Vec<i64>>().map_err(|_| {
+        CoreError::InvalidArgument("token ids must be a sequence of ints or an int array".into())
+            .into()
+    })
+}
+
+fn u32_tokens(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
+    token_ids(obj)?
+        .into_iter()
+        .map(|t| {
+            u32::try_from(t).map_err(|_| {
+                CoreError::InvalidArgument(format!("{what}: token id {t} is out of range")).into()
+            })
+        })
+        .collect()
+}
+
+fn array<'py>(py: Python<'py>, v: Vec<i32>) -> Py<PyArray1<i32>> {
+    PyArray1::from_vec(py, v).unbind()
+}
+
+// ---------------------------------------------------------------- BlockPool
+
+/// A pool of paged KV blocks with prefix caching, for embedding alone.
+#[pyclass(name = "BlockPool", module = "aieng._core", frozen)]
+struct PyBlockPool {
+    pool: BlockPool,
+}
+
+#[pymethods]
+impl PyBlockPool {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size, enable_prefix_caching = true))]
+    fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> PyResult<Self> {
+        Ok(PyBlockPool { pool: BlockPool::new(num_blocks, block_size, enable_prefix_caching)? })
+    }
+
+    /// Blocks for `token_ids`, reusing the longest cached prefix of full blocks.
+    fn allocate(&self, py: Python<'_>, token_ids: &Bound<'_, PyAny>) -> PyResult<PyBlockTable> {
+        let tokens = u32_tokens(token_ids, "token_ids")?;
+        let pool = &self.pool;
+        let table = py.detach(|| pool.allocate(&tokens))?;
+        Ok(PyBlockTable { table: parking_lot::Mutex::new(Some(table)) })
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.pool.block_size()
+    }
+
+    #[getter]
+    fn enable_prefix_caching(&self) -> bool {
+        self.pool.prefix_caching()
+    }
+
+    #[getter]
+    fn num_free_blocks(&self) -> usize {
+        self.pool.stats().num_free_blocks
+    }
+
+    #[getter]
+    fn usage(&self) -> f64 {
+        self.pool.stats().usage
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        pool_stats_dict(py, &self.pool.stats())
+    }
+
+    fn check_invariants(&self) -> PyResult<()> {
+        Ok(self.pool.check_invariants()?)
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.pool.stats();
+        format!(
+            "BlockPool(num_blocks={}, block_size={}, free={})",
+            s.num_blocks, s.block_size, s.num_free_blocks
+        )
+    }
+}
+
+/// Blocks held for one sequence; freed exactly once by release(), a `with`
+/// block or garbage collection, whichever comes first.
+#[pyclass(name = "BlockTable", module = "aieng._core", frozen)]
+struct PyBlockTable {
+    table: parking_lot::Mutex<Option<BlockTable>>,
+}
+
+impl PyBlockTable {
+    fn with<T>(&self, f: impl FnOnce(&mut BlockTable) -> T) -> PyResult<T> {
+        let mut guard = self.table.lock();
+        guard.as_mut().map(f).ok_or_else(released)
+    }
+}
+
+#[pymethods]
+impl PyBlockTable {
+    #[getter]
+    fn block_ids(&self) -> PyResult<Vec<u32>> {
+        self.with(|t| t.block_ids())
+    }
+
+    #[getter]
+    fn num_tokens(&self) -> PyResult<usize> {
+        self.with(|t| t.num_tokens())
+    }
+
+    #[getter]
+    fn num_cached_tokens(&self) -> PyResult<usize> {
+        self.with(|t| t.num_cached_tokens())
+    }
+
+    #[getter]
+    fn released(&self) -> bool {
+        self.table.lock().is_none()
+    }
+
+    /// Extends the sequence, taking new blocks as needed (all or nothing).
+    fn append(&self, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let tokens = u32_tokens(token_ids, "token_ids")?;
+        self.with(|t| t.append(&tokens))?.map_err(Into::into)
+    }
+
+    /// Marks the first `num_computed` tokens (default: all) as holding valid KV,
+    /// which makes their full blocks reusable by later allocations.
+    #[pyo3(signature = (num_computed = None))]
+    fn commit(&self, num_computed: Option<usize>) -> PyResult<()> {
+        self.with(|t| {
+            let n = num_computed.unwrap_or_else(|| t.num_tokens());
+            t.commit(n)
+        })
+    }
+
+    /// Returns the blocks to the pool. A second call does nothing.
+    fn release(&self) {
+        let table = self.table.lock().take();
+        drop(table);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, PyTuple>) -> bool {
+        self.release();
+        false
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        self.with(|t| t.block_ids().len())
+    }
+
+    fn __repr__(&self) -> String {
+        match self.table.lock().as_ref() {
+            Some(t) => format!(
+                "BlockTable(blocks={:?}, num_tokens={}, num_cached_tokens={})",
+                t.block_ids(),
+                t.num_tokens(),
+                t.num_cached_tokens()
+            ),
+            None => "BlockTable(released)".into(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------- EngineCore
+
+/// The arrays of one engine step (see `aieng.core` docs for their meaning).
+#[pyclass(name = "StepPlan", module = "aieng._core", frozen, get_all)]
+struct PyStepPlan {
+    num_requests: usize,
+    num_tokens: usize,
+    input_ids: Py<PyArray1<i32>>,
+    positions: Py<PyArray1<i32>>,
+    slot_mapping: Py<PyArray1<i32>>,
+    query_start_loc: Py<PyArray1<i32>>,
+    num_computed_tokens: Py<PyArray1<i32>>,
+    seq_lens: Py<PyArray1<i32>>,
+    block_tables: Py<PyAny>,
+    logits_indices: Py<PyArray1<i32>>,
+    sample_request_rows: Py<PyArray1<i32>>,
+    slots: Py<PyArray1<i32>>,
+    request_ids: Py<PyList>,
+}
+
+impl PyStepPlan {
+    fn new(py: Python<'_>, plan: StepPlan) -> PyResult<Self> {
+        let (rows, width) = (plan.num_requests(), plan.block_table_width);
+        let block_tables = PyArray1::from_vec(py, plan.block_tables).reshape([rows, width])?;
+        Ok(PyStepPlan {
+            num_requests: rows,
+            num_tokens: plan.input_ids.len(),
+            input_ids: array(py, plan.input_ids),
+            positions: array(py, plan.positions),
+            slot_mapping: array(py, plan.slot_mapping),
+            query_start_loc: array(py, plan.query_start_loc),
+            num_computed_tokens: array(py, plan.num_computed_tokens),
+            seq_lens: array(py, plan.seq_lens),
+            block_tables: block_tables.into_any().unbind(),
+            logits_indices: array(py, plan.logits_indices),
+            sample_request_rows: array(py, plan.sample_request_rows),
+            slots: array(py, plan.slots),
+            request_ids: PyList::new(py, plan.request_ids)?.unbind(),
+        })
+    }
+}
+
+#[pymethods]
+impl PyStepPlan {
+    fn __len__(&self) -> usize {
+        self.num_tokens
+    }
+
+    fn __repr__(&self) -> String {
+        format!("StepPlan(num_requests={}, num_tokens={})", self.num_requests, self.num_tokens)
+    }
+}
+
+/// A request that ended: why, and how many tokens it produced.
+#[pyclass(name = "FinishedRequest", module = "aieng._core", frozen, get_all)]
+struct PyFinishedRequest {
+    request_id: String,
+    slot: u32,
+    finish_reason: &'static str,
+    stop_reason: Option<Py<PyAny>>,
+    num_output_tokens: usize,
+}
+
+impl PyFinishedRequest {
+    fn new(py: Python<'_>, f: FinishedRequest) -> PyResult<Self> {
+        let stop_reason = match f.stop_reason {
+            Some(StopReason::Token(t)) => Some(t.into_pyobject(py)?.into_any().unbind()),
+            Some(StopReason::Text(s)) => Some(s.into_pyobject(py)?.into_any().unbind()),
+            None => None,
+        };
+        Ok(PyFinishedRequest {
+            request_id: f.request_id,
+            slot: f.slot,
+            finish_reason: f.reason.as_str(),
+            stop_reason,
+            num_output_tokens: f.num_output_tokens,
+        })
+    }
+}
+
+#[pymethods]
+impl PyFinishedRequest {
+    fn __repr__(&self) -> String {
+        format!(
+            "FinishedRequest(request_id={:?}, finish_reason={:?}, num_output_tokens={})",
+            self.request_id, self.finish_reason, self.num_output_tokens
+        )
+    }
+}
+
+/// What update() changed: the new token of every sampling row still alive.
+#[pyclass(name = "StepOutputs", module = "aieng._core", frozen, get_all)]
+struct PyStepOutputs {
+    rows: Py<PyArray1<i32>>,
+    slots: Py<PyArray1<i32>>,
+    token_ids: Py<PyArray1<i32>>,
+    finished: Py<PyList>,
+}
+
+impl PyStepOutputs {
+    fn new(py: Python<'_>, u: StepUpdate) -> PyResult<Self> {
+        let to_i32 = |v: Vec<u32>| v.into_iter().map(|x| x as i32).collect::<Vec<_>>();
+        let finished = u
+            .finished
+            .into_iter()
+            .map(|f| PyFinishedRequest::new(py, f))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(PyStepOutputs {
+            rows: array(py, to_i32(u.rows)),
+            slots: array(py, to_i32(u.slots)),
+            token_ids: array(py, to_i32(u.token_ids)),
+            finished: PyList::new(py, finished)?.unbind(),
+        })
+    }
+}
+
+/// The scheduler and its block pool; the Python engine loop drives it with
+/// schedule() and update(), a constant number of calls per step.
+#[pyclass(name = "EngineCore", module = "aieng._core")]
+struct PyEngineCore {
+    core: EngineCore,
+}
+
+#[pymethods]
+impl PyEngineCore {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks, block_size = 16, max_num_seqs = 256, max_num_batched_tokens = 2048,
+        max_model_len = 4096, enable_prefix_caching = true, long_prefill_token_threshold = 0,
+    ))]
+    fn new(
+        num_blocks: usize,
+        block_size: usize,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        max_model_len: usize,
+        enable_prefix_caching: bool,
+        long_prefill_token_threshold: usize,
+    ) -> PyResult<Self> {
+        let config = SchedulerConfig {
+            num_blocks,
+            block_size,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            enable_prefix_caching,
+            long_prefill_token_threshold,
+        };
+        Ok(PyEngineCore { core: EngineCore::new(config)? })
+    }
+
+    /// Queues a request and returns its slot; refuses one that can never fit.
+    #[pyo3(signature = (
+        request_id, prompt_token_ids, *, max_tokens = 16, min_tokens = 0, ignore_eos = false,
+        eos_token_ids = None, stop_token_ids = None, priority = 0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        request_id: &str,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_tokens: i64,
+        min_tokens: i64,
+        ignore_eos: bool,
+        eos_token_ids: Option<&Bound<'_, PyAny>>,
+        stop_token_ids: Option<&Bound<'_, PyAny>>,
+        priority: i32,
+    ) -> PyResult<u32> {
+        let count = |name: &str, v: i64| {
+            usize::try_from(v).map_err(|_| {
+                PyErr::from(CoreError::InvalidArgument(format!("{name} must be >= 0, got {v}")))
+            })
+        };
+        let ids = |obj: Option<&Bound<'_, PyAny>>, what| match obj {
+            Some(o) => u32_tokens(o, what),
+            None => Ok(Vec::new()),
+        };
+        let params = RequestParams {
+            max_tokens: count("max_tokens", max_tokens)?,
+            min_tokens: count("min_tokens", min_tokens)?,
+            ignore_eos,
+            eos_token_ids: ids(eos_token_ids, "eos_token_ids")?,
+            stop_token_ids: ids(stop_token_ids, "stop_token_ids")?,
+            priority,
+        };
+        let prompt = u32_tokens(prompt_token_ids, "prompt_token_ids")?;
+        Ok(self.core.add_request(request_id, &prompt, params)?)
+    }
+
+    /// Ends a request now and frees its blocks.
+    fn abort(&mut self, py: Python<'_>, request_id: &str) -> PyResult<PyFinishedRequest> {
+        let finished = self.core.abort(request_id)?;
+        PyFinishedRequest::new(py, finished)
+    }
+
+    /// Plans the next step.
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
+        let core = &mut self.core;
+        let plan = py.detach(|| core.schedule())?;
+        PyStepPlan::new(py, plan)
+    }
+
+    /// Applies the sampled tokens of the last plan, one per sampling row.
+    fn update(&mut self, py: Python<'_>, sampled: &Bound<'_, PyAny>) -> PyResult<PyStepOutputs> {
+        let tokens = token_ids(sampled)?;
+        let core = &mut self.core;
+        let update = py.detach(|| core.update(&tokens))?;
+        PyStepOutputs::new(py, update)
+    }
+
+    fn has_unfinished(&self) -> bool {
+        self.core.has_unfinished()
+    }
+
+    #[getter]
+    fn num_running(&self) -> usize {
+        self.core.stats().num_running
+    }
+
+    #[getter]
+    fn num_waiting(&self) -> usize {
+        self.core.stats().num_waiting
+    }
+
+    #[getter]
+    fn block_pool(&self) -> PyBlockPool {
+        PyBlockPool { pool: self.core.pool().clone() }
+    }
+
+    /// Prompt followed by generated tokens of a live request.
+    fn request_token_ids(&self, request_id: &str) -> PyResult<Vec<u32>> {
+        Ok(self.core.request_tokens(request_id)?.0.to_vec())
+    }
+
+    /// Prefix-cache hits of the request's first admission (None before it).
+    fn num_cached_tokens(&self, request_id: &str) -> Option<usize> {
+        self.core.num_cached_tokens(request_id)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.core.stats();
+        let d = PyDict::new(py);
+        d.set_item("num_running", s.num_running)?;
+        d.set_item("num_waiting", s.num_waiting)?;
+        d.set_item("num_preemptions", s.num_preemptions)?;
+        d.set_item("num_steps", s.num_steps)?;
+        d.set_item("pool", pool_stats_dict(py, &self.core.pool_stats())?)?;
+        Ok(d)
+    }
+
+    fn check_invariants(&self) -> PyResult<()> {
+        Ok(self.core.check_invariants()?)
+    }
+}
+
+// ---------------------------------------------------------------- module
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let types = ERRORS.get_or_try_init(py, || error_types(py))?;
+    m.add("AiengError", types.base.bind(py))?;
+    m.add("InvalidArgumentError", types.invalid_argument.bind(py))?;
+    m.add("RequestTooLargeError", types.request_too_large.bind(py))?;
+    m.add("OutOfBlocksError", types.out_of_blocks.bind(py))?;
+    m.add("UnknownRequestError", types.unknown_request.bind(py))?;
+    m.add("EngineStateError", types.state.bind(py))?;
+    m.add_class::<PyBlockPool>()?;
+    m.add_class::<PyBlockTable>()?;
+    m.add_class::<PyEngineCore>()?;
+    m.add_class::<PyStepPlan>()?;
+    m.add_class::<PyStepOutputs>()?;
+    m.add_class::<PyFinishedRequest>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,609 @@
+//! The continuous-batching scheduler, owned by [`EngineCore`].
+//!
+//! Each step fills a token budget under a cap on running requests: running
+//! requests first (one decode token each, or the next chunk of an unfinished
+//! prefill), then waiting ones, in (priority, arrival) order. Prefill chunks and
+//! decodes share a step. A prefill chunk never takes the budget reserved for the
+//! decodes behind it. When blocks run out the lowest-priority, latest-arrived
+//! running request is preempted by recompute: it frees its blocks and waits again
+//! with its generated tokens kept.
+
+use std::collections::BTreeSet;
+
+use rustc_hash::FxHashMap;
+
+use crate::block_pool::{BlockPool, PoolInner, PoolStats};
+use crate::error::{CoreError, Result};
+use crate::request::{FinishReason, Request, RequestParams, Status, StopReason};
+use crate::step_plan::StepPlan;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub enable_prefix_caching: bool,
+    /// Largest prefill chunk one request may take in a step (0: no cap beyond the budget).
+    pub long_prefill_token_threshold: usize,
+}
+
+impl SchedulerConfig {
+    fn validate(&self) -> Result<()> {
+        let positive = [
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_model_len", self.max_model_len),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                return Err(CoreError::InvalidArgument(format!("{name} must be at least 1")));
+            }
+        }
+        if self.max_model_len < 2 {
+            return Err(CoreError::InvalidArgument(
+                "max_model_len must be at least 2 (one prompt and one output token)".into(),
+            ));
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return Err(CoreError::InvalidArgument(format!(
+                "max_num_batched_tokens ({}) must be at least max_num_seqs ({}), \
+                 so every running request can decode in a step",
+                self.max_num_batched_tokens, self.max_num_seqs
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A request that ended in this update (or was aborted).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinishedRequest {
+    pub request_id: String,
+    pub slot: u32,
+    pub reason: FinishReason,
+    pub stop_reason: Option<StopReason>,
+    pub num_output_tokens: usize,
+}
+
+/// What an update changed: one new token per sampling row still alive.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepUpdate {
+    /// Plan rows that received a token.
+    pub rows: Vec<u32>,
+    /// Their slots.
+    pub slots: Vec<u32>,
+    /// The tokens, as appended.
+    pub token_ids: Vec<u32>,
+    /// Requests that finished, in plan order.
+    pub finished: Vec<FinishedRequest>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_preemptions: u64,
+    pub num_steps: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Scheduled {
+    slot: u32,
+    arrival: u64,
+    num_new: usize,
+    samples: bool,
+}
+
+/// The scheduler and the block pool it allocates from.
+pub struct EngineCore {
+    config: SchedulerConfig,
+    pool: BlockPool,
+    requests: Vec<Option<Request>>,
+    free_slots: Vec<u32>,
+    slot_of: FxHashMap<String, u32>,
+    waiting: BTreeSet<(i32, u64, u32)>,
+    /// Slots of running requests, sorted by (priority, arrival).
+    running: Vec<u32>,
+    next_arrival: u64,
+    in_flight: Option<Vec<Scheduled>>,
+    num_preemptions: u64,
+    num_steps: u64,
+}
+
+impl EngineCore {
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        let pool =
+            BlockPool::new(config.num_blocks, config.block_size, config.enable_prefix_caching)?;
+        Ok(EngineCore {
+            config,
+            pool,
+            requests: Vec::new(),
+            free_slots: Vec::new(),
+            slot_of: FxHashMap::default(),
+            waiting: BTreeSet::new(),
+            running: Vec::new(),
+            next_arrival: 0,
+            in_flight: None,
+            num_preemptions: 0,
+            num_steps: 0,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn pool_stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            num_running: self.running.len(),
+            num_waiting: self.waiting.len(),
+            num_preemptions: self.num_preemptions,
+            num_steps: self.num_steps,
+        }
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.slot_of.is_empty()
+    }
+
+    pub fn num_requests(&self) -> usize {
+        self.slot_of.len()
+    }
+
+    fn req(&self, slot: u32) -> &Request {
+        self.requests[slot as usize].as_ref().expect("live slot")
+    }
+
+    fn req_mut(&mut self, slot: u32) -> &mut Request {
+        self.requests[slot as usize].as_mut().expect("live slot")
+    }
+
+    /// The tokens (prompt, then output) of a live request.
+    pub fn request_tokens(&self, request_id: &str) -> Result<(&[u32], usize)> {
+        let slot = *self
+            .slot_of
+            .get(request_id)
+            .ok_or_else(|| CoreError::UnknownRequest(request_id.to_string()))?;
+        let r = self.req(slot);
+        Ok((&r.tokens, r.prompt_len))
+    }
+
+    /// Queues a request; returns its slot. Refuses what could never be served.
+    pub fn add_request(&mut self, id: &str, prompt: &[u32], params: RequestParams) -> Result<u32> {
+        params.validate()?;
+        if self.slot_of.contains_key(id) {
+            return Err(CoreError::InvalidArgument(format!("request id {id:?} is already in use")));
+        }
+        if prompt.is_empty() {
+            return Err(CoreError::InvalidArgument("the prompt is empty".into()));
+        }
+        let max_len = self.config.max_model_len;
+        if prompt.len() >= max_len {
+            return Err(CoreError::RequestTooLarge(format!(
+                "the prompt has {} tokens but max_model_len is {max_len}: at most {} prompt \
+                 tokens leave room for one output token",
+                prompt.len(),
+                max_len - 1
+            )));
+        }
+        // The last token's KV is never computed.
+        let slots_needed = (prompt.len() + params.max_tokens).min(max_len) - 1;
+        let blocks_needed = slots_needed.div_ceil(self.config.block_size);
+        if blocks_needed > self.config.num_blocks {
+            return Err(CoreError::RequestTooLarge(format!(
+                "the request needs up to {blocks_needed} KV blocks ({slots_needed} tokens of \
+                 {} per block) but the pool has only {}",
+                self.config.block_size, self.config.num_blocks
+            )));
+        }
+        let slot = self.free_slots.pop().unwrap_or_else(|| {
+            self.requests.push(None);
+            (self.requests.len() - 1) as u32
+        });
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        self.waiting.insert((params.priority, arrival, slot));
+        self.requests[slot as usize] = Some(Request {
+            id: id.to_string(),
+            arrival,
+            params,
+            tokens: prompt.to_vec(),
+            prompt_len: prompt.len(),
+            num_computed: 0,
+            num_cached_tokens: None,
+            num_preemptions: 0,
+            status: Status::Waiting,
+            table: None,
+        });
+        self.slot_of.insert(id.to_string(), slot);
+        Ok(slot)
+    }
+
+    /// Ends a request now and frees its blocks. A token sampled for it in the
+    /// step in flight is dropped.
+    pub fn abort(&mut self, id: &str) -> Result<FinishedRequest> {
+        let slot = *self.slot_of.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
+        let r = self.req(slot);
+        match r.status {
+            Status::Waiting => {
+                self.waiting.remove(&(r.params.priority, r.arrival, slot));
+            }
+            Status::Running => self.running.retain(|&s| s != slot),
+        }
+        let finished = self.retire(slot, FinishReason::Abort, None);
+        self.debug_check();
+        Ok(finished)
+    }
+
+    fn retire(
+        &mut self,
+        slot: u32,
+        reason: FinishReason,
+        stop_reason: Option<StopReason>,
+    ) -> FinishedRequest {
+        let r = self.requests[slot as usize].take().expect("live slot");
+        self.slot_of.remove(&r.id);
+        self.free_slots.push(slot);
+        let finished = FinishedRequest {
+            num_output_tokens: r.num_output_tokens(),
+            request_id: r.id,
+            slot,
+            reason,
+            stop_reason,
+        };
+        drop(r.table);
+        finished
+    }
+
+    /// Number of prefix-cache hits of a request's first admission (None before it).
+    pub fn num_cached_tokens(&self, id: &str) -> Option<usize> {
+        self.slot_of.get(id).and_then(|&s| self.req(s).num_cached_tokens)
+    }
+
+    pub fn schedule(&mut self) -> Result<StepPlan> {
+        if self.in_flight.is_some() {
+            return Err(CoreError::State(
+                "schedule() was called again before update() applied the last step".into(),
+            ));
+        }
+        let pool = self.pool.clone();
+        let mut guard = pool.lock();
+        let mut entries = Vec::with_capacity(self.running.len() + 8);
+        let mut budget = self.config.max_num_batched_tokens;
+        let preempted = self.schedule_running(&mut guard, &mut entries, &mut budget);
+        if !preempted {
+            self.schedule_waiting(&mut guard, &mut entries, &mut budget);
+        }
+        let plan = self.build_plan(&guard, &entries);
+        drop(guard);
+        self.in_flight = Some(entries);
+        self.debug_check();
+        Ok(plan)
+    }
+
+    fn remaining(&self, slot: u32) -> usize {
+        let r = self.req(slot);
+        r.tokens.len() - r.num_computed
+    }
+
+    fn chunk_cap(&self) -> usize {
+        match self.config.long_prefill_token_threshold {
+            0 => usize::MAX,
+            cap => cap,
+        }
+    }
+
+    /// Returns whether anything was preempted.
+    fn schedule_running(
+        &mut self,
+        pool: &mut PoolInner,
+        entries: &mut Vec<Scheduled>,
+        budget: &mut usize,
+    ) -> bool {
+        let mut preempted = false;
+        let mut decodes_left = self.running.iter().filter(|&&s| self.remaining(s) == 1).count();
+        let mut i = 0;
+        'requests: while i < self.running.len() {
+            let slot = self.running[i];
+            let remaining = self.remaining(slot);
+            let decoding = remaining == 1;
+            if decoding {
+                decodes_left -= 1;
+            }
+            let n = if decoding {
+                remaining.min(*budget)
+            } else {
+                remaining.min(budget.saturating_sub(decodes_left)).min(self.chunk_cap())
+            };
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let (table_id, start) = {
+                let r = self.req(slot);
+                (r.table.as_ref().expect("running request has blocks").id(), r.num_computed)
+            };
+            while pool.reserve(table_id, start + n).is_err() {
+                let victim = *self.running.last().expect("running is not empty");
+                if self.remaining(victim) == 1 && victim != slot {
+                    decodes_left -= 1;
+                }
+                self.preempt(pool, victim);
+                preempted = true;
+                if victim == slot {
+                    break 'requests;
+                }
+            }
+            entries.push(self.scheduled(slot, n));
+            *budget -= n;
+            i += 1;
+        }
+        preempted
+    }
+
+    fn scheduled(&self, slot: u32, num_new: usize) -> Scheduled {
+        let r = self.req(slot);
+        Scheduled {
+            slot,
+            arrival: r.arrival,
+            num_new,
+            samples: r.num_computed + num_new == r.tokens.len(),
+        }
+    }
+
+    fn schedule_waiting(
+        &mut self,
+        pool: &mut PoolInner,
+        entries: &mut Vec<Scheduled>,
+        budget: &mut usize,
+    ) {
+        while *budget > 0 {
+            let Some(&(priority, arrival, slot)) = self.waiting.first() else { break };
+            if self.running.len() >= self.config.max_num_seqs
+                && !self.preempt_lower_priority(pool, entries, budget, priority)
+            {
+                break;
+            }
+            self.open_table(pool, slot);
+            let n = self.remaining(slot).min(*budget).min(self.chunk_cap());
+            let (table_id, start) = {
+                let r = self.req(slot);
+                (r.table.as_ref().expect("opened").id(), r.num_computed)
+            };
+            let mut admitted = pool.reserve(table_id, start + n).is_ok();
+            while !admitted && self.preempt_lower_priority(pool, entries, budget, priority) {
+                admitted = pool.reserve(table_id, start + n).is_ok();
+            }
+            if !admitted {
+                let r = self.req_mut(slot);
+                r.table.take().expect("opened").release_in(pool);
+                r.num_computed = 0;
+                break;
+            }
+            // The budget may have grown by unscheduling a victim, never shrunk.
+            let n = n.min(*budget);
+            self.waiting.remove(&(priority, arrival, slot));
+            self.req_mut(slot).status = Status::Running;
+            let key = self.req(slot).order_key();
+            let at = self.running.partition_point(|&s| self.req(s).order_key() < key);
+            self.running.insert(at, slot);
+            entries.push(self.scheduled(slot, n));
+            *budget -= n;
+        }
+    }
+
+    fn open_table(&mut self, pool: &mut PoolInner, slot: u32) {
+        let table = {
+            let r = self.req(slot);
+            let id = pool.open_table(&r.tokens);
+            self.pool.wrap(id)
+        };
+        let cached = pool.table(table.id()).num_cached_tokens;
+        let r = self.req_mut(slot);
+        r.num_computed = cached;
+        r.num_cached_tokens.get_or_insert(cached);
+        r.table = Some(table);
+    }
+
+    /// Preempts the lowest-priority running request if it ranks strictly below
+    /// `priority`, taking back its tokens scheduled in this step.
+    fn preempt_lower_priority(
+        &mut self,
+        pool: &mut PoolInner,
+        entries: &mut Vec<Scheduled>,
+        budget: &mut usize,
+        priority: i32,
+    ) -> bool {
+        let Some(&victim) = self.running.last() else { return false };
+        if self.req(victim).params.priority <= priority {
+            return false;
+        }
+        if let Some(at) = entries.iter().position(|e| e.slot == victim) {
+            *budget += entries.remove(at).num_new;
+        }
+        self.preempt(pool, victim);
+        true
+    }
+
+    fn preempt(&mut self, pool: &mut PoolInner, slot: u32) {
+        self.running.retain(|&s| s != slot);
+        self.num_preemptions += 1;
+        let r = self.req_mut(slot);
+        r.table.take().expect("running request has blocks").release_in(pool);
+        r.num_computed = 0;
+        r.num_preemptions += 1;
+        r.status = Status::Waiting;
+        let key = (r.params.priority, r.arrival, slot);
+        self.waiting.insert(key);
+    }
+
+    fn build_plan(&self, pool: &PoolInner, entries: &[Scheduled]) -> StepPlan {
+        let bs = pool.block_size();
+        let num_tokens: usize = entries.iter().map(|e| e.num_new).sum();
+        let width = entries
+            .iter()
+            .map(|e| (self.req(e.slot).num_computed + e.num_new).div_ceil(bs))
+            .max()
+            .unwrap_or(0);
+        let rows = entries.len();
+        let mut plan = StepPlan {
+            input_ids: Vec::with_capacity(num_tokens),
+            positions: Vec::with_capacity(num_tokens),
+            slot_mapping: Vec::with_capacity(num_tokens),
+            query_start_loc: Vec::with_capacity(rows + 1),
+            num_computed_tokens: Vec::with_capacity(rows),
+            seq_lens: Vec::with_capacity(rows),
+            block_tables: vec![0; rows * width],
+            block_table_width: width,
+            logits_indices: Vec::with_capacity(rows),
+            sample_request_rows: Vec::with_capacity(rows),
+            slots: Vec::with_capacity(rows),
+            request_ids: Vec::with_capacity(rows),
+        };
+        plan.query_start_loc.push(0);
+        for (row, e) in entries.iter().enumerate() {
+            let r = self.req(e.slot);
+            let blocks = &pool.table(r.table.as_ref().expect("scheduled").id()).blocks;
+            let (start, end) = (r.num_computed, r.num_computed + e.num_new);
+            plan.input_ids.extend(r.tokens[start..end].iter().map(|&t| t as i32));
+            for pos in start..end {
+                plan.positions.push(pos as i32);
+                plan.slot_mapping.push((blocks[pos / bs] as usize * bs + pos % bs) as i32);
+            }
+            plan.query_start_loc.push(plan.input_ids.len() as i32);
+            plan.num_computed_tokens.push(start as i32);
+            plan.seq_lens.push(end as i32);
+            let used = end.div_ceil(bs);
+            for (dst, &b) in plan.block_tables[row * width..row * width + used].iter_mut().zip(blocks)
+            {
+                *dst = b as i32;
+            }
+            if e.samples {
+                plan.logits_indices.push(plan.input_ids.len() as i32 - 1);
+                plan.sample_request_rows.push(row as i32);
+            }
+            plan.slots.push(e.slot as i32);
+            plan.request_ids.push(r.id.clone());
+        }
+        plan
+    }
+
+    /// Applies the step in flight: `sampled[i]` is the token of the i-th sampling
+    /// row of the last plan. Appends tokens, checks stops, frees finished requests.
+    pub fn update(&mut self, sampled: &[i64]) -> Result<StepUpdate> {
+        let Some(entries) = self.in_flight.take() else {
+            return Err(CoreError::State("update() was called without a scheduled step".into()));
+        };
+        let expected = entries.iter().filter(|e| e.samples).count();
+        let bad = sampled.iter().find(|&&t| t < 0 || t > u32::MAX as i64);
+        if sampled.len() != expected || bad.is_some() {
+            let message = match bad {
+                Some(t) => format!("sampled token id {t} is out of range"),
+                None => format!("expected {expected} sampled tokens, got {}", sampled.len()),
+            };
+            self.in_flight = Some(entries);
+            return Err(CoreError::InvalidArgument(message));
+        }
+        let mut out = StepUpdate::default();
+        let mut finished_slots = Vec::new();
+        let mut next_sample = sampled.iter();
+        let pool = self.pool.clone();
+        let mut guard = pool.lock();
+        for (row, e) in entries.iter().enumerate() {
+            let token = if e.samples { next_sample.next().map(|&t| t as u32) } else { None };
+            let alive = matches!(&self.requests[e.slot as usize], Some(r) if r.arrival == e.arrival);
+            if !alive {
+                continue;
+            }
+            let max_model_len = self.config.max_model_len;
+            let r = self.req_mut(e.slot);
+            r.num_computed += e.num_new;
+            let table_id = r.table.as_ref().expect("scheduled").id();
+            if let Some(token) = token {
+                r.tokens.push(token);
+                guard.push_tokens(table_id, &[token]);
+                out.rows.push(row as u32);
+                out.slots.push(e.slot);
+                out.token_ids.push(token);
+                if let Some(stop) = r.check_stop(max_model_len) {
+                    finished_slots.push((e.slot, stop));
+                }
+            }
+            guard.commit(table_id, r.num_computed);
+        }
+        for (slot, (reason, stop_reason)) in finished_slots {
+            self.running.retain(|&s| s != slot);
+            let r = self.req_mut(slot);
+            r.table.take().expect("running request has blocks").release_in(&mut guard);
+            out.finished.push(self.retire(slot, reason, stop_reason));
+        }
+        drop(guard);
+        self.num_steps += 1;
+        self.debug_check();
+        Ok(out)
+    }
+
+    fn debug_check(&self) {
+        #[cfg(debug_assertions)]
+        if let Err(e) = self.check_invariants() {
+            panic!("scheduler invariant violated: {e}");
+        }
+    }
+
+    /// The pool's invariants and the scheduler's own: waiting and running
+    /// partition the live requests, running ones hold blocks, waiting ones none.
+    pub fn check_invariants(&self) -> Result<()> {
+        self.pool.check_invariants()?;
+        let fail = |m: String| Err(CoreError::State(m));
+        let live = self.requests.iter().flatten().count();
+        if live != self.slot_of.len() || live != self.waiting.len() + self.running.len() {
+            return fail(format!(
+                "{live} live requests, {} ids, {} waiting + {} running",
+                self.slot_of.len(),
+                self.waiting.len(),
+                self.running.len()
+            ));
+        }
+        if self.running.len() > self.config.max_num_seqs {
+            return fail("more running requests than max_num_seqs".into());
+        }
+        let pool = self.pool.lock();
+        let mut last_key = None;
+        for &slot in &self.running {
+            let r = self.req(slot);
+            if r.status != Status::Running || r.num_computed > r.tokens.len() {
+                return fail(format!("running request {:?} is inconsistent", r.id));
+            }
+            let Some(table) = &r.table else { return fail(format!("{:?} holds no blocks", r.id)) };
+            if pool.table(table.id()).tokens != r.tokens {
+                return fail(format!("{:?}: its table holds other tokens", r.id));
+            }
+            if last_key.is_some_and(|k| k > r.order_key()) {
+                return fail("running requests are out of order".into());
+            }
+            last_key = Some(r.order_key());
+        }
+        for &(_, _, slot) in &self.waiting {
+            let r = self.req(slot);
+            if r.status != Status::Waiting || r.table.is_some() || r.num_computed != 0 {
+                return fail(format!("waiting request {:?} is inconsistent", r.id));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

@@ -1,0 +1,361 @@
+use super::*;
+use std::collections::HashMap;
+
+fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        num_blocks,
+        block_size,
+        max_num_seqs: 8,
+        max_num_batched_tokens: budget,
+        max_model_len: 1024,
+        enable_prefix_caching: true,
+        long_prefill_token_threshold: 0,
+    }
+}
+
+fn params(max_tokens: usize) -> RequestParams {
+    RequestParams { max_tokens, ignore_eos: true, ..RequestParams::default() }
+}
+
+/// A deterministic stand-in for a model: the next token is a function of the
+/// whole sequence so far, so any recompute must give the same continuation.
+fn fake_model(tokens: &[u32]) -> i64 {
+    let mut h: u64 = 1469598103934665603;
+    for &t in tokens {
+        h = (h ^ t as u64).wrapping_mul(1099511628211);
+    }
+    (h % 997) as i64 + 3
+}
+
+fn sample(core: &EngineCore, plan: &StepPlan) -> Vec<i64> {
+    plan.sample_request_rows
+        .iter()
+        .map(|&row| {
+            let id = &plan.request_ids[row as usize];
+            let (tokens, _) = core.request_tokens(id).unwrap();
+            fake_model(tokens)
+        })
+        .collect()
+}
+
+/// Runs until every request ends; returns each request's output and reason.
+fn run(core: &mut EngineCore) -> HashMap<String, (Vec<u32>, FinishReason)> {
+    let mut outputs: HashMap<String, Vec<u32>> = core
+        .requests
+        .iter()
+        .flatten()
+        .map(|r| (r.id.clone(), r.tokens[r.prompt_len..].to_vec()))
+        .collect();
+    let mut done = HashMap::new();
+    for _ in 0..10_000 {
+        if !core.has_unfinished() {
+            break;
+        }
+        let plan = core.schedule().unwrap();
+        let tokens = sample(core, &plan);
+        let update = core.update(&tokens).unwrap();
+        for (&row, &tok) in update.rows.iter().zip(&update.token_ids) {
+            outputs.entry(plan.request_ids[row as usize].clone()).or_default().push(tok);
+        }
+        for f in update.finished {
+            assert_eq!(f.num_output_tokens, outputs[&f.request_id].len());
+            done.insert(f.request_id.clone(), (outputs.remove(&f.request_id).unwrap(), f.reason));
+        }
+    }
+    assert!(!core.has_unfinished(), "requests never finished");
+    assert_empty(core);
+    done
+}
+
+fn assert_empty(core: &EngineCore) {
+    core.check_invariants().unwrap();
+    let s = core.stats();
+    assert_eq!((s.num_running, s.num_waiting), (0, 0));
+    let p = core.pool_stats();
+    assert_eq!(p.num_free_blocks, p.num_blocks, "every block is free or evictable");
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| (seed * 7919 + i * 31) % 500 + 1).collect()
+}
+
+#[test]
+fn prefill_then_decode_until_max_tokens() {
+    let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
+    core.add_request("a", &prompt(1, 5), params(3)).unwrap();
+    core.add_request("b", &prompt(2, 9), params(2)).unwrap();
+    let plan = core.schedule().unwrap();
+    assert_eq!(plan.num_tokens(), 14);
+    assert_eq!(plan.query_start_loc, vec![0, 5, 14]);
+    assert_eq!(plan.seq_lens, vec![5, 9]);
+    assert_eq!(plan.logits_indices, vec![4, 13]);
+    assert_eq!(plan.positions[5..], (0..9).collect::<Vec<i32>>()[..]);
+    let blocks_b = &plan.block_tables[plan.block_table_width..];
+    assert_eq!(plan.slot_mapping[5 + 8], blocks_b[2] * 4);
+    core.update(&[10, 20]).unwrap();
+    let plan = core.schedule().unwrap();
+    assert_eq!(plan.input_ids, vec![10, 20]);
+    assert_eq!(plan.positions, vec![5, 9]);
+    let update = core.update(&[11, 21]).unwrap();
+    assert_eq!(update.finished.len(), 1);
+    assert_eq!(update.finished[0].request_id, "b");
+    assert_eq!(update.finished[0].reason, FinishReason::Length);
+    let out = run(&mut core);
+    assert_eq!(out["a"].0, vec![10, 11, fake_model(&[prompt(1, 5), vec![10, 11]].concat()) as u32]);
+}
+
+#[test]
+fn long_prompt_is_chunked_and_decodes_keep_running() {
+    let mut core = EngineCore::new(config(64, 4, 8)).unwrap();
+    core.add_request("short", &prompt(1, 3), params(10)).unwrap();
+    let plan = core.schedule().unwrap();
+    assert_eq!(plan.num_tokens(), 3);
+    core.update(&sample(&core, &plan)).unwrap();
+    core.add_request("long", &prompt(2, 20), params(2)).unwrap();
+    let mut chunks = Vec::new();
+    for _ in 0..3 {
+        let plan = core.schedule().unwrap();
+        assert_eq!(plan.request_ids[0], "short", "the decode is never crowded out");
+        assert_eq!(plan.query_start_loc[1], 1);
+        chunks.push(plan.num_tokens() - 1);
+        let long_samples = plan.sample_request_rows.contains(&1);
+        assert_eq!(long_samples, chunks.iter().sum::<usize>() == 20);
+        core.update(&sample(&core, &plan)).unwrap();
+    }
+    assert_eq!(chunks, vec![7, 7, 6]);
+    run(&mut core);
+}
+
+#[test]
+fn long_prefill_threshold_caps_a_chunk() {
+    let mut cfg = config(64, 4, 64);
+    cfg.long_prefill_token_threshold = 5;
+    let mut core = EngineCore::new(cfg).unwrap();
+    core.add_request("long", &prompt(2, 12), params(1)).unwrap();
+    core.add_request("short", &prompt(3, 4), params(1)).unwrap();
+    let plan = core.schedule().unwrap();
+    assert_eq!(plan.query_start_loc, vec![0, 5, 9]);
+    core.update(&sample(&core, &plan)).unwrap();
+    run(&mut core);
+}
+
+#[test]
+fn preemption_recomputes_and_gives_the_same_outputs() {
+    let reqs: Vec<(String, Vec<u32>, usize)> =
+        (0..6).map(|i| (format!("r{i}"), prompt(i, 5 + 3 * i as usize), 12 + i as usize)).collect();
+    let mut roomy = EngineCore::new(config(256, 4, 32)).unwrap();
+    let mut tight = EngineCore::new(config(14, 4, 32)).unwrap();
+    for (id, p, n) in &reqs {
+        roomy.add_request(id, p, params(*n)).unwrap();
+        tight.add_request(id, p, params(*n)).unwrap();
+    }
+    let expected = run(&mut roomy);
+    let got = run(&mut tight);
+    assert!(tight.stats().num_preemptions > 0, "the tight pool must preempt");
+    assert_eq!(roomy.stats().num_preemptions, 0);
+    assert_eq!(got, expected);
+}
+
+#[test]
+fn the_latest_arrival_is_preempted_first_step_by_step() {
+    // 5 blocks of 2: a and b take 2 blocks each for their 3-token prompts.
+    let mut core = EngineCore::new(config(5, 2, 64)).unwrap();
+    core.add_request("a", &[1, 2, 3], params(3)).unwrap();
+    core.add_request("b", &[4, 5, 6], params(8)).unwrap();
+    let plan = core.schedule().unwrap();
+    assert_eq!(plan.request_ids, vec!["a", "b"]);
+    core.update(&[7, 8]).unwrap(); // 4 tokens each: 2 blocks each, 1 free
+    let plan = core.schedule().unwrap(); // decode slot 4: both fit in their blocks
+    assert_eq!(plan.request_ids, vec!["a", "b"]);
+    core.update(&[9, 10]).unwrap(); // 5 tokens each: decoding slot 5 needs a 3rd block each
+    let plan = core.schedule().unwrap();
+    assert_eq!(plan.request_ids, vec!["a"], "b was preempted to let a grow");
+    assert_eq!(core.stats().num_preemptions, 1);
+    assert_eq!(core.stats().num_waiting, 1);
+    core.update(&[11]).unwrap();
+    // b waits (with its generated tokens) until a finishes.
+    let (tokens, prompt_len) = core.request_tokens("b").unwrap();
+    assert_eq!((tokens, prompt_len), (&[4, 5, 6, 8, 10][..], 3));
+    for _ in 0..20 {
+        let plan = core.schedule().unwrap();
+        if plan.request_ids.contains(&"b".to_string()) {
+            let row = plan.request_ids.iter().position(|r| r == "b").unwrap();
+            let qs = &plan.query_start_loc;
+            let n = (qs[row + 1] - qs[row]) as usize;
+            assert!(n >= 1);
+            assert_eq!(plan.num_computed_tokens[row], 4, "b's committed prefix [4,5][6,8] hit");
+            break;
+        }
+        core.update(&vec![1; plan.logits_indices.len()]).unwrap();
+    }
+}
+
+#[test]
+fn higher_priority_waits_less_and_preempts_lower() {
+    let mut cfg = config(64, 4, 64);
+    cfg.max_num_seqs = 2;
+    let mut core = EngineCore::new(cfg).unwrap();
+    let batch = RequestParams { priority: 5, ..params(50) };
+    let interactive = RequestParams { priority: 0, ..params(2) };
+    core.add_request("batch1", &prompt(1, 4), batch.clone()).unwrap();
+    core.add_request("batch2", &prompt(2, 4), batch.clone()).unwrap();
+    let plan = core.schedule().unwrap();
+    core.update(&sample(&core, &plan)).unwrap();
+    core.add_request("batch3", &prompt(3, 4), batch).unwrap();
+    core.add_request("chat", &prompt(4, 4), interactive).unwrap();
+    let plan = core.schedule().unwrap();
+    assert!(plan.request_ids.contains(&"chat".to_string()));
+    assert!(!plan.request_ids.contains(&"batch3".to_string()));
+    assert!(!plan.request_ids.contains(&"batch2".to_string()), "batch2 made room");
+    assert_eq!(core.stats().num_preemptions, 1);
+    core.update(&sample(&core, &plan)).unwrap();
+    let out = run(&mut core);
+    assert_eq!(out.len(), 4);
+}
+
+#[test]
+fn fcfs_within_a_priority_class() {
+    let mut cfg = config(64, 4, 64);
+    cfg.max_num_seqs = 1;
+    let mut core = EngineCore::new(cfg).unwrap();
+    for id in ["x", "y", "z"] {
+        core.add_request(id, &prompt(1, 3), params(1)).unwrap();
+    }
+    let mut order = Vec::new();
+    while core.has_unfinished() {
+        let plan = core.schedule().unwrap();
+        order.extend(plan.request_ids.clone());
+        core.update(&sample(&core, &plan)).unwrap();
+    }
+    assert_eq!(order, vec!["x", "y", "z"]);
+}
+
+#[test]
+fn eos_stop_tokens_min_tokens_and_ignore_eos() {
+    let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
+    let eos = RequestParams {
+        max_tokens: 10,
+        eos_token_ids: vec![2, 3],
+        stop_token_ids: vec![9],
+        ..RequestParams::default()
+    };
+    core.add_request("eos", &[5, 6], eos.clone()).unwrap();
+    core.add_request("min", &[5, 6], RequestParams { min_tokens: 2, ..eos.clone() }).unwrap();
+    core.add_request("ign", &[5, 6], RequestParams { ignore_eos: true, ..eos.clone() }).unwrap();
+    core.add_request("stop", &[5, 6], eos).unwrap();
+    core.schedule().unwrap();
+    let u = core.update(&[3, 3, 3, 9]).unwrap();
+    let reasons: Vec<_> =
+        u.finished.iter().map(|f| (f.request_id.as_str(), f.reason, f.stop_reason.clone())).collect();
+    assert_eq!(
+        reasons,
+        vec![
+            ("eos", FinishReason::Stop, Some(StopReason::Token(3))),
+            ("stop", FinishReason::Stop, Some(StopReason::Token(9)))
+        ]
+    );
+    core.schedule().unwrap();
+    let u = core.update(&[2, 2]).unwrap();
+    assert_eq!(u.finished.len(), 1);
+    assert_eq!(u.finished[0].request_id, "min");
+    assert_eq!(u.finished[0].num_output_tokens, 2);
+    let out = run(&mut core);
+    assert_eq!(out["ign"].0.len(), 10);
+}
+
+#[test]
+fn max_model_len_ends_with_length() {
+    let mut cfg = config(64, 4, 64);
+    cfg.max_model_len = 6;
+    let mut core = EngineCore::new(cfg).unwrap();
+    core.add_request("a", &[1, 2, 3, 4], params(100)).unwrap();
+    let out = run(&mut core);
+    assert_eq!(out["a"], (out["a"].0.clone(), FinishReason::Length));
+    assert_eq!(out["a"].0.len(), 2);
+}
+
+#[test]
+fn requests_that_can_never_fit_are_refused() {
+    let mut cfg = config(4, 4, 64);
+    cfg.max_model_len = 100;
+    let mut core = EngineCore::new(cfg).unwrap();
+    let e = core.add_request("long", &prompt(1, 100), params(1)).unwrap_err();
+    assert!(matches!(&e, CoreError::RequestTooLarge(m) if m.contains("100 tokens")), "{e}");
+    let e = core.add_request("big", &prompt(1, 10), params(50)).unwrap_err();
+    assert!(matches!(&e, CoreError::RequestTooLarge(m) if m.contains("only 4")), "{e}");
+    assert!(matches!(core.add_request("e", &[], params(1)), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(core.add_request("z", &[1], params(0)), Err(CoreError::InvalidArgument(_))));
+    core.add_request("ok", &[1], params(1)).unwrap();
+    assert!(matches!(core.add_request("ok", &[1], params(1)), Err(CoreError::InvalidArgument(_))));
+    assert_eq!(core.num_requests(), 1);
+}
+
+#[test]
+fn abort_frees_blocks_and_drops_the_in_flight_token() {
+    let mut core = EngineCore::new(config(16, 4, 64)).unwrap();
+    core.add_request("a", &prompt(1, 9), params(5)).unwrap();
+    core.add_request("b", &prompt(2, 9), params(5)).unwrap();
+    core.add_request("w", &prompt(3, 9), params(5)).unwrap();
+    core.schedule().unwrap();
+    let f = core.abort("a").unwrap();
+    assert_eq!(f.reason, FinishReason::Abort);
+    core.abort("w").unwrap();
+    // A new request may take a's slot before the update: it must not get a's token.
+    core.add_request("c", &prompt(4, 3), params(5)).unwrap();
+    let u = core.update(&[7, 8, 9]).unwrap();
+    assert_eq!(u.rows, vec![1]);
+    assert_eq!(u.token_ids, vec![8]);
+    assert!(matches!(core.abort("a"), Err(CoreError::UnknownRequest(_))));
+    core.abort("b").unwrap();
+    core.abort("c").unwrap();
+    assert_empty(&core);
+}
+
+#[test]
+fn update_must_follow_schedule_and_match_it() {
+    let mut core = EngineCore::new(config(16, 4, 64)).unwrap();
+    assert!(matches!(core.update(&[]), Err(CoreError::State(_))));
+    core.add_request("a", &[1, 2], params(2)).unwrap();
+    core.schedule().unwrap();
+    assert!(matches!(core.schedule(), Err(CoreError::State(_))));
+    assert!(matches!(core.update(&[1, 2]), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(core.update(&[-1]), Err(CoreError::InvalidArgument(_))));
+    core.update(&[5]).unwrap();
+    run(&mut core);
+}
+
+#[test]
+fn prefix_hits_skip_cached_tokens() {
+    let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
+    let shared = prompt(9, 12);
+    core.add_request("first", &shared, params(1)).unwrap();
+    run(&mut core);
+    let mut longer = shared.clone();
+    longer.extend([1, 2, 3]);
+    core.add_request("second", &longer, params(1)).unwrap();
+    core.add_request("exact", &shared, params(1)).unwrap();
+    let plan = core.schedule().unwrap();
+    assert_eq!(plan.num_computed_tokens, vec![12, 8]);
+    assert_eq!(plan.query_start_loc, vec![0, 3, 7]);
+    assert_eq!(core.num_cached_tokens("second"), Some(12));
+    core.update(&sample(&core, &plan)).unwrap();
+    run(&mut core);
+    let s = core.pool_stats();
+    assert_eq!(s.prefix_cache_hits, 20);
+}
+
+#[test]
+fn many_requests_finish_with_the_right_lengths_under_pressure() {
+    let mut cfg = config(40, 4, 24);
+    cfg.max_num_seqs = 6;
+    let mut core = EngineCore::new(cfg).unwrap();
+    for i in 0..30u32 {
+        let n = 1 + (i as usize * 7) % 13;
+        core.add_request(&format!("r{i}"), &prompt(i % 4, 3 + (i as usize * 5) % 17), params(n))
+            .unwrap();
+    }
+    let out = run(&mut core);
+    for i in 0..30u32 {
+        assert_eq!(out[&format!("r{i}")].0.len(), 1 + (i as usize * 7) % 13);
+    }
+}
