@@ -113,7 +113,11 @@ impl BlockPool {
                 "block_size must be in [1, 65536], got {block_size}"
             )));
         }
-        let cache_tokens = if enable_prefix_caching { num_blocks * block_size } else { 0 };
+        let cache_tokens = if enable_prefix_caching {
+            num_blocks * block_size
+        } else {
+            0
+        };
         let inner = PoolInner {
             block_size,
             num_blocks,
@@ -131,7 +135,9 @@ impl BlockPool {
             prefix_cache_hits: 0,
             evictions: 0,
         };
-        Ok(BlockPool { inner: Arc::new(Mutex::new(inner)) })
+        Ok(BlockPool {
+            inner: Arc::new(Mutex::new(inner)),
+        })
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, PoolInner> {
@@ -155,7 +161,10 @@ impl BlockPool {
     }
 
     pub fn check_invariants(&self) -> Result<()> {
-        self.inner.lock().check_invariants().map_err(CoreError::State)
+        self.inner
+            .lock()
+            .check_invariants()
+            .map_err(CoreError::State)
     }
 
     /// A table for `tokens`: every cached full block of its longest cached prefix
@@ -181,7 +190,11 @@ impl BlockPool {
 
     /// The handle of a table opened under the lock.
     pub(crate) fn wrap(&self, id: u32) -> BlockTable {
-        BlockTable { id, pool: Arc::clone(&self.inner), live: true }
+        BlockTable {
+            id,
+            pool: Arc::clone(&self.inner),
+            live: true,
+        }
     }
 }
 
@@ -219,7 +232,10 @@ impl BlockTable {
 
     /// Frees the table under a lock the caller already holds.
     pub(crate) fn release_in(mut self, inner: &mut PoolInner) {
-        debug_assert!(std::ptr::eq(self.pool.data_ptr().cast_const(), inner as *const PoolInner));
+        debug_assert!(std::ptr::eq(
+            self.pool.data_ptr().cast_const(),
+            inner as *const PoolInner
+        ));
         inner.free_table(self.id);
         self.live = false;
     }
@@ -280,8 +296,12 @@ impl PoolInner {
         let mut parent: Option<BlockIdentity> = None;
         for chunk in state.tokens.chunks_exact(bs).take(max_blocks) {
             let hash = (self.hash_fn)(state.last_hash, chunk);
-            let Some(&block) = self.index.get(&hash) else { break };
-            let entry = self.cached[block as usize].as_ref().expect("indexed block is cached");
+            let Some(&block) = self.index.get(&hash) else {
+                break;
+            };
+            let entry = self.cached[block as usize]
+                .as_ref()
+                .expect("indexed block is cached");
             if entry.parent != parent || self.cached_tokens(block) != chunk {
                 break;
             }
@@ -301,7 +321,9 @@ impl PoolInner {
 
     /// Blocks needed so that table `id` can hold `num_slots` tokens.
     pub(crate) fn blocks_needed(&self, id: u32, num_slots: usize) -> usize {
-        num_slots.div_ceil(self.block_size).saturating_sub(self.table(id).blocks.len())
+        num_slots
+            .div_ceil(self.block_size)
+            .saturating_sub(self.table(id).blocks.len())
     }
 
     /// Grows table `id` to hold `num_slots` tokens; all or nothing.
@@ -341,7 +363,10 @@ impl PoolInner {
         }
         let bs = self.block_size;
         let mut state = self.tables[id as usize].take().expect("live table");
-        let full = num_computed.min(state.tokens.len()).min(state.blocks.len() * bs) / bs;
+        let full = num_computed
+            .min(state.tokens.len())
+            .min(state.blocks.len() * bs)
+            / bs;
         for i in state.hashed_blocks..full {
             let chunk = &state.tokens[i * bs..(i + 1) * bs];
             let hash = (self.hash_fn)(state.last_hash, chunk);
@@ -352,8 +377,11 @@ impl PoolInner {
                     (p, self.generation[p as usize])
                 });
                 self.index.insert(hash, block);
-                self.cached[block as usize] =
-                    Some(CachedBlock { hash, parent_hash: state.last_hash, parent });
+                self.cached[block as usize] = Some(CachedBlock {
+                    hash,
+                    parent_hash: state.last_hash,
+                    parent,
+                });
                 let start = block as usize * bs;
                 self.block_tokens[start..start + bs].copy_from_slice(chunk);
             }
@@ -409,25 +437,28 @@ impl PoolInner {
                     && in_range
                     && self.cached_tokens(block) != &state.tokens[i * bs..(i + 1) * bs]
                 {
-                    return Err(format!("cached block {block} holds other tokens than its table"));
+                    return Err(format!(
+                        "cached block {block} holds other tokens than its table"
+                    ));
                 }
             }
         }
         let mut in_use = 0;
-        for block in 0..self.num_blocks {
-            let rc = self.ref_count[block];
-            if rc != holders[block] {
+        for (block, (&rc, &held)) in self.ref_count.iter().zip(&holders).enumerate() {
+            if rc != held {
                 return Err(format!(
-                    "block {block}: ref count {rc} but {} live tables hold it",
-                    holders[block]
+                    "block {block}: ref count {rc} but {held} live tables hold it"
                 ));
             }
             if (rc == 0) != self.free.contains(block as u32) {
-                return Err(format!("block {block}: ref count {rc} disagrees with the free list"));
+                return Err(format!(
+                    "block {block}: ref count {rc} disagrees with the free list"
+                ));
             }
             in_use += usize::from(rc > 0);
         }
-        if self.free.len() + in_use != self.num_blocks || self.free.iter().count() != self.free.len()
+        if self.free.len() + in_use != self.num_blocks
+            || self.free.iter().count() != self.free.len()
         {
             return Err(format!(
                 "free {} + in use {in_use} != total {}",
@@ -442,12 +473,17 @@ impl PoolInner {
             if entry.hash != hash
                 || (self.hash_fn)(entry.parent_hash, self.cached_tokens(block)) != hash
             {
-                return Err(format!("block {block} does not hold the tokens its hash names"));
+                return Err(format!(
+                    "block {block} does not hold the tokens its hash names"
+                ));
             }
         }
         let cached = self.cached.iter().filter(|c| c.is_some()).count();
         if cached != self.index.len() {
-            return Err(format!("{cached} cached blocks but {} index entries", self.index.len()));
+            return Err(format!(
+                "{cached} cached blocks but {} index entries",
+                self.index.len()
+            ));
         }
         let live = self.tables.iter().filter(|t| t.is_some()).count();
         if live + self.free_table_ids.len() != self.tables.len() {
@@ -546,7 +582,11 @@ mod tests {
         let d = pool.allocate(&seq(50, 2)).unwrap();
         assert_eq!(pool.stats().evictions, 1);
         let b_again = pool.allocate(&seq(10, 3)).unwrap();
-        assert_eq!(b_again.num_cached_tokens(), 2, "b's head survived, its tail went first");
+        assert_eq!(
+            b_again.num_cached_tokens(),
+            2,
+            "b's head survived, its tail went first"
+        );
         drop((d, b_again));
         pool.check_invariants().unwrap();
     }
@@ -621,7 +661,11 @@ mod tests {
         }
         assert_eq!(a.block_ids().len(), 3);
         let b = pool.allocate(&[1, 2, 3, 4, 5, 6, 7]).unwrap();
-        assert_eq!(b.num_cached_tokens(), 4, "blocks [1,2] and [3,4] were committed");
+        assert_eq!(
+            b.num_cached_tokens(),
+            4,
+            "blocks [1,2] and [3,4] were committed"
+        );
         pool.check_invariants().unwrap();
     }
 }

@@ -170,7 +170,9 @@ impl PyBlockPool {
     #[new]
     #[pyo3(signature = (num_blocks, block_size, enable_prefix_caching = true))]
     fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> PyResult<Self> {
-        Ok(PyBlockPool { pool: BlockPool::new(num_blocks, block_size, enable_prefix_caching)? })
+        Ok(PyBlockPool {
+            pool: BlockPool::new(num_blocks, block_size, enable_prefix_caching)?,
+        })
     }
 
     /// Blocks for `token_ids`, reusing the longest cached prefix of full blocks.
@@ -178,7 +180,9 @@ impl PyBlockPool {
         let tokens = u32_tokens(token_ids, "token_ids")?;
         let pool = &self.pool;
         let table = py.detach(|| pool.allocate(&tokens))?;
-        Ok(PyBlockTable { table: parking_lot::Mutex::new(Some(table)) })
+        Ok(PyBlockTable {
+            table: parking_lot::Mutex::new(Some(table)),
+        })
     }
 
     #[getter]
@@ -357,7 +361,10 @@ impl PyStepPlan {
     }
 
     fn __repr__(&self) -> String {
-        format!("StepPlan(num_requests={}, num_tokens={})", self.num_requests, self.num_tokens)
+        format!(
+            "StepPlan(num_requests={}, num_tokens={})",
+            self.num_requests, self.num_tokens
+        )
     }
 }
 
@@ -456,7 +463,9 @@ impl PyEngineCore {
             enable_prefix_caching,
             long_prefill_token_threshold,
         };
-        Ok(PyEngineCore { core: EngineCore::new(config)? })
+        Ok(PyEngineCore {
+            core: EngineCore::new(config)?,
+        })
     }
 
     /// Queues a request and returns its slot; refuses one that can never fit.
@@ -478,7 +487,9 @@ impl PyEngineCore {
     ) -> PyResult<u32> {
         let count = |name: &str, v: i64| {
             usize::try_from(v).map_err(|_| {
-                PyErr::from(CoreError::InvalidArgument(format!("{name} must be >= 0, got {v}")))
+                PyErr::from(CoreError::InvalidArgument(format!(
+                    "{name} must be >= 0, got {v}"
+                )))
             })
         };
         let ids = |obj: Option<&Bound<'_, PyAny>>, what| match obj {
@@ -534,7 +545,9 @@ impl PyEngineCore {
 
     #[getter]
     fn block_pool(&self) -> PyBlockPool {
-        PyBlockPool { pool: self.core.pool().clone() }
+        PyBlockPool {
+            pool: self.core.pool().clone(),
+        }
     }
 
     /// Prompt followed by generated tokens of a live request.

@@ -107,7 +107,10 @@ impl Request {
     }
 
     /// Checks the stop conditions after `token` was appended.
-    pub(crate) fn check_stop(&self, max_model_len: usize) -> Option<(FinishReason, Option<StopReason>)> {
+    pub(crate) fn check_stop(
+        &self,
+        max_model_len: usize,
+    ) -> Option<(FinishReason, Option<StopReason>)> {
         let token = *self.tokens.last().expect("a generated token");
         let produced = self.num_output_tokens();
         if produced >= self.params.min_tokens {

@@ -38,7 +38,9 @@ impl SchedulerConfig {
         ];
         for (name, value) in positive {
             if value == 0 {
-                return Err(CoreError::InvalidArgument(format!("{name} must be at least 1")));
+                return Err(CoreError::InvalidArgument(format!(
+                    "{name} must be at least 1"
+                )));
             }
         }
         if self.max_model_len < 2 {
@@ -115,8 +117,11 @@ pub struct EngineCore {
 impl EngineCore {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
-        let pool =
-            BlockPool::new(config.num_blocks, config.block_size, config.enable_prefix_caching)?;
+        let pool = BlockPool::new(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+        )?;
         Ok(EngineCore {
             config,
             pool,
@@ -183,7 +188,9 @@ impl EngineCore {
     pub fn add_request(&mut self, id: &str, prompt: &[u32], params: RequestParams) -> Result<u32> {
         params.validate()?;
         if self.slot_of.contains_key(id) {
-            return Err(CoreError::InvalidArgument(format!("request id {id:?} is already in use")));
+            return Err(CoreError::InvalidArgument(format!(
+                "request id {id:?} is already in use"
+            )));
         }
         if prompt.is_empty() {
             return Err(CoreError::InvalidArgument("the prompt is empty".into()));
@@ -233,7 +240,10 @@ impl EngineCore {
     /// Ends a request now and frees its blocks. A token sampled for it in the
     /// step in flight is dropped.
     pub fn abort(&mut self, id: &str) -> Result<FinishedRequest> {
-        let slot = *self.slot_of.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
+        let slot = *self
+            .slot_of
+            .get(id)
+            .ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
         let r = self.req(slot);
         match r.status {
             Status::Waiting => {
@@ -268,7 +278,9 @@ impl EngineCore {
 
     /// Number of prefix-cache hits of a request's first admission (None before it).
     pub fn num_cached_tokens(&self, id: &str) -> Option<usize> {
-        self.slot_of.get(id).and_then(|&s| self.req(s).num_cached_tokens)
+        self.slot_of
+            .get(id)
+            .and_then(|&s| self.req(s).num_cached_tokens)
     }
 
     pub fn schedule(&mut self) -> Result<StepPlan> {
@@ -312,7 +324,11 @@ impl EngineCore {
         budget: &mut usize,
     ) -> bool {
         let mut preempted = false;
-        let mut decodes_left = self.running.iter().filter(|&&s| self.remaining(s) == 1).count();
+        let mut decodes_left = self
+            .running
+            .iter()
+            .filter(|&&s| self.remaining(s) == 1)
+            .count();
         let mut i = 0;
         'requests: while i < self.running.len() {
             let slot = self.running[i];
@@ -324,7 +340,9 @@ impl EngineCore {
             let n = if decoding {
                 remaining.min(*budget)
             } else {
-                remaining.min(budget.saturating_sub(decodes_left)).min(self.chunk_cap())
+                remaining
+                    .min(budget.saturating_sub(decodes_left))
+                    .min(self.chunk_cap())
             };
             if n == 0 {
                 i += 1;
@@ -332,7 +350,10 @@ impl EngineCore {
             }
             let (table_id, start) = {
                 let r = self.req(slot);
-                (r.table.as_ref().expect("running request has blocks").id(), r.num_computed)
+                (
+                    r.table.as_ref().expect("running request has blocks").id(),
+                    r.num_computed,
+                )
             };
             while pool.reserve(table_id, start + n).is_err() {
                 let victim = *self.running.last().expect("running is not empty");
@@ -369,7 +390,9 @@ impl EngineCore {
         budget: &mut usize,
     ) {
         while *budget > 0 {
-            let Some(&(priority, arrival, slot)) = self.waiting.first() else { break };
+            let Some(&(priority, arrival, slot)) = self.waiting.first() else {
+                break;
+            };
             if self.running.len() >= self.config.max_num_seqs
                 && !self.preempt_lower_priority(pool, entries, budget, priority)
             {
@@ -396,7 +419,9 @@ impl EngineCore {
             self.waiting.remove(&(priority, arrival, slot));
             self.req_mut(slot).status = Status::Running;
             let key = self.req(slot).order_key();
-            let at = self.running.partition_point(|&s| self.req(s).order_key() < key);
+            let at = self
+                .running
+                .partition_point(|&s| self.req(s).order_key() < key);
             self.running.insert(at, slot);
             entries.push(self.scheduled(slot, n));
             *budget -= n;
@@ -425,7 +450,9 @@ impl EngineCore {
         budget: &mut usize,
         priority: i32,
     ) -> bool {
-        let Some(&victim) = self.running.last() else { return false };
+        let Some(&victim) = self.running.last() else {
+            return false;
+        };
         if self.req(victim).params.priority <= priority {
             return false;
         }
@@ -440,7 +467,10 @@ impl EngineCore {
         self.running.retain(|&s| s != slot);
         self.num_preemptions += 1;
         let r = self.req_mut(slot);
-        r.table.take().expect("running request has blocks").release_in(pool);
+        r.table
+            .take()
+            .expect("running request has blocks")
+            .release_in(pool);
         r.num_computed = 0;
         r.num_preemptions += 1;
         r.status = Status::Waiting;
@@ -476,16 +506,20 @@ impl EngineCore {
             let r = self.req(e.slot);
             let blocks = &pool.table(r.table.as_ref().expect("scheduled").id()).blocks;
             let (start, end) = (r.num_computed, r.num_computed + e.num_new);
-            plan.input_ids.extend(r.tokens[start..end].iter().map(|&t| t as i32));
+            plan.input_ids
+                .extend(r.tokens[start..end].iter().map(|&t| t as i32));
             for pos in start..end {
                 plan.positions.push(pos as i32);
-                plan.slot_mapping.push((blocks[pos / bs] as usize * bs + pos % bs) as i32);
+                plan.slot_mapping
+                    .push((blocks[pos / bs] as usize * bs + pos % bs) as i32);
             }
             plan.query_start_loc.push(plan.input_ids.len() as i32);
             plan.num_computed_tokens.push(start as i32);
             plan.seq_lens.push(end as i32);
             let used = end.div_ceil(bs);
-            for (dst, &b) in plan.block_tables[row * width..row * width + used].iter_mut().zip(blocks)
+            for (dst, &b) in plan.block_tables[row * width..row * width + used]
+                .iter_mut()
+                .zip(blocks)
             {
                 *dst = b as i32;
             }
@@ -503,7 +537,9 @@ impl EngineCore {
     /// row of the last plan. Appends tokens, checks stops, frees finished requests.
     pub fn update(&mut self, sampled: &[i64]) -> Result<StepUpdate> {
         let Some(entries) = self.in_flight.take() else {
-            return Err(CoreError::State("update() was called without a scheduled step".into()));
+            return Err(CoreError::State(
+                "update() was called without a scheduled step".into(),
+            ));
         };
         let expected = entries.iter().filter(|e| e.samples).count();
         let bad = sampled.iter().find(|&&t| t < 0 || t > u32::MAX as i64);
@@ -521,8 +557,13 @@ impl EngineCore {
         let pool = self.pool.clone();
         let mut guard = pool.lock();
         for (row, e) in entries.iter().enumerate() {
-            let token = if e.samples { next_sample.next().map(|&t| t as u32) } else { None };
-            let alive = matches!(&self.requests[e.slot as usize], Some(r) if r.arrival == e.arrival);
+            let token = if e.samples {
+                next_sample.next().map(|&t| t as u32)
+            } else {
+                None
+            };
+            let alive =
+                matches!(&self.requests[e.slot as usize], Some(r) if r.arrival == e.arrival);
             if !alive {
                 continue;
             }
@@ -545,7 +586,10 @@ impl EngineCore {
         for (slot, (reason, stop_reason)) in finished_slots {
             self.running.retain(|&s| s != slot);
             let r = self.req_mut(slot);
-            r.table.take().expect("running request has blocks").release_in(&mut guard);
+            r.table
+                .take()
+                .expect("running request has blocks")
+                .release_in(&mut guard);
             out.finished.push(self.retire(slot, reason, stop_reason));
         }
         drop(guard);
@@ -585,7 +629,9 @@ impl EngineCore {
             if r.status != Status::Running || r.num_computed > r.tokens.len() {
                 return fail(format!("running request {:?} is inconsistent", r.id));
             }
-            let Some(table) = &r.table else { return fail(format!("{:?} holds no blocks", r.id)) };
+            let Some(table) = &r.table else {
+                return fail(format!("{:?} holds no blocks", r.id));
+            };
             if pool.table(table.id()).tokens != r.tokens {
                 return fail(format!("{:?}: its table holds other tokens", r.id));
             }

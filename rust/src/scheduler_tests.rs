@@ -14,7 +14,11 @@ fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfi
 }
 
 fn params(max_tokens: usize) -> RequestParams {
-    RequestParams { max_tokens, ignore_eos: true, ..RequestParams::default() }
+    RequestParams {
+        max_tokens,
+        ignore_eos: true,
+        ..RequestParams::default()
+    }
 }
 
 /// A deterministic stand-in for a model: the next token is a function of the
@@ -55,11 +59,17 @@ fn run(core: &mut EngineCore) -> HashMap<String, (Vec<u32>, FinishReason)> {
         let tokens = sample(core, &plan);
         let update = core.update(&tokens).unwrap();
         for (&row, &tok) in update.rows.iter().zip(&update.token_ids) {
-            outputs.entry(plan.request_ids[row as usize].clone()).or_default().push(tok);
+            outputs
+                .entry(plan.request_ids[row as usize].clone())
+                .or_default()
+                .push(tok);
         }
         for f in update.finished {
             assert_eq!(f.num_output_tokens, outputs[&f.request_id].len());
-            done.insert(f.request_id.clone(), (outputs.remove(&f.request_id).unwrap(), f.reason));
+            done.insert(
+                f.request_id.clone(),
+                (outputs.remove(&f.request_id).unwrap(), f.reason),
+            );
         }
     }
     assert!(!core.has_unfinished(), "requests never finished");
@@ -72,11 +82,16 @@ fn assert_empty(core: &EngineCore) {
     let s = core.stats();
     assert_eq!((s.num_running, s.num_waiting), (0, 0));
     let p = core.pool_stats();
-    assert_eq!(p.num_free_blocks, p.num_blocks, "every block is free or evictable");
+    assert_eq!(
+        p.num_free_blocks, p.num_blocks,
+        "every block is free or evictable"
+    );
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
-    (0..len as u32).map(|i| (seed * 7919 + i * 31) % 500 + 1).collect()
+    (0..len as u32)
+        .map(|i| (seed * 7919 + i * 31) % 500 + 1)
+        .collect()
 }
 
 #[test]
@@ -101,13 +116,21 @@ fn prefill_then_decode_until_max_tokens() {
     assert_eq!(update.finished[0].request_id, "b");
     assert_eq!(update.finished[0].reason, FinishReason::Length);
     let out = run(&mut core);
-    assert_eq!(out["a"].0, vec![10, 11, fake_model(&[prompt(1, 5), vec![10, 11]].concat()) as u32]);
+    assert_eq!(
+        out["a"].0,
+        vec![
+            10,
+            11,
+            fake_model(&[prompt(1, 5), vec![10, 11]].concat()) as u32
+        ]
+    );
 }
 
 #[test]
 fn long_prompt_is_chunked_and_decodes_keep_running() {
     let mut core = EngineCore::new(config(64, 4, 8)).unwrap();
-    core.add_request("short", &prompt(1, 3), params(10)).unwrap();
+    core.add_request("short", &prompt(1, 3), params(10))
+        .unwrap();
     let plan = core.schedule().unwrap();
     assert_eq!(plan.num_tokens(), 3);
     core.update(&sample(&core, &plan)).unwrap();
@@ -115,7 +138,10 @@ fn long_prompt_is_chunked_and_decodes_keep_running() {
     let mut chunks = Vec::new();
     for _ in 0..3 {
         let plan = core.schedule().unwrap();
-        assert_eq!(plan.request_ids[0], "short", "the decode is never crowded out");
+        assert_eq!(
+            plan.request_ids[0], "short",
+            "the decode is never crowded out"
+        );
         assert_eq!(plan.query_start_loc[1], 1);
         chunks.push(plan.num_tokens() - 1);
         let long_samples = plan.sample_request_rows.contains(&1);
@@ -141,8 +167,15 @@ fn long_prefill_threshold_caps_a_chunk() {
 
 #[test]
 fn preemption_recomputes_and_gives_the_same_outputs() {
-    let reqs: Vec<(String, Vec<u32>, usize)> =
-        (0..6).map(|i| (format!("r{i}"), prompt(i, 5 + 3 * i as usize), 12 + i as usize)).collect();
+    let reqs: Vec<(String, Vec<u32>, usize)> = (0..6)
+        .map(|i| {
+            (
+                format!("r{i}"),
+                prompt(i, 5 + 3 * i as usize),
+                12 + i as usize,
+            )
+        })
+        .collect();
     let mut roomy = EngineCore::new(config(256, 4, 32)).unwrap();
     let mut tight = EngineCore::new(config(14, 4, 32)).unwrap();
     for (id, p, n) in &reqs {
@@ -151,7 +184,10 @@ fn preemption_recomputes_and_gives_the_same_outputs() {
     }
     let expected = run(&mut roomy);
     let got = run(&mut tight);
-    assert!(tight.stats().num_preemptions > 0, "the tight pool must preempt");
+    assert!(
+        tight.stats().num_preemptions > 0,
+        "the tight pool must preempt"
+    );
     assert_eq!(roomy.stats().num_preemptions, 0);
     assert_eq!(got, expected);
 }
@@ -183,7 +219,10 @@ fn the_latest_arrival_is_preempted_first_step_by_step() {
             let qs = &plan.query_start_loc;
             let n = (qs[row + 1] - qs[row]) as usize;
             assert!(n >= 1);
-            assert_eq!(plan.num_computed_tokens[row], 4, "b's committed prefix [4,5][6,8] hit");
+            assert_eq!(
+                plan.num_computed_tokens[row], 4,
+                "b's committed prefix [4,5][6,8] hit"
+            );
             break;
         }
         core.update(&vec![1; plan.logits_indices.len()]).unwrap();
@@ -195,18 +234,30 @@ fn higher_priority_waits_less_and_preempts_lower() {
     let mut cfg = config(64, 4, 64);
     cfg.max_num_seqs = 2;
     let mut core = EngineCore::new(cfg).unwrap();
-    let batch = RequestParams { priority: 5, ..params(50) };
-    let interactive = RequestParams { priority: 0, ..params(2) };
-    core.add_request("batch1", &prompt(1, 4), batch.clone()).unwrap();
-    core.add_request("batch2", &prompt(2, 4), batch.clone()).unwrap();
+    let batch = RequestParams {
+        priority: 5,
+        ..params(50)
+    };
+    let interactive = RequestParams {
+        priority: 0,
+        ..params(2)
+    };
+    core.add_request("batch1", &prompt(1, 4), batch.clone())
+        .unwrap();
+    core.add_request("batch2", &prompt(2, 4), batch.clone())
+        .unwrap();
     let plan = core.schedule().unwrap();
     core.update(&sample(&core, &plan)).unwrap();
     core.add_request("batch3", &prompt(3, 4), batch).unwrap();
-    core.add_request("chat", &prompt(4, 4), interactive).unwrap();
+    core.add_request("chat", &prompt(4, 4), interactive)
+        .unwrap();
     let plan = core.schedule().unwrap();
     assert!(plan.request_ids.contains(&"chat".to_string()));
     assert!(!plan.request_ids.contains(&"batch3".to_string()));
-    assert!(!plan.request_ids.contains(&"batch2".to_string()), "batch2 made room");
+    assert!(
+        !plan.request_ids.contains(&"batch2".to_string()),
+        "batch2 made room"
+    );
     assert_eq!(core.stats().num_preemptions, 1);
     core.update(&sample(&core, &plan)).unwrap();
     let out = run(&mut core);
@@ -240,13 +291,32 @@ fn eos_stop_tokens_min_tokens_and_ignore_eos() {
         ..RequestParams::default()
     };
     core.add_request("eos", &[5, 6], eos.clone()).unwrap();
-    core.add_request("min", &[5, 6], RequestParams { min_tokens: 2, ..eos.clone() }).unwrap();
-    core.add_request("ign", &[5, 6], RequestParams { ignore_eos: true, ..eos.clone() }).unwrap();
+    core.add_request(
+        "min",
+        &[5, 6],
+        RequestParams {
+            min_tokens: 2,
+            ..eos.clone()
+        },
+    )
+    .unwrap();
+    core.add_request(
+        "ign",
+        &[5, 6],
+        RequestParams {
+            ignore_eos: true,
+            ..eos.clone()
+        },
+    )
+    .unwrap();
     core.add_request("stop", &[5, 6], eos).unwrap();
     core.schedule().unwrap();
     let u = core.update(&[3, 3, 3, 9]).unwrap();
-    let reasons: Vec<_> =
-        u.finished.iter().map(|f| (f.request_id.as_str(), f.reason, f.stop_reason.clone())).collect();
+    let reasons: Vec<_> = u
+        .finished
+        .iter()
+        .map(|f| (f.request_id.as_str(), f.reason, f.stop_reason.clone()))
+        .collect();
     assert_eq!(
         reasons,
         vec![
@@ -279,14 +349,33 @@ fn requests_that_can_never_fit_are_refused() {
     let mut cfg = config(4, 4, 64);
     cfg.max_model_len = 100;
     let mut core = EngineCore::new(cfg).unwrap();
-    let e = core.add_request("long", &prompt(1, 100), params(1)).unwrap_err();
-    assert!(matches!(&e, CoreError::RequestTooLarge(m) if m.contains("100 tokens")), "{e}");
-    let e = core.add_request("big", &prompt(1, 10), params(50)).unwrap_err();
-    assert!(matches!(&e, CoreError::RequestTooLarge(m) if m.contains("only 4")), "{e}");
-    assert!(matches!(core.add_request("e", &[], params(1)), Err(CoreError::InvalidArgument(_))));
-    assert!(matches!(core.add_request("z", &[1], params(0)), Err(CoreError::InvalidArgument(_))));
+    let e = core
+        .add_request("long", &prompt(1, 100), params(1))
+        .unwrap_err();
+    assert!(
+        matches!(&e, CoreError::RequestTooLarge(m) if m.contains("100 tokens")),
+        "{e}"
+    );
+    let e = core
+        .add_request("big", &prompt(1, 10), params(50))
+        .unwrap_err();
+    assert!(
+        matches!(&e, CoreError::RequestTooLarge(m) if m.contains("only 4")),
+        "{e}"
+    );
+    assert!(matches!(
+        core.add_request("e", &[], params(1)),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        core.add_request("z", &[1], params(0)),
+        Err(CoreError::InvalidArgument(_))
+    ));
     core.add_request("ok", &[1], params(1)).unwrap();
-    assert!(matches!(core.add_request("ok", &[1], params(1)), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(
+        core.add_request("ok", &[1], params(1)),
+        Err(CoreError::InvalidArgument(_))
+    ));
     assert_eq!(core.num_requests(), 1);
 }
 
@@ -318,8 +407,14 @@ fn update_must_follow_schedule_and_match_it() {
     core.add_request("a", &[1, 2], params(2)).unwrap();
     core.schedule().unwrap();
     assert!(matches!(core.schedule(), Err(CoreError::State(_))));
-    assert!(matches!(core.update(&[1, 2]), Err(CoreError::InvalidArgument(_))));
-    assert!(matches!(core.update(&[-1]), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(
+        core.update(&[1, 2]),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        core.update(&[-1]),
+        Err(CoreError::InvalidArgument(_))
+    ));
     core.update(&[5]).unwrap();
     run(&mut core);
 }
@@ -351,8 +446,12 @@ fn many_requests_finish_with_the_right_lengths_under_pressure() {
     let mut core = EngineCore::new(cfg).unwrap();
     for i in 0..30u32 {
         let n = 1 + (i as usize * 7) % 13;
-        core.add_request(&format!("r{i}"), &prompt(i % 4, 3 + (i as usize * 5) % 17), params(n))
-            .unwrap();
+        core.add_request(
+            &format!("r{i}"),
+            &prompt(i % 4, 3 + (i as usize * 5) % 17),
+            params(n),
+        )
+        .unwrap();
     }
     let out = run(&mut core);
     for i in 0..30u32 {

@@ -1,0 +1,193 @@
+"""Random interleavings of add / schedule / update / abort under tiny pools.
+
+After every step the core's invariants hold; when everything has finished or been
+aborted the scheduler is empty and every block is free or evictable; every request
+either finishes with the right number of tokens for its reason or was aborted.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+import aieng
+from aieng.core import EngineCore
+
+EOS = 1
+STOP = 2
+VOCAB = 6  # tiny, so EOS/stop tokens and shared prefixes are frequent
+
+
+@dataclass
+class Tracked:
+    prompt: list[int]
+    max_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    output: list[int] = field(default_factory=list)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(2, 24),
+        block_size=st.sampled_from([1, 2, 3, 4, 8]),
+        max_num_seqs=st.integers(1, 5),
+        extra_budget=st.integers(0, 12),
+        max_model_len=st.integers(2, 40),
+        prefix_caching=st.booleans(),
+        threshold=st.sampled_from([0, 1, 3]),
+    )
+    def setup(
+        self,
+        num_blocks,
+        block_size,
+        max_num_seqs,
+        extra_budget,
+        max_model_len,
+        prefix_caching,
+        threshold,
+    ):
+        self.core = EngineCore(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_seqs + extra_budget,
+            max_model_len=max_model_len,
+            enable_prefix_caching=prefix_caching,
+            long_prefill_token_threshold=threshold,
+        )
+        self.num_blocks, self.block_size, self.max_model_len = (
+            num_blocks,
+            block_size,
+            max_model_len,
+        )
+        self.live: dict[str, Tracked] = {}
+        self.next_id = 0
+
+    @rule(
+        prompt=st.lists(st.integers(3, VOCAB), min_size=0, max_size=30),
+        shared=st.booleans(),
+        max_tokens=st.integers(1, 12),
+        min_tokens=st.integers(0, 4),
+        ignore_eos=st.booleans(),
+        priority=st.integers(0, 2),
+    )
+    def add(self, prompt, shared, max_tokens, min_tokens, ignore_eos, priority):
+        if shared:
+            prompt = [3, 4, 5, 6, 3, 4, 5, 6][: len(prompt)] + prompt
+        min_tokens = min(min_tokens, max_tokens)
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        slots = min(len(prompt) + max_tokens, self.max_model_len) - 1
+        fits = 0 < len(prompt) < self.max_model_len and -(-slots // self.block_size) <= (
+            self.num_blocks
+        )
+        try:
+            self.core.add_request(
+                rid,
+                prompt,
+                max_tokens=max_tokens,
+                min_tokens=min_tokens,
+                ignore_eos=ignore_eos,
+                eos_token_ids=[EOS],
+                stop_token_ids=[STOP],
+                priority=priority,
+            )
+        except aieng.InvalidArgumentError:
+            assert not fits
+            return
+        assert fits
+        self.live[rid] = Tracked(prompt, max_tokens, min_tokens, ignore_eos)
+
+    @precondition(lambda self: self.live)
+    @rule(
+        data=st.data(),
+        abort_in_flight=st.booleans(),
+    )
+    def step(self, data, abort_in_flight):
+        plan = self.core.schedule()
+        assert plan.num_tokens <= self.core.stats()["num_running"] + 1000
+        sampled = data.draw(
+            st.lists(
+                st.integers(1, VOCAB),
+                min_size=len(plan.logits_indices),
+                max_size=len(plan.logits_indices),
+            )
+        )
+        rows = plan.sample_request_rows
+        if abort_in_flight and len(plan.request_ids):
+            victim = plan.request_ids[0]
+            self.core.abort(victim)
+            self.live.pop(victim)
+        out = self.core.update(np.array(sampled, dtype=np.int64))
+        sampled_by_row = dict(zip(rows.tolist(), sampled, strict=True))
+        for row, tok in zip(out.rows.tolist(), out.token_ids.tolist(), strict=True):
+            assert sampled_by_row[row] == tok
+            self.live[plan.request_ids[row]].output.append(tok)
+        for done in out.finished:
+            self.check_finished(self.live.pop(done.request_id), done)
+
+    def check_finished(self, req: Tracked, done):
+        n = len(req.output)
+        assert done.num_output_tokens == n
+        if done.finish_reason == "length":
+            assert n == req.max_tokens or len(req.prompt) + n == self.max_model_len
+        else:
+            assert done.finish_reason == "stop"
+            last = req.output[-1]
+            assert done.stop_reason == last
+            assert last == STOP or (last == EOS and not req.ignore_eos)
+            assert n >= req.min_tokens
+        # No earlier token should have stopped it.
+        for i, tok in enumerate(req.output[:-1]):
+            stoppable = tok == STOP or (tok == EOS and not req.ignore_eos)
+            assert not (stoppable and i + 1 >= req.min_tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        done = self.core.abort(rid)
+        assert done.finish_reason == "abort"
+        self.live.pop(rid)
+
+    @invariant()
+    def invariants_hold(self):
+        if hasattr(self, "core"):
+            self.core.check_invariants()
+            assert self.core.num_running + self.core.num_waiting == len(self.live)
+
+    def teardown(self):
+        if not hasattr(self, "core"):
+            return
+        for _ in range(2000):
+            if not self.core.has_unfinished():
+                break
+            plan = self.core.schedule()
+            out = self.core.update(np.full(len(plan.logits_indices), 3, dtype=np.int64))
+            for row, tok in zip(out.rows.tolist(), out.token_ids.tolist(), strict=True):
+                self.live[plan.request_ids[row]].output.append(tok)
+            for done in out.finished:
+                self.check_finished(self.live.pop(done.request_id), done)
+        assert not self.core.has_unfinished(), "a request never finished"
+        assert not self.live
+        self.core.check_invariants()
+        pool = self.core.stats()["pool"]
+        assert pool["num_free_blocks"] == pool["num_blocks"]
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestScheduler = SchedulerMachine.TestCase
