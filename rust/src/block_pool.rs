@@ -174,7 +174,10 @@ impl BlockPool {
         let table = self.open(tokens);
         let mut inner = self.inner.lock();
         match inner.reserve(table.id, tokens.len()) {
-            Ok(()) => Ok(table),
+            Ok(()) => {
+                inner.debug_check();
+                Ok(table)
+            }
             Err(e) => {
                 table.release_in(&mut inner);
                 Err(e)
@@ -244,7 +247,9 @@ impl BlockTable {
 impl Drop for BlockTable {
     fn drop(&mut self) {
         if self.live {
-            self.pool.lock().free_table(self.id);
+            let mut inner = self.pool.lock();
+            inner.free_table(self.id);
+            inner.debug_check();
         }
     }
 }
@@ -420,6 +425,14 @@ impl PoolInner {
             prefix_cache_queries: self.prefix_cache_queries,
             prefix_cache_hits: self.prefix_cache_hits,
             evictions: self.evictions,
+        }
+    }
+
+    /// In debug builds, panics if an invariant is broken.
+    pub(crate) fn debug_check(&self) {
+        #[cfg(debug_assertions)]
+        if let Err(e) = self.check_invariants() {
+            panic!("block pool invariant violated: {e}");
         }
     }
 

@@ -212,9 +212,11 @@ fn the_latest_arrival_is_preempted_first_step_by_step() {
     // b waits (with its generated tokens) until a finishes.
     let (tokens, prompt_len) = core.request_tokens("b").unwrap();
     assert_eq!((tokens, prompt_len), (&[4, 5, 6, 8, 10][..], 3));
+    let mut resumed = false;
     for _ in 0..20 {
         let plan = core.schedule().unwrap();
         if plan.request_ids.contains(&"b".to_string()) {
+            resumed = true;
             let row = plan.request_ids.iter().position(|r| r == "b").unwrap();
             let qs = &plan.query_start_loc;
             let n = (qs[row + 1] - qs[row]) as usize;
@@ -227,6 +229,7 @@ fn the_latest_arrival_is_preempted_first_step_by_step() {
         }
         core.update(&vec![1; plan.logits_indices.len()]).unwrap();
     }
+    assert!(resumed, "b was never resumed");
 }
 
 #[test]

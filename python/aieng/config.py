@@ -1,0 +1,244 @@
+"""Model configuration read from a Hugging Face checkpoint folder.
+
+`config.json` gives the architecture and shapes; `generation_config.json` (optional) gives the
+end-of-sequence ids and the sampling defaults the model was published with. Both the old rope
+form (`rope_theta` + `rope_scaling`) and the transformers-5 form (`rope_parameters`) are read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROPE_TYPES = ("default", "linear", "llama3")
+# Defaults from generation_config.json that map onto SamplingParams fields (vLLM reads the same).
+GENERATION_DEFAULT_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    # llama3 scaling only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        folder = Path(path)
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"{config_file}: not found (is {folder} a Hugging Face checkpoint?)")
+        raw = _read_json(config_file)
+        generation_file = folder / "generation_config.json"
+        generation = _read_json(generation_file) if generation_file.is_file() else {}
+        return cls.from_dicts(raw, generation, source=str(config_file))
+
+    @classmethod
+    def from_dicts(
+        cls,
+        raw: dict[str, Any],
+        generation: dict[str, Any] | None = None,
+        source: str = "config.json",
+    ) -> ModelConfig:
+        fields = _Fields(raw, source)
+        architectures = fields.get("architectures", list)
+        if not architectures or not isinstance(architectures[0], str):
+            raise ValueError(f"{source}: field 'architectures' must name the model class")
+        architecture = architectures[0]
+        hidden_size = fields.positive_int("hidden_size")
+        num_heads = fields.positive_int("num_attention_heads")
+        num_kv_heads = fields.positive_int("num_key_value_heads", default=num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"{source}: field 'num_key_value_heads' ({num_kv_heads}) must divide "
+                f"'num_attention_heads' ({num_heads})"
+            )
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        is_qwen3 = architecture == "Qwen3ForCausalLM"
+        if is_qwen3:
+            # Qwen3 sets head_dim independently of hidden_size / num_heads (HF default 128).
+            head_dim = fields.positive_int("head_dim", default=128)
+        else:
+            head_dim = fields.positive_int("head_dim", default=hidden_size // num_heads)
+        if fields.get("use_sliding_window", bool, default=False):
+            raise ValueError(f"{source}: field 'use_sliding_window' = true is not supported")
+        sliding_window = None
+        if architecture == "MistralForCausalLM":
+            sliding_window = fields.optional_positive_int("sliding_window")
+        hidden_act = fields.get("hidden_act", str, default="silu")
+        if hidden_act != "silu":
+            raise ValueError(
+                f"{source}: field 'hidden_act' = {hidden_act!r}, only 'silu' is supported"
+            )
+        max_positions = fields.positive_int("max_position_embeddings", default=2048)
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        if not isinstance(dtype, str):
+            raise ValueError(f"{source}: field 'torch_dtype' must be a string, got {dtype!r}")
+        generation = generation or {}
+        return cls(
+            architecture=architecture,
+            model_type=fields.get("model_type", str, default=""),
+            vocab_size=fields.positive_int("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=fields.positive_int("intermediate_size"),
+            num_hidden_layers=fields.positive_int("num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=fields.positive_float("rms_norm_eps", default=1e-6),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=fields.get("tie_word_embeddings", bool, default=False),
+            attention_bias=is_qwen2 or fields.get("attention_bias", bool, default=False),
+            qk_norm=is_qwen3,
+            sliding_window=sliding_window,
+            rope=_rope_config(raw, source, max_positions),
+            dtype=dtype.removeprefix("torch."),
+            bos_token_id=_optional_int(raw, "bos_token_id", source),
+            eos_token_ids=_eos_token_ids(raw, generation, source),
+            generation_defaults=_generation_defaults(generation),
+        )
+
+
+class _Fields:
+    """Typed access to config.json fields with errors that name the file and the field."""
+
+    def __init__(self, raw: dict[str, Any], source: str):
+        self.raw, self.source = raw, source
+
+    def get(self, name: str, kind: type, default: Any = None) -> Any:
+        value = self.raw.get(name)
+        if value is None:
+            if default is None:
+                raise ValueError(f"{self.source}: missing field '{name}'")
+            return default
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ValueError(
+                f"{self.source}: field '{name}' must be {kind.__name__}, got {value!r}"
+            )
+        return value
+
+    def positive_int(self, name: str, default: int | None = None) -> int:
+        value = self.get(name, int, default)
+        if value <= 0:
+            raise ValueError(f"{self.source}: field '{name}' must be positive, got {value}")
+        return value
+
+    def optional_positive_int(self, name: str) -> int | None:
+        return None if self.raw.get(name) is None else self.positive_int(name)
+
+    def positive_float(self, name: str, default: float | None = None) -> float:
+        value = self.get(name, float, default)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{self.source}: field '{name}' must be positive, got {value}")
+        return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _rope_config(raw: dict[str, Any], source: str, max_positions: int) -> RopeConfig:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    name = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    if not isinstance(params, dict):
+        raise ValueError(f"{source}: field '{name}' must be an object, got {params!r}")
+    fields = _Fields(params, f"{source} ({name})")
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"{source}: field '{name}.rope_type' = {rope_type!r} is not supported "
+            f"(supported: {', '.join(ROPE_TYPES)})"
+        )
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = _Fields({"rope_theta": theta}, source).positive_float("rope_theta")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, type="linear", factor=fields.positive_float("factor"))
+    return RopeConfig(
+        theta=theta,
+        type="llama3",
+        factor=fields.positive_float("factor"),
+        low_freq_factor=fields.positive_float("low_freq_factor"),
+        high_freq_factor=fields.positive_float("high_freq_factor"),
+        original_max_position_embeddings=fields.positive_int(
+            "original_max_position_embeddings", default=max_positions
+        ),
+    )
+
+
+def _optional_int(raw: dict[str, Any], name: str, source: str) -> int | None:
+    value = raw.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{source}: field '{name}' must be an integer, got {value!r}")
+    return value
+
+
+def _eos_token_ids(raw: dict[str, Any], generation: dict[str, Any], source: str) -> tuple[int, ...]:
+    # generation_config.json takes precedence, as in transformers.
+    for where, data in (("generation_config.json", generation), (source, raw)):
+        value = data.get("eos_token_id")
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(
+                f"{where}: field 'eos_token_id' must be an int or a list of ints, got {value!r}"
+            )
+        return tuple(ids)
+    return ()
+
+
+def _generation_defaults(generation: dict[str, Any]) -> dict[str, Any]:
+    return {
+        ours: generation[theirs]
+        for theirs, ours in GENERATION_DEFAULT_FIELDS.items()
+        if generation.get(theirs) is not None
+    }

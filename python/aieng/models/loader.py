@@ -1,0 +1,195 @@
+"""Load a Hugging Face checkpoint folder into a model.
+
+Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`, memory-mapped
+through safetensors' `safe_open` (never `torch.load`, which can run arbitrary code). Each tensor is
+converted to the target dtype once and copied into its parameter; q/k/v and gate/up land in their
+fused parameters' row blocks. Every problem raises a ValueError naming the file and the tensor.
+"""
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from aieng.config import ModelConfig
+from aieng.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, stored by some old checkpoints
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass
+class LoadTimes:
+    reading_s: float = 0.0
+    conversion_s: float = 0.0
+    transfer_s: float = 0.0
+
+
+def resolve_dtype(name: str, source: str = "config.json") -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"{source}: field 'torch_dtype' = {name!r} is not supported") from None
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    config: ModelConfig | None = None,
+) -> tuple[nn.Module, ModelConfig]:
+    """-> (model in eval mode on `device`, its config). dtype defaults to the checkpoint's."""
+    folder = Path(path)
+    config = config or ModelConfig.from_pretrained(folder)
+    cls = model_class(config.architecture, str(folder / "config.json"))
+    dtype = dtype or resolve_dtype(config.dtype, str(folder / "config.json"))
+    with torch.device(device):
+        model = cls(config, dtype)
+    times = load_weights(model, folder)
+    logger.info(
+        "loaded %s from %s: reading %.2fs, conversion %.2fs, transfer %.2fs",
+        config.architecture,
+        folder,
+        times.reading_s,
+        times.conversion_s,
+        times.transfer_s,
+    )
+    return model.eval(), config
+
+
+def checkpoint_files(folder: Path) -> dict[Path, list[str] | None]:
+    """-> {file: tensor names the index assigns to it (None: all tensors of a single file)}."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: cannot read the weight_map: {e}") from e
+        files: dict[Path, list[str]] = {}
+        for name, file in weight_map.items():
+            shard = folder / file
+            if not shard.is_file():
+                raise ValueError(f"{index}: tensor {name} is in {file}, which does not exist")
+            files.setdefault(shard, []).append(name)
+        return dict(files)
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return {single: None}
+    raise ValueError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors are loaded)")
+
+
+def load_weights(model: nn.Module, folder: Path) -> LoadTimes:
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules", {})
+    tied = getattr(model, "tie_word_embeddings", False)
+    filled: dict[str, set[int]] = {name: set() for name in params}
+    times = LoadTimes()
+    files = checkpoint_files(folder)
+    for file, names in files.items():
+        try:
+            with safe_open(file, framework="pt") as handle:
+                stored = set(handle.keys())
+                for name in names if names is not None else sorted(stored):
+                    if name not in stored:
+                        raise ValueError(
+                            f"{file}: tensor {name} is listed in {INDEX_FILE} but absent"
+                        )
+                    if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                        continue
+                    target, shard = _target(name, packed)
+                    if target not in params:
+                        raise ValueError(f"{file}: unexpected tensor {name}")
+                    _load_tensor(model, params[target], target, shard, handle, name, file, times)
+                    filled[target].add(shard)
+        except SafetensorError as e:
+            raise ValueError(f"{file}: cannot read safetensors file: {e}") from e
+    missing = [
+        name
+        for target, shards in filled.items()
+        if len(shards) < _num_shards(model, target)
+        for name in _source_names(target, packed, _num_shards(model, target), shards)
+    ]
+    if missing:
+        where = ", ".join(str(file) for file in files)
+        raise ValueError(f"{where}: missing tensor {', '.join(missing)}")
+    return times
+
+
+def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int]:
+    """HF tensor name -> (our parameter name, row block index)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            fused, shard = packed[part]
+            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard
+    return name, 0
+
+
+def _shard_sizes(model: nn.Module, target: str) -> list[int] | None:
+    module = model.get_submodule(target.rsplit(".", 1)[0])
+    return getattr(module, "shard_sizes", None)
+
+
+def _num_shards(model: nn.Module, target: str) -> int:
+    sizes = _shard_sizes(model, target)
+    return len(sizes) if sizes else 1
+
+
+def _source_names(
+    target: str, packed: dict[str, tuple[str, int]], expected: int, shards: set[int]
+) -> list[str]:
+    if expected == 1:
+        return [target]
+    prefix, fused_name, suffix = _split_fused(target, packed)
+    return [
+        f"{prefix}{original}.{suffix}"
+        for original, (fused, shard) in packed.items()
+        if fused == fused_name and shard not in shards
+    ]
+
+
+def _split_fused(target: str, packed: dict[str, tuple[str, int]]) -> tuple[str, str, str]:
+    fused_names = {fused for fused, _ in packed.values()}
+    parts = target.split(".")
+    i = next(i for i, part in enumerate(parts) if part in fused_names)
+    prefix = ".".join(parts[:i])
+    return (prefix + "." if prefix else ""), parts[i], ".".join(parts[i + 1 :])
+
+
+def _load_tensor(model, param, target, shard, handle, name, file, times: LoadTimes) -> None:
+    sizes = _shard_sizes(model, target)
+    destination = param.data
+    if sizes and len(sizes) > 1:
+        destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])
+    shape = tuple(handle.get_slice(name).get_shape())
+    if shape != tuple(destination.shape):
+        raise ValueError(
+            f"{file}: tensor {name} has shape {list(shape)}, expected {list(destination.shape)}"
+        )
+    start = time.perf_counter()
+    tensor = handle.get_tensor(name)
+    converted_at = time.perf_counter()
+    tensor = tensor.to(destination.dtype)
+    transferred_at = time.perf_counter()
+    with torch.no_grad():
+        destination.copy_(tensor)
+    done = time.perf_counter()
+    times.reading_s += converted_at - start
+    times.conversion_s += transferred_at - converted_at
+    times.transfer_s += done - transferred_at
