@@ -54,10 +54,10 @@ ARCHITECTURES = {
 }
 
 
-def build_checkpoint(arch: str, folder: Path, seed: int = 0) -> Path:
+def build_checkpoint(arch: str, folder: Path, seed: int = 0, **overrides) -> Path:
     """Save a tiny `arch` model to `folder` (safetensors) and return the folder."""
     config_cls, model_cls, extra = ARCHITECTURES[arch]
-    config = config_cls(**{**COMMON, **extra})
+    config = config_cls(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     _randomize_norms(model)

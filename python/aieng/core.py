@@ -11,6 +11,15 @@ from aieng._core import (
     FinishedRequest,
     StepOutputs,
     StepPlan,
+    Tokenizer,
 )
 
-__all__ = ["BlockPool", "BlockTable", "EngineCore", "FinishedRequest", "StepOutputs", "StepPlan"]
+__all__ = [
+    "BlockPool",
+    "BlockTable",
+    "EngineCore",
+    "FinishedRequest",
+    "StepOutputs",
+    "StepPlan",
+    "Tokenizer",
+]

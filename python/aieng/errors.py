@@ -2,18 +2,22 @@
 
 from aieng._core import (
     AiengError,
+    ChatTemplateError,
     EngineStateError,
     InvalidArgumentError,
     OutOfBlocksError,
     RequestTooLargeError,
+    TokenizerError,
     UnknownRequestError,
 )
 
 __all__ = [
     "AiengError",
+    "ChatTemplateError",
     "EngineStateError",
     "InvalidArgumentError",
     "OutOfBlocksError",
     "RequestTooLargeError",
+    "TokenizerError",
     "UnknownRequestError",
 ]

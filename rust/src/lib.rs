@@ -11,6 +11,7 @@ mod prefix_hash;
 pub mod request;
 pub mod scheduler;
 pub mod step_plan;
+pub mod text;
 
 #[cfg(feature = "python")]
 mod py;

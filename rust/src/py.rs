@@ -5,13 +5,16 @@ use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyTuple, PyType};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 use crate::block_pool::{BlockPool, BlockTable, PoolStats};
 use crate::error::CoreError;
 use crate::request::{RequestParams, StopReason};
 use crate::scheduler::{EngineCore, FinishedRequest, SchedulerConfig, StepUpdate};
 use crate::step_plan::StepPlan;
+use crate::text::{ChatTemplate, Tokenizer};
+
+use std::sync::{Arc, OnceLock};
 
 // ---------------------------------------------------------------- errors
 
@@ -22,6 +25,8 @@ struct ErrorTypes {
     out_of_blocks: Py<PyType>,
     unknown_request: Py<PyType>,
     state: Py<PyType>,
+    tokenizer: Py<PyType>,
+    chat_template: Py<PyType>,
 }
 
 static ERRORS: PyOnceLock<ErrorTypes> = PyOnceLock::new();
@@ -81,7 +86,21 @@ fn error_types(py: Python<'_>) -> PyResult<ErrorTypes> {
         vec![base.clone().into_any(), builtin("RuntimeError")?],
         "A call made in the wrong state: a released table, update() without schedule().",
     )?;
+    let tokenizer = new_exception(
+        py,
+        "TokenizerError",
+        vec![base.clone().into_any(), builtin("ValueError")?],
+        "A tokenizer file that cannot be read or parsed, or a failed encode or decode.",
+    )?;
+    let chat_template = new_exception(
+        py,
+        "ChatTemplateError",
+        vec![base.clone().into_any(), builtin("ValueError")?],
+        "The model has no chat template, or the template failed (raise_exception included).",
+    )?;
     Ok(ErrorTypes {
+        tokenizer: tokenizer.unbind(),
+        chat_template: chat_template.unbind(),
         base: base.unbind(),
         invalid_argument: invalid.unbind(),
         request_too_large: too_large.unbind(),
@@ -103,6 +122,8 @@ impl From<CoreError> for PyErr {
                 CoreError::OutOfBlocks(_) => &types.out_of_blocks,
                 CoreError::UnknownRequest(_) => &types.unknown_request,
                 CoreError::State(_) => &types.state,
+                CoreError::Tokenizer(_) => &types.tokenizer,
+                CoreError::ChatTemplate(_) => &types.chat_template,
             };
             PyErr::from_type(class.bind(py).clone(), err.to_string())
         })
@@ -411,6 +432,7 @@ struct PyStepOutputs {
     rows: Py<PyArray1<i32>>,
     slots: Py<PyArray1<i32>>,
     token_ids: Py<PyArray1<i32>>,
+    texts: Py<PyList>,
     finished: Py<PyList>,
 }
 
@@ -426,6 +448,7 @@ impl PyStepOutputs {
             rows: array(py, to_i32(u.rows)),
             slots: array(py, to_i32(u.slots)),
             token_ids: array(py, to_i32(u.token_ids)),
+            texts: PyList::new(py, u.texts)?.unbind(),
             finished: PyList::new(py, finished)?.unbind(),
         })
     }
@@ -444,7 +467,9 @@ impl PyEngineCore {
     #[pyo3(signature = (
         num_blocks, block_size = 16, max_num_seqs = 256, max_num_batched_tokens = 2048,
         max_model_len = 4096, enable_prefix_caching = true, long_prefill_token_threshold = 0,
+        tokenizer = None,
     ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: usize,
         block_size: usize,
@@ -453,6 +478,7 @@ impl PyEngineCore {
         max_model_len: usize,
         enable_prefix_caching: bool,
         long_prefill_token_threshold: usize,
+        tokenizer: Option<PyRef<'_, PyTokenizer>>,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             num_blocks,
@@ -463,15 +489,17 @@ impl PyEngineCore {
             enable_prefix_caching,
             long_prefill_token_threshold,
         };
+        let tokenizer = tokenizer.map(|t| Arc::clone(&t.inner));
         Ok(PyEngineCore {
-            core: EngineCore::new(config)?,
+            core: EngineCore::with_tokenizer(config, tokenizer)?,
         })
     }
 
     /// Queues a request and returns its slot; refuses one that can never fit.
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens = 16, min_tokens = 0, ignore_eos = false,
-        eos_token_ids = None, stop_token_ids = None, priority = 0,
+        eos_token_ids = None, stop_token_ids = None, priority = 0, stop = None,
+        include_stop_str_in_output = false, skip_special_tokens = true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -484,6 +512,9 @@ impl PyEngineCore {
         eos_token_ids: Option<&Bound<'_, PyAny>>,
         stop_token_ids: Option<&Bound<'_, PyAny>>,
         priority: i32,
+        stop: Option<Vec<String>>,
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
     ) -> PyResult<u32> {
         let count = |name: &str, v: i64| {
             usize::try_from(v).map_err(|_| {
@@ -503,6 +534,9 @@ impl PyEngineCore {
             eos_token_ids: ids(eos_token_ids, "eos_token_ids")?,
             stop_token_ids: ids(stop_token_ids, "stop_token_ids")?,
             priority,
+            stop: stop.unwrap_or_default(),
+            include_stop_str_in_output,
+            skip_special_tokens,
         };
         let prompt = u32_tokens(prompt_token_ids, "prompt_token_ids")?;
         Ok(self.core.add_request(request_id, &prompt, params)?)
@@ -576,6 +610,205 @@ impl PyEngineCore {
     }
 }
 
+// ---------------------------------------------------------------- Tokenizer
+
+/// A Python `str` as UTF-8, with a clear error for lone surrogates.
+fn utf8<'a>(text: &'a Bound<'_, PyString>) -> PyResult<std::borrow::Cow<'a, str>> {
+    text.to_cow().map_err(|_| {
+        CoreError::InvalidArgument(
+            "text cannot be encoded as UTF-8 (it contains a lone surrogate)".into(),
+        )
+        .into()
+    })
+}
+
+/// Python objects -> JSON, through the json module (messages, template variables).
+fn to_json(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<serde_json::Value> {
+    let text: String = py
+        .import("json")?
+        .call_method1("dumps", (obj,))?
+        .extract()?;
+    serde_json::from_str(&text)
+        .map_err(|e| CoreError::InvalidArgument(format!("not JSON-serializable: {e}")).into())
+}
+
+/// The Hugging Face `tokenizers` crate behind a model's tokenizer files.
+#[pyclass(name = "Tokenizer", module = "aieng._core", frozen)]
+struct PyTokenizer {
+    inner: Arc<Tokenizer>,
+    template: OnceLock<Result<ChatTemplate, String>>,
+}
+
+impl PyTokenizer {
+    fn wrap(inner: Tokenizer) -> Self {
+        PyTokenizer {
+            inner: Arc::new(inner),
+            template: OnceLock::new(),
+        }
+    }
+}
+
+#[pymethods]
+impl PyTokenizer {
+    /// A `tokenizer.json` alone.
+    #[staticmethod]
+    fn from_file(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
+        let tok = py
+            .detach(|| Tokenizer::from_file(&path))
+            .map_err(CoreError::from)?;
+        Ok(Self::wrap(tok))
+    }
+
+    /// A model folder: `tokenizer.json` with `tokenizer_config.json`,
+    /// `chat_template.jinja` and `generation_config.json` where present.
+    #[staticmethod]
+    fn from_dir(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
+        let tok = py
+            .detach(|| Tokenizer::from_dir(&path))
+            .map_err(CoreError::from)?;
+        Ok(Self::wrap(tok))
+    }
+
+    #[pyo3(signature = (text, add_special_tokens = true))]
+    fn encode(
+        &self,
+        py: Python<'_>,
+        text: &Bound<'_, PyString>,
+        add_special_tokens: bool,
+    ) -> PyResult<Vec<u32>> {
+        let text = utf8(text)?;
+        let tok = &self.inner;
+        Ok(py
+            .detach(|| tok.encode(&text, add_special_tokens))
+            .map_err(CoreError::from)?)
+    }
+
+    /// Encodes many texts in parallel with the GIL released.
+    #[pyo3(signature = (texts, add_special_tokens = true))]
+    fn encode_batch(
+        &self,
+        py: Python<'_>,
+        texts: Vec<Bound<'_, PyString>>,
+        add_special_tokens: bool,
+    ) -> PyResult<Vec<Vec<u32>>> {
+        let owned = texts
+            .iter()
+            .map(|t| utf8(t).map(|c| c.into_owned()))
+            .collect::<PyResult<Vec<String>>>()?;
+        let tok = &self.inner;
+        Ok(py
+            .detach(|| tok.encode_batch(&owned, add_special_tokens))
+            .map_err(CoreError::from)?)
+    }
+
+    /// Ids outside the vocabulary decode to nothing.
+    #[pyo3(signature = (token_ids, skip_special_tokens = true))]
+    fn decode(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        skip_special_tokens: bool,
+    ) -> PyResult<String> {
+        let ids = u32_tokens(token_ids, "token_ids")?;
+        let tok = &self.inner;
+        Ok(py
+            .detach(|| tok.decode(&ids, skip_special_tokens))
+            .map_err(CoreError::from)?)
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+
+    #[getter]
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.inner.eos_token_ids().to_vec()
+    }
+
+    #[getter]
+    fn bos_token_id(&self) -> Option<u32> {
+        self.inner.bos_token_id()
+    }
+
+    #[getter]
+    fn bos_token(&self) -> Option<String> {
+        self.inner.bos_token().map(str::to_string)
+    }
+
+    #[getter]
+    fn eos_token(&self) -> Option<String> {
+        self.inner.eos_token().map(str::to_string)
+    }
+
+    #[getter]
+    fn add_bos_token(&self) -> Option<bool> {
+        self.inner.add_bos_token()
+    }
+
+    #[getter]
+    fn chat_template(&self) -> Option<String> {
+        self.inner.chat_template().map(str::to_string)
+    }
+
+    fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    fn id_to_token(&self, token_id: u32) -> Option<String> {
+        self.inner.id_to_token(token_id)
+    }
+
+    fn is_special(&self, token_id: u32) -> bool {
+        self.inner.is_special(token_id)
+    }
+
+    /// Renders `messages` with the model's chat template (or `chat_template`), as
+    /// transformers' `apply_chat_template(..., tokenize=False)` does.
+    #[pyo3(signature = (messages, add_generation_prompt = false, chat_template = None, **kwargs))]
+    fn apply_chat_template(
+        &self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyAny>,
+        add_generation_prompt: bool,
+        chat_template: Option<&str>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<String> {
+        let messages = to_json(py, messages)?;
+        let mut extra = self.inner.special_tokens_map();
+        if let Some(kwargs) = kwargs {
+            if let serde_json::Value::Object(map) = to_json(py, kwargs.as_any())? {
+                extra.extend(map);
+            }
+        }
+        let render = |t: &ChatTemplate| t.render(&messages, add_generation_prompt, &extra);
+        let result = match chat_template {
+            Some(source) => ChatTemplate::new(source).and_then(|t| render(&t)),
+            None => {
+                let compiled = self
+                    .template
+                    .get_or_init(|| match self.inner.chat_template() {
+                        Some(source) => ChatTemplate::new(source).map_err(|e| e.to_string()),
+                        None => Err(
+                            "this model has no chat template (tokenizer_config.json has no \
+                                 chat_template and there is no chat_template.jinja)"
+                                .to_string(),
+                        ),
+                    });
+                match compiled {
+                    Ok(t) => py.detach(|| render(t)),
+                    Err(message) => return Err(CoreError::ChatTemplate(message.clone()).into()),
+                }
+            }
+        };
+        Ok(result.map_err(CoreError::from)?)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Tokenizer(vocab_size={})", self.inner.vocab_size())
+    }
+}
+
 // ---------------------------------------------------------------- module
 
 #[pymodule]
@@ -588,6 +821,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OutOfBlocksError", types.out_of_blocks.bind(py))?;
     m.add("UnknownRequestError", types.unknown_request.bind(py))?;
     m.add("EngineStateError", types.state.bind(py))?;
+    m.add("TokenizerError", types.tokenizer.bind(py))?;
+    m.add("ChatTemplateError", types.chat_template.bind(py))?;
+    m.add_class::<PyTokenizer>()?;
     m.add_class::<PyBlockPool>()?;
     m.add_class::<PyBlockTable>()?;
     m.add_class::<PyEngineCore>()?;

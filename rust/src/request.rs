@@ -1,6 +1,7 @@
 //! A request as the scheduler sees it: its tokens, its limits, and why it ended.
 
 use crate::error::{CoreError, Result};
+use crate::text::{IncrementalDetokenizer, StopStep, StopStrings, Tokenizer};
 
 /// Per-request limits and stop conditions (text-level stops come with the tokenizer).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -12,6 +13,10 @@ pub struct RequestParams {
     pub stop_token_ids: Vec<u32>,
     /// Lower values are served first; FCFS within a value.
     pub priority: i32,
+    /// Stop strings, matched on the detokenized output (needs a tokenizer).
+    pub stop: Vec<String>,
+    pub include_stop_str_in_output: bool,
+    pub skip_special_tokens: bool,
 }
 
 impl Default for RequestParams {
@@ -23,6 +28,9 @@ impl Default for RequestParams {
             eos_token_ids: Vec::new(),
             stop_token_ids: Vec::new(),
             priority: 0,
+            stop: Vec::new(),
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
         }
     }
 }
@@ -94,6 +102,39 @@ pub(crate) struct Request {
     pub(crate) num_preemptions: u32,
     pub(crate) status: Status,
     pub(crate) table: Option<crate::block_pool::BlockTable>,
+    /// Streaming text state, when the core has a tokenizer.
+    pub(crate) text: Option<TextState>,
+}
+
+/// A request's incremental detokenizer and stop-string matcher.
+pub(crate) struct TextState {
+    pub(crate) detokenizer: IncrementalDetokenizer,
+    pub(crate) stops: StopStrings,
+}
+
+impl TextState {
+    pub(crate) fn new(params: &RequestParams) -> Result<Self> {
+        Ok(TextState {
+            detokenizer: IncrementalDetokenizer::new(params.skip_special_tokens),
+            stops: StopStrings::new(params.stop.clone(), params.include_stop_str_in_output)?,
+        })
+    }
+
+    /// The text `token` adds, and the stop string it completed.
+    pub(crate) fn push(&mut self, tok: &Tokenizer, token: u32) -> StopStep {
+        let delta = self.detokenizer.push(tok, token);
+        self.stops.push(&delta)
+    }
+
+    /// What is still held back when the request ends for a reason other than a stop string.
+    pub(crate) fn finish(&mut self, tok: &Tokenizer) -> StopStep {
+        let tail = self.detokenizer.flush(tok);
+        let mut step = self.stops.push(&tail);
+        if step.stopped.is_none() {
+            step.emit.push_str(&self.stops.finish());
+        }
+        step
+    }
 }
 
 impl Request {

@@ -9,13 +9,15 @@
 //! with its generated tokens kept.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
 use crate::block_pool::{BlockPool, PoolInner, PoolStats};
 use crate::error::{CoreError, Result};
-use crate::request::{FinishReason, Request, RequestParams, Status, StopReason};
+use crate::request::{FinishReason, Request, RequestParams, Status, StopReason, TextState};
 use crate::step_plan::StepPlan;
+use crate::text::Tokenizer;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchedulerConfig {
@@ -78,6 +80,8 @@ pub struct StepUpdate {
     pub slots: Vec<u32>,
     /// The tokens, as appended.
     pub token_ids: Vec<u32>,
+    /// The text each token adds (after stop-string hold-back); empty without a tokenizer.
+    pub texts: Vec<String>,
     /// Requests that finished, in plan order.
     pub finished: Vec<FinishedRequest>,
 }
@@ -112,10 +116,19 @@ pub struct EngineCore {
     in_flight: Option<Vec<Scheduled>>,
     num_preemptions: u64,
     num_steps: u64,
+    tokenizer: Option<Arc<Tokenizer>>,
 }
 
 impl EngineCore {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
+        Self::with_tokenizer(config, None)
+    }
+
+    /// A core that detokenizes its outputs and honours stop strings.
+    pub fn with_tokenizer(
+        config: SchedulerConfig,
+        tokenizer: Option<Arc<Tokenizer>>,
+    ) -> Result<Self> {
         config.validate()?;
         let pool = BlockPool::new(
             config.num_blocks,
@@ -134,6 +147,7 @@ impl EngineCore {
             in_flight: None,
             num_preemptions: 0,
             num_steps: 0,
+            tokenizer,
         })
     }
 
@@ -214,6 +228,15 @@ impl EngineCore {
                 self.config.block_size, self.config.num_blocks
             )));
         }
+        let text = match &self.tokenizer {
+            Some(_) => Some(TextState::new(&params)?),
+            None if !params.stop.is_empty() => {
+                return Err(CoreError::InvalidArgument(
+                    "stop strings need a core with a tokenizer".into(),
+                ))
+            }
+            None => None,
+        };
         let slot = self.free_slots.pop().unwrap_or_else(|| {
             self.requests.push(None);
             (self.requests.len() - 1) as u32
@@ -232,6 +255,7 @@ impl EngineCore {
             num_preemptions: 0,
             status: Status::Waiting,
             table: None,
+            text,
         });
         self.slot_of.insert(id.to_string(), slot);
         Ok(slot)
@@ -554,6 +578,8 @@ impl EngineCore {
         let mut out = StepUpdate::default();
         let mut finished_slots = Vec::new();
         let mut next_sample = sampled.iter();
+        let tokenizer = self.tokenizer.clone();
+        let max_model_len = self.config.max_model_len;
         let pool = self.pool.clone();
         let mut guard = pool.lock();
         for (row, e) in entries.iter().enumerate() {
@@ -567,17 +593,18 @@ impl EngineCore {
             if !alive {
                 continue;
             }
-            let max_model_len = self.config.max_model_len;
             let r = self.req_mut(e.slot);
             r.num_computed += e.num_new;
             let table_id = r.table.as_ref().expect("scheduled").id();
             if let Some(token) = token {
                 r.tokens.push(token);
                 guard.push_tokens(table_id, &[token]);
+                let (text, stop) = Self::append_text(r, tokenizer.as_deref(), token, max_model_len);
                 out.rows.push(row as u32);
                 out.slots.push(e.slot);
                 out.token_ids.push(token);
-                if let Some(stop) = r.check_stop(max_model_len) {
+                out.texts.push(text);
+                if let Some(stop) = stop {
                     finished_slots.push((e.slot, stop));
                 }
             }
@@ -596,6 +623,37 @@ impl EngineCore {
         self.num_steps += 1;
         self.debug_check();
         Ok(out)
+    }
+
+    /// Detokenizes a new token and checks every stop condition: a stop string
+    /// first, then EOS, stop ids and lengths. A finishing request's held-back
+    /// text is released with its last token.
+    fn append_text(
+        r: &mut Request,
+        tokenizer: Option<&Tokenizer>,
+        token: u32,
+        max_model_len: usize,
+    ) -> (String, Option<(FinishReason, Option<StopReason>)>) {
+        let (Some(tok), Some(text)) = (tokenizer, r.text.as_mut()) else {
+            return (String::new(), r.check_stop(max_model_len));
+        };
+        let step = text.push(tok, token);
+        if let Some(stop) = step.stopped {
+            return (
+                step.emit,
+                Some((FinishReason::Stop, Some(StopReason::Text(stop)))),
+            );
+        }
+        let mut emitted = step.emit;
+        let Some(mut stop) = r.check_stop(max_model_len) else {
+            return (emitted, None);
+        };
+        let tail = r.text.as_mut().expect("text state").finish(tok);
+        emitted.push_str(&tail.emit);
+        if let Some(s) = tail.stopped {
+            stop = (FinishReason::Stop, Some(StopReason::Text(s)));
+        }
+        (emitted, Some(stop))
     }
 
     fn debug_check(&self) {

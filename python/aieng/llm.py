@@ -1,0 +1,206 @@
+"""`LLM`: the library entry point, with vLLM's names so existing code ports unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from aieng._core import InvalidArgumentError
+from aieng.engine import EngineConfig, LLMEngine
+from aieng.outputs import RequestOutput
+from aieng.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+Conversation = Sequence[Mapping[str, Any]]
+
+
+class LLM:
+    """An offline engine over one Hugging Face checkpoint folder.
+
+    `generate` runs a batch to completion, `stream` yields incremental outputs of one
+    prompt, `chat` renders conversations with the model's chat template first.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        long_prefill_token_threshold: int = 0,
+    ):
+        if model is None:
+            raise InvalidArgumentError(
+                "no model given: pass the path of a Hugging Face checkpoint folder"
+            )
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=str(model),
+                dtype=dtype,
+                device=device,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                block_size=block_size,
+                kv_cache_memory=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+                seed=seed,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+            )
+        )
+        defaults = self.engine.runner.config.generation_defaults
+        self.default_sampling_params = SamplingParams(**defaults)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order."""
+        batch = _as_prompt_list(prompts)
+        params = self._params_for(batch, sampling_params)
+        ids = self._add_all(batch, params, stream=False)
+        done: dict[str, RequestOutput] = {}
+        progress = _progress(len(ids), use_tqdm)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        progress(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finally:
+            progress(None)
+        return [done[rid] for rid in ids]
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yields RequestOutputs holding only what is new since the last one."""
+        [params] = self._params_for([prompt], sampling_params)
+        [rid] = self._add_all([prompt], [params], stream=True)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort(rid)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the chat template and generates a reply."""
+        if not isinstance(messages, Sequence) or not messages:
+            raise InvalidArgumentError("messages must be a non-empty list")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = self.engine.tokenizer.apply_chat_template(
+                list(conversation),
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            prompts.append(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, conversation in zip(outputs, conversations, strict=True):
+            out.prompt = str(conversation[-1].get("content", ""))
+        return outputs
+
+    # ------------------------------------------------------------------ helpers
+
+    def _params_for(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.default_sampling_params] * len(prompts)
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise InvalidArgumentError(
+                f"got {len(params)} sampling params for {len(prompts)} prompts"
+            )
+        return params
+
+    def _add_all(
+        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], stream: bool
+    ) -> list[str]:
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                if not isinstance(p, SamplingParams):
+                    raise InvalidArgumentError(f"expected SamplingParams, got {type(p).__name__}")
+                rid = self.engine.new_request_id()
+                self.engine.add_request(rid, prompt, p, stream=stream)
+                ids.append(rid)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return ids
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise InvalidArgumentError(
+            f"prompts must be a string, a list of strings or token-id lists, got "
+            f"{type(prompts).__name__}"
+        )
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt as token ids
+    for p in items:
+        if not isinstance(p, (str, Sequence)):
+            raise InvalidArgumentError(f"a prompt must be a string or token ids, got {p!r}")
+    return items
+
+
+def _progress(total: int, enabled: bool):
+    """A tqdm bar when tqdm is installed and asked for; otherwise nothing."""
+    bar = None
+    if enabled and total > 1:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="generate", unit="req", leave=False)
+        except ImportError:
+            bar = None
+
+    def advance(n: int | None) -> None:
+        if bar is None:
+            return
+        if n is None:
+            bar.close()
+        else:
+            bar.update(n)
+
+    return advance
