@@ -35,7 +35,7 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", |format: String| strftime_now(&format));
-        env.add_template_owned(TEMPLATE_NAME, source.to_string())?;
+        env.add_template_owned(TEMPLATE_NAME, without_generation_tags(source))?;
         Ok(ChatTemplate { env })
     }
 
@@ -55,6 +55,21 @@ impl ChatTemplate {
         let template = self.env.get_template(TEMPLATE_NAME)?;
         Ok(template.render(to_template_value(&Json::Object(context)))?)
     }
+}
+
+/// transformers' `{% generation %}...{% endgeneration %}` marks assistant text for training masks
+/// and renders its body unchanged: here it becomes an `if true` block with the same trimming.
+fn without_generation_tags(source: &str) -> String {
+    let mut source = source.to_string();
+    for (open, close) in [("{%", "%}"), ("{%-", "%}"), ("{%", "-%}"), ("{%-", "-%}")] {
+        for (tag, replacement) in [("generation", "if true"), ("endgeneration", "endif")] {
+            source = source.replace(
+                &format!("{open} {tag} {close}"),
+                &format!("{open} {replacement} {close}"),
+            );
+        }
+    }
+    source
 }
 
 /// What transformers does before rendering: drop keys whose value is null (templates handle
@@ -210,6 +225,14 @@ mod tests {
             let err = render(bad, json!([{"role": "user", "content": "x"}])).unwrap_err();
             assert!(matches!(err, TextError::Template(_)), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn generation_blocks_render_their_body() {
+        let template = "{% for m in messages %}{%- generation -%}\n {{ m.content }} {% endgeneration %}\n!{% endfor %}";
+        let messages = json!([{"role": "assistant", "content": "x"}]);
+        // jinja2 with transformers' AssistantTracker gives the same.
+        assert_eq!(render(template, messages).unwrap(), "x !");
     }
 
     #[test]

@@ -1,0 +1,258 @@
+"""LLM end to end against Hugging Face transformers on tiny random checkpoints.
+
+Greedy tokens must be identical to HF `generate` and chosen-token logprobs within 1e-4,
+also with chunked prefill, preemption, prefix-cache hits and mixed sampling in one batch.
+After every test the KV pool is whole.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from tiny_models import ARCHITECTURES, build_checkpoint, load_hf
+from tiny_tokenizers import byte_level_bpe, save_tokenizer
+
+import aieng
+from aieng import LLM, SamplingParams
+
+VOCAB = 384
+MAX_TOKENS = 8
+PROMPTS = [
+    "The",
+    "The quick brown fox",
+    "In the beginning was the word",
+    "Paged attention keeps the KV cache in blocks",
+    "日本語のテキスト",
+    "emoji 🙂👍🏽 and accents: café",
+    "Stop strings end a request: STOP here, or END there. The quick brown fox jumps",
+    "0123456789. The lazy dog; the engine, the word, the blocks of sixteen tokens.",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def make_model(folder, arch="llama"):
+    save_tokenizer(folder, byte_level_bpe(VOCAB))
+    return build_checkpoint(arch, folder, vocab_size=VOCAB)
+
+
+class HFReference:
+    def __init__(self, folder):
+        self.hf = load_hf(folder)
+        self.cache: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}
+
+    def greedy(self, prompt_ids, n=MAX_TOKENS):
+        key = (*prompt_ids, -n)
+        if key not in self.cache:
+            out = self.hf.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=n,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            tokens = out.sequences[0, len(prompt_ids) :].tolist()
+            logprobs = [
+                torch.log_softmax(step[0], -1)[t].item()
+                for step, t in zip(out.logits, tokens, strict=True)
+            ]
+            self.cache[key] = (tokens, logprobs)
+        return self.cache[key]
+
+
+def assert_matches_hf(ref, outputs, check_logprobs=True):
+    for out in outputs:
+        tokens, logprobs = ref.greedy(out.prompt_token_ids, len(out.outputs[0].token_ids))
+        completion = out.outputs[0]
+        assert completion.token_ids == tokens, out.prompt
+        if check_logprobs:
+            ours = [lp[t] for lp, t in zip(completion.logprobs, tokens, strict=True)]
+            assert ours == pytest.approx(logprobs, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = make_model(tmp_path_factory.mktemp("llama"))
+    return folder, HFReference(folder)
+
+
+@pytest.fixture(scope="module")
+def llm(llama):
+    engine = LLM(str(llama[0]), kv_cache_memory=1 << 22, block_size=4)
+    yield engine
+    engine.engine.check_pool_whole()
+
+
+@pytest.fixture(autouse=True)
+def pool_is_whole_after(request):
+    yield
+    if "llm" in request.fixturenames:
+        request.getfixturevalue("llm").engine.check_pool_whole()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_greedy_batch_matches_hf(arch, tmp_path):
+    folder = make_model(tmp_path, arch)
+    llm = LLM(str(folder), kv_cache_memory=1 << 22, block_size=4)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outputs] == PROMPTS
+    assert_matches_hf(HFReference(folder), outputs)
+    llm.engine.check_pool_whole()
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_chunked_prefill_gives_the_same_tokens(llama, chunk):
+    folder, ref = llama
+    llm = LLM(
+        str(folder), kv_cache_memory=1 << 22, block_size=4, long_prefill_token_threshold=chunk
+    )
+    assert_matches_hf(ref, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm.engine.check_pool_whole()
+
+
+def test_preemption_gives_the_same_tokens(llama):
+    folder, ref = llama
+    # 2 layers x 2 kv heads x 16 dims x 2 (K, V) x 4 bytes x 4 tokens = 2 KiB per block.
+    llm = LLM(str(folder), kv_cache_memory=28 * 2048, block_size=4)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.engine.core.stats()["num_preemptions"] > 0
+    assert_matches_hf(ref, outputs)
+    llm.engine.check_pool_whole()
+
+
+def test_prefix_cache_hits_give_the_same_tokens(llm, llama):
+    _, ref = llama
+    tok = llm.get_tokenizer()
+    shared = tok.encode(PROMPTS[7])[:16]  # a multiple of the block size
+    prompts = [shared, [*shared, 5, 6, 7], [*shared[:9], 11, 12]]
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in again] == [12, 16, 8]
+    for a, b in zip(first, again, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert_matches_hf(ref, again)
+
+
+def test_mixed_sampling_params_in_one_batch(llm, llama):
+    _, ref = llama
+    sampled = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=MAX_TOKENS, seed=3)
+    penalised = SamplingParams(temperature=0.7, repetition_penalty=1.3, max_tokens=MAX_TOKENS)
+    params = [GREEDY if i % 3 == 0 else sampled if i % 3 == 1 else penalised for i in range(8)]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert_matches_hf(ref, outputs[::3])
+    assert all(len(o.outputs[0].token_ids) <= MAX_TOKENS for o in outputs)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPTS[3]], params, use_tqdm=False)[0]
+    others = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    batch = [others, params, others, others]
+    crowded = llm.generate([PROMPTS[0], PROMPTS[3], PROMPTS[1], PROMPTS[6]], batch, use_tqdm=False)
+    assert crowded[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    unseeded = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    differ = {tuple(llm.generate([PROMPTS[3]], unseeded)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(differ) > 1
+
+
+def test_stop_strings_cut_the_text(llm):
+    free = llm.generate(["The quick"], GREEDY, use_tqdm=False)[0].outputs[0]
+    text = free.text
+    stop = text[3:6]
+    assert len(stop) == 3 and text.find(stop) == 3
+    cut = llm.generate(
+        ["The quick"], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[stop])
+    )[0].outputs[0]
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (text[:3], "stop", stop)
+    kept = llm.generate(
+        ["The quick"],
+        SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, stop=stop, include_stop_str_in_output=True
+        ),
+    )[0].outputs[0]
+    assert kept.text == text[:6]
+
+
+def test_stop_token_ids_and_eos_lists(llm, llama, tmp_path):
+    free = llm.generate(["The quick"], GREEDY, use_tqdm=False)[0].outputs[0]
+    target = free.token_ids[4]
+    first = free.token_ids.index(target)
+    out = llm.generate(
+        ["The quick"],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[target]),
+    )[0].outputs[0]
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", target)
+    # An EOS list in generation_config.json: any of its ids ends the request.
+    folder = tmp_path / "eos-list"
+    shutil.copytree(llama[0], folder)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    generation["eos_token_id"] = [2, target]
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    eos_llm = LLM(str(folder), kv_cache_memory=1 << 22, block_size=4)
+    out = eos_llm.generate(["The quick"], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    assert out[0].outputs[0].token_ids == free.token_ids[: first + 1]
+    assert out[0].outputs[0].stop_reason == target
+    eos_llm.engine.check_pool_whole()
+
+
+def test_stream_deltas_join_to_the_final_text(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [whole] = llm.generate([PROMPTS[5]], params, use_tqdm=False)
+    deltas = list(llm.stream(PROMPTS[5], params))
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert "".join(d.outputs[0].text for d in deltas) == whole.outputs[0].text
+    assert sum((d.outputs[0].token_ids for d in deltas), []) == whole.outputs[0].token_ids
+    assert deltas[-1].outputs[0].finish_reason == "length"
+    # Breaking out of a stream aborts the request and frees its blocks.
+    for _ in llm.stream(PROMPTS[5], params):
+        break
+
+
+def test_n_completions_and_metrics(llm):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=4, seed=7, ignore_eos=True)
+    [out] = llm.generate(["The"], params, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    m = out.metrics
+    assert m.time_to_first_token is not None and m.time_to_first_token >= m.queue_time >= 0
+    assert m.time_per_output_token is not None
+
+
+def test_chat_uses_the_template(llm):
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    tok = llm.get_tokenizer()
+    expected = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
+    )
+    assert out.prompt_token_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "match"),
+    [
+        ("", GREEDY, ValueError, "empty"),
+        ("The " * 300, GREEDY, aieng.RequestTooLargeError, "max_model_len"),
+        ([1, 2, VOCAB + 5], GREEDY, aieng.InvalidArgumentError, "outside the vocabulary"),
+    ],
+)
+def test_bad_input_is_refused_and_the_engine_keeps_serving(llm, prompt, params, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate([PROMPTS[1], prompt], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    [ok] = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)
+    assert len(ok.outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_invalid_sampling_params_and_missing_models():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(FileNotFoundError, match="model folder not found"):
+        LLM("/nonexistent/model")
