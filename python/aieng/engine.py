@@ -150,6 +150,7 @@ class LLMEngine:
         self.sampling = self.runner.new_sampling_table(capacity=max(64, config.max_num_seqs))
         self.requests: dict[str, _Request] = {}
         self._by_core_id: dict[str, tuple[_Request, _Sequence]] = {}
+        self._unscheduled: set[str] = set()  # core ids not yet in any step
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ requests
@@ -210,10 +211,12 @@ class LLMEngine:
                     seq.logprobs = []
                 request.sequences.append(seq)
                 self._by_core_id[core_id] = (request, seq)
+                self._unscheduled.add(core_id)
         except Exception:
             for core_id in added:
                 self.core.abort(core_id)
                 self._by_core_id.pop(core_id)
+                self._unscheduled.discard(core_id)
             raise
         self.requests[request_id] = request
 
@@ -222,6 +225,7 @@ class LLMEngine:
         if request is None:
             return None
         for seq in request.sequences:
+            self._unscheduled.discard(seq.core_id)
             if seq.finish_reason is None:
                 self.core.abort(seq.core_id)
                 seq.finish_reason = "abort"
@@ -243,12 +247,14 @@ class LLMEngine:
             if self.core.has_unfinished():
                 raise RuntimeError("the scheduler produced an empty step with requests left")
             return []
-        now = time.monotonic()
-        for core_id in plan.request_ids:
-            request, _ = self._by_core_id[core_id]
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-                request.num_cached_tokens = self.core.num_cached_tokens(core_id) or 0
+        if self._unscheduled:
+            now = time.monotonic()
+            for core_id in self._unscheduled.intersection(plan.request_ids):
+                self._unscheduled.discard(core_id)
+                request, _ = self._by_core_id[core_id]
+                if request.metrics.first_scheduled_time is None:
+                    request.metrics.first_scheduled_time = now
+                    request.num_cached_tokens = self.core.num_cached_tokens(core_id) or 0
         batch = self.sampling.batch(plan)
         tokens, logprobs = self.runner.execute(plan, batch)
         self.sampling.append_tokens(batch, tokens)
