@@ -9,8 +9,7 @@ import json
 import shutil
 
 import pytest
-import torch
-from tiny_models import ARCHITECTURES, build_checkpoint, load_hf
+from tiny_models import ARCHITECTURES, build_checkpoint, hf_greedy, load_hf
 from tiny_tokenizers import byte_level_bpe, save_tokenizer
 
 import aieng
@@ -44,21 +43,7 @@ class HFReference:
     def greedy(self, prompt_ids, n=MAX_TOKENS):
         key = (*prompt_ids, -n)
         if key not in self.cache:
-            out = self.hf.generate(
-                torch.tensor([prompt_ids]),
-                max_new_tokens=n,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            tokens = out.sequences[0, len(prompt_ids) :].tolist()
-            logprobs = [
-                torch.log_softmax(step[0], -1)[t].item()
-                for step, t in zip(out.logits, tokens, strict=True)
-            ]
-            self.cache[key] = (tokens, logprobs)
+            self.cache[key] = hf_greedy(self.hf, list(prompt_ids), n)
         return self.cache[key]
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from fake_scheduler import FakeScheduler
-from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_checkpoint, load_hf
+from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_checkpoint, hf_greedy, load_hf
 
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
@@ -29,21 +29,7 @@ class Reference:
 
     def generate(self, prompt):
         """-> (HF greedy tokens, their log-probabilities)."""
-        out = self.hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        tokens = out.sequences[0, len(prompt) :].tolist()
-        logprobs = [
-            torch.log_softmax(step[0], -1)[t].item()
-            for step, t in zip(out.logits, tokens, strict=True)
-        ]
-        return tokens, logprobs
+        return hf_greedy(self.hf, prompt, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))

@@ -72,6 +72,24 @@ def load_hf(folder: Path) -> transformers.PreTrainedModel:
     return model.eval()
 
 
+def hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], max_new_tokens: int):
+    """-> (HF's greedy continuation of `prompt`, ignoring EOS, and its tokens' logprobs)."""
+    out = hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(step[0], -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)
+    ]
+    return tokens, logprobs
+
+
 def _randomize_norms(model: torch.nn.Module) -> None:
     # HF initialises RMSNorm weights to 1 and biases to 0; random values test that they are loaded.
     with torch.no_grad():
