@@ -120,10 +120,18 @@ impl TextState {
         })
     }
 
-    /// The text `token` adds, and the stop string it completed.
-    pub(crate) fn push(&mut self, tok: &Tokenizer, token: u32) -> StopStep {
+    /// The text `token` adds, and the stop string it completed (only when `may_stop`:
+    /// before `min_tokens` a stop string does not end the request).
+    pub(crate) fn push(&mut self, tok: &Tokenizer, token: u32, may_stop: bool) -> StopStep {
         let delta = self.detokenizer.push(tok, token);
-        self.stops.push(&delta)
+        if may_stop {
+            self.stops.push(&delta)
+        } else {
+            StopStep {
+                emit: self.stops.pass_through(&delta),
+                stopped: None,
+            }
+        }
     }
 
     /// What is still held back when the request ends for a reason other than a stop string.

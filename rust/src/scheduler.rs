@@ -637,7 +637,8 @@ impl EngineCore {
         let (Some(tok), Some(text)) = (tokenizer, r.text.as_mut()) else {
             return (String::new(), r.check_stop(max_model_len));
         };
-        let step = text.push(tok, token);
+        let may_stop = r.tokens.len() - r.prompt_len >= r.params.min_tokens;
+        let step = text.push(tok, token, may_stop);
         if let Some(stop) = step.stopped {
             return (
                 step.emit,

@@ -66,6 +66,17 @@ impl StopStrings {
         }
     }
 
+    /// Takes text that may not end the request (before `min_tokens`): it is emitted
+    /// whole, with whatever was held back, and never matched.
+    pub fn pass_through(&mut self, delta: &str) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        let mut emit = std::mem::take(&mut self.held);
+        emit.push_str(delta);
+        emit
+    }
+
     /// Releases the held-back text when the request ends for another reason.
     pub fn finish(&mut self) -> String {
         std::mem::take(&mut self.held)
