@@ -9,8 +9,8 @@ import json
 import shutil
 
 import pytest
+from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import ARCHITECTURES, build_checkpoint, hf_greedy, load_hf
-from tiny_tokenizers import byte_level_bpe, save_tokenizer
 
 import aieng
 from aieng import LLM, SamplingParams
@@ -31,7 +31,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 
 
 def make_model(folder, arch="llama"):
-    save_tokenizer(folder, byte_level_bpe(VOCAB))
+    save_model_dir(folder, byte_level_bpe(VOCAB))
     return build_checkpoint(arch, folder, vocab_size=VOCAB)
 
 
