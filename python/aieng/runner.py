@@ -102,18 +102,15 @@ class ModelRunner:
         return tokens.cpu().numpy().astype(np.int64), logprobs
 
     def _forward(self, plan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        seq_lens = np.asarray(plan.seq_lens)
-        query_start_loc = np.asarray(plan.query_start_loc)
         attn = build_attention_metadata(
             slot_mapping=self._tensor(plan.slot_mapping),
-            query_start_loc=self._tensor(query_start_loc),
-            num_computed_tokens=self._tensor(plan.num_computed_tokens),
-            seq_lens=self._tensor(seq_lens),
-            block_tables=self._tensor(plan.block_tables),
+            query_start_loc=np.asarray(plan.query_start_loc),
+            num_computed_tokens=np.asarray(plan.num_computed_tokens),
+            seq_lens=np.asarray(plan.seq_lens),
+            block_tables=np.asarray(plan.block_tables),
             block_size=self.block_size,
-            max_query_len=int(np.diff(query_start_loc).max()),
-            max_seq_len=int(seq_lens.max()),
             sliding_window=self.config.sliding_window,
+            token_bytes=self.block_bytes // (2 * self.config.num_hidden_layers * self.block_size),
         )
         input_ids, positions = self._tensor(plan.input_ids), self._tensor(plan.positions)
         return self.model(input_ids, positions, attn, kv_caches)

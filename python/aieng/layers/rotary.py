@@ -50,9 +50,16 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions).float()[:, None] * rope_inv_freq(head_dim, rope)[None]
         self.register_buffer("cos", freqs.cos(), persistent=False)  # (max_positions, D / 2)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._positions: torch.Tensor | None = None
+        self._cos_src: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] = (self.cos[:0], self.sin[:0])
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos[positions], self.sin[positions]
+        # Every layer of a step passes the same positions tensor: look cos/sin up once per step.
+        if positions is not self._positions or self._cos_src is not self.cos:
+            self._positions, self._cos_src = positions, self.cos
+            self._cos_sin = (self.cos[positions], self.sin[positions])
+        cos, sin = self._cos_sin
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, attn, self.scale)  # (T, H, D)
+        out = paged_attention(q, k_cache, v_cache, attn, self.scale, k, v)  # (T, H, D)
         return self.o_proj(out.flatten(1))
 
 
