@@ -108,9 +108,8 @@ def _prepend_bos(tok: Tokenizer) -> None:
     )
 
 
-def byte_level_bpe(vocab_size: int = 600) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+def _train_byte_level(tok: Tokenizer, vocab_size: int) -> Tokenizer:
+    """Trains a byte-level BPE (ByteLevel decoder, all 256 bytes in the alphabet) on CORPUS."""
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -123,6 +122,12 @@ def byte_level_bpe(vocab_size: int = 600) -> Tokenizer:
     return tok
 
 
+def byte_level_bpe(vocab_size: int = 600) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return _train_byte_level(tok, vocab_size)
+
+
 def llama3_bpe(vocab_size: int = 600) -> Tokenizer:
     tok = Tokenizer(models.BPE(ignore_merges=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -131,15 +136,7 @@ def llama3_bpe(vocab_size: int = 600) -> Tokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    _add_specials(tok)
+    _train_byte_level(tok, vocab_size)
     _prepend_bos(tok)
     return tok
 
