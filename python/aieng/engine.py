@@ -49,7 +49,7 @@ class _Sequence:
 
     core_id: str
     index: int
-    slot: int
+    slot: int  # -1 until the sequence is in the core
     params: SamplingParams
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -87,6 +87,7 @@ class _Request:
     metrics: RequestMetrics
     stream: bool = False
     num_cached_tokens: int = 0
+    priority: int = 0
 
     @property
     def finished(self) -> bool:
@@ -151,6 +152,10 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._by_core_id: dict[str, tuple[_Request, _Sequence]] = {}
         self._unscheduled: set[str] = set()  # core ids not yet in any step
+        # Requests with n > 1 whose siblings wait for the first sequence's prefill, so that
+        # they find the prompt's KV blocks in the prefix cache instead of computing them again.
+        self._waiting_siblings: dict[str, _Request] = {}
+        self.last_step_num_tokens = 0
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ requests
@@ -184,52 +189,65 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         request = _Request(request_id, text, ids, [], metrics, stream=stream)
-        added: list[str] = []
+        for index in range(params.n):
+            core_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            seq_params = params
+            if index and params.seed is not None:  # siblings draw different samples
+                seq_params = dataclasses.replace(params, seed=params.seed + index)
+            seq = _Sequence(core_id, index, -1, seq_params)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            request.sequences.append(seq)
+        share_prompt = params.n > 1 and self.config.enable_prefix_caching
         try:
-            for index in range(params.n):
-                core_id = request_id if params.n == 1 else f"{request_id}#{index}"
-                seq_params = params
-                if index and params.seed is not None:  # siblings draw different samples
-                    seq_params = dataclasses.replace(params, seed=params.seed + index)
-                slot = self.core.add_request(
-                    core_id,
-                    ids,
-                    max_tokens=params.max_tokens,
-                    min_tokens=params.min_tokens,
-                    ignore_eos=params.ignore_eos,
-                    eos_token_ids=self.eos_token_ids,
-                    stop_token_ids=params.stop_token_ids or [],
-                    priority=priority,
-                    stop=params.stop or [],
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                    skip_special_tokens=params.skip_special_tokens,
-                )
-                added.append(core_id)
-                self.sampling.add_request(slot, seq_params, ids, eos_token_ids=self.eos_token_ids)
-                seq = _Sequence(core_id, index, slot, seq_params)
-                if params.logprobs is not None:
-                    seq.logprobs = []
-                request.sequences.append(seq)
-                self._by_core_id[core_id] = (request, seq)
-                self._unscheduled.add(core_id)
+            for seq in request.sequences[:1] if share_prompt else request.sequences:
+                self._add_sequence(request, seq, priority)
         except Exception:
-            for core_id in added:
-                self.core.abort(core_id)
-                self._by_core_id.pop(core_id)
-                self._unscheduled.discard(core_id)
+            for seq in request.sequences:
+                if seq.slot >= 0:
+                    self.core.abort(seq.core_id)
+                    self.sampling.remove_request(seq.slot)
+                    self._by_core_id.pop(seq.core_id, None)
+                    self._unscheduled.discard(seq.core_id)
             raise
+        if share_prompt:
+            self._waiting_siblings[request_id] = request
+        request.priority = priority
         self.requests[request_id] = request
+
+    def _add_sequence(self, request: _Request, seq: _Sequence, priority: int) -> None:
+        params = seq.params
+        seq.slot = self.core.add_request(
+            seq.core_id,
+            request.prompt_token_ids,
+            max_tokens=params.max_tokens,
+            min_tokens=params.min_tokens,
+            ignore_eos=params.ignore_eos,
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=params.stop_token_ids or [],
+            priority=priority,
+            stop=params.stop or [],
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+        )
+        self.sampling.add_request(
+            seq.slot, params, request.prompt_token_ids, eos_token_ids=self.eos_token_ids
+        )
+        self._by_core_id[seq.core_id] = (request, seq)
+        self._unscheduled.add(seq.core_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._waiting_siblings.pop(request_id, None)
         for seq in request.sequences:
             self._unscheduled.discard(seq.core_id)
             if seq.finish_reason is None:
-                self.core.abort(seq.core_id)
                 seq.finish_reason = "abort"
-                self.sampling.remove_request(seq.slot)
+                if seq.slot >= 0:
+                    self.core.abort(seq.core_id)
+                    self.sampling.remove_request(seq.slot)
             self._by_core_id.pop(seq.core_id, None)
         request.metrics.finished_time = time.monotonic()
         return request.output(delta=False)
@@ -243,6 +261,7 @@ class LLMEngine:
         """Runs one engine step. Returns the full output of every request that finished
         and the delta of every streaming request that changed."""
         plan = self.core.schedule()
+        self.last_step_num_tokens = plan.num_tokens
         if plan.num_tokens == 0:
             if self.core.has_unfinished():
                 raise RuntimeError("the scheduler produced an empty step with requests left")
@@ -290,6 +309,8 @@ class LLMEngine:
                 request.metrics.first_token_time = now
             request.metrics.num_output_tokens += 1
             changed[request.request_id] = request
+        if self._waiting_siblings:
+            self._add_waiting_siblings(changed)
         for done in out.finished:
             request, seq = self._by_core_id.pop(done.request_id)
             seq.finish_reason = done.finish_reason
@@ -304,6 +325,13 @@ class LLMEngine:
             if request.stream or request.finished:
                 results.append(request.output(delta=request.stream))
         return results
+
+    def _add_waiting_siblings(self, changed: dict[str, _Request]) -> None:
+        """Siblings join once the first sequence's prompt blocks are computed and cached."""
+        for request_id in [r for r in self._waiting_siblings if r in changed]:
+            request = self._waiting_siblings.pop(request_id)
+            for seq in request.sequences[1:]:
+                self._add_sequence(request, seq, request.priority)
 
     def check_pool_whole(self) -> None:
         """Raises unless every KV block is free or evictable and the invariants hold."""
