@@ -237,6 +237,7 @@ class LLMEngine:
         self._unscheduled.add(seq.core_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """Ends a request now; returns its last output (a delta when it streams), or None."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -250,7 +251,7 @@ class LLMEngine:
                     self.sampling.remove_request(seq.slot)
             self._by_core_id.pop(seq.core_id, None)
         request.metrics.finished_time = time.monotonic()
-        return request.output(delta=False)
+        return request.output(delta=request.stream)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -1,0 +1,114 @@
+"""The FastAPI application: routes, middleware, errors, and the engine's life.
+
+The HTTP listener starts at once and answers 503 while the model loads in a worker thread;
+then the engine loop starts beside the event loop and the server becomes ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from aieng.async_engine import AsyncLLMEngine
+from aieng.engine import LLMEngine
+from aieng.server import chat, completions, routes
+from aieng.server.config import ServerConfig
+from aieng.server.context import ServerContext
+from aieng.server.errors import install_error_handlers
+from aieng.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(
+    config: ServerConfig,
+    load_engine: Callable[[], LLMEngine],
+    on_load_failure: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """`load_engine` runs in a worker thread at startup; the app serves what it returns."""
+    ctx = ServerContext(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(_load(ctx, load_engine, on_load_failure))
+        try:
+            yield
+        finally:
+            loading.cancel()
+            if ctx.engine is not None:
+                ctx.engine.stop()
+
+    app = FastAPI(
+        title="aieng",
+        summary="An OpenAI-compatible server over the aieng engine.",
+        version=_version(),
+        lifespan=lifespan,
+    )
+    app.state.context = ctx
+    install_error_handlers(app)
+    for module in (completions, chat, routes):
+        app.include_router(module.router)
+    _without_422(app)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id
+    return app
+
+
+async def _load(
+    ctx: ServerContext,
+    load_engine: Callable[[], LLMEngine],
+    on_failure: Callable[[BaseException], None] | None,
+) -> None:
+    try:
+        engine = await asyncio.to_thread(load_engine)
+    except Exception as error:
+        logger.exception("loading the model failed")
+        if on_failure is not None:
+            on_failure(error)
+        return
+    async_engine = AsyncLLMEngine(engine, on_step=ctx.metrics.observe_step)
+    async_engine.start()
+    ctx.attach(async_engine)
+    logger.info(
+        "serving %s (max_model_len %d, %d KV blocks)",
+        ctx.config.served_model_name,
+        engine.max_model_len,
+        engine.runner.num_blocks,
+    )
+
+
+def _without_422(app: FastAPI) -> None:
+    """Validation errors answer 400 here, so the document must not promise 422."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _version() -> str:
+    from aieng import __version__
+
+    return __version__

@@ -1,0 +1,162 @@
+"""`POST /v1/chat/completions`: the conversation goes through the model's chat template."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from aieng.errors import ChatTemplateError
+from aieng.server.context import ServerContext, context_of
+from aieng.server.errors import ApiError, invalid
+from aieng.server.generation import ClientGone, Delta, Generation
+from aieng.server.openapi_docs import ERROR_RESPONSES
+from aieng.server.params import check_request, resolve_max_tokens, sampling_params
+from aieng.server.protocol import ChatCompletionRequest, ChatMessage
+from aieng.server.streaming import stream_response
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    ctx = context_of(request)
+    engine = ctx.ready_engine()
+    ctx.check_model(body.model)
+    check_request(body)
+    ids = await render_chat(ctx, body.messages, add_generation_prompt=True)
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = resolve_max_tokens(
+        body.max_new_tokens,
+        len(ids),
+        engine.max_model_len,
+        ctx.model_defaults.get("max_tokens"),
+        param,
+    )
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens, logprobs, ctx.model_defaults)
+    generation = Generation(ctx, request, "chat", [ids], [params])
+    generation.start()
+    if body.stream:
+        return await _stream(ctx, generation, body)
+    try:
+        await generation.collect()
+        return JSONResponse(_chat_completion(ctx, generation))
+    except ClientGone:
+        return Response(status_code=499)
+    except ApiError as error:
+        generation.fail(error)
+        raise
+    finally:
+        generation.close()
+
+
+async def render_chat(
+    ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool
+) -> list[int]:
+    tokenizer = ctx.engine.tokenizer  # type: ignore[union-attr]
+    conversation = [{"role": m.role, "content": m.text} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt
+        )
+    except ChatTemplateError as error:
+        raise invalid(f"the chat template failed: {error}", "messages") from error
+    ids = await asyncio.to_thread(tokenizer.encode, text, False)
+    if not ids:
+        raise invalid("the conversation renders to an empty prompt", "messages")
+    return ids
+
+
+async def _stream(
+    ctx: ServerContext, generation: Generation, body: ChatCompletionRequest
+) -> Response:
+    try:
+        first = await generation.first_deltas()
+    except ClientGone:
+        generation.close()
+        return Response(status_code=499)
+    except ApiError as error:
+        generation.fail(error)
+        generation.close()
+        raise
+    head = _head(ctx, generation, "chat.completion.chunk")
+    usage_field = {"usage": None} if body.include_usage_in_stream else {}
+    started: set[int] = set()
+
+    def chunk(deltas: list[Delta]) -> list[dict]:
+        choices = []
+        for d in deltas:
+            delta: dict[str, Any] = {"content": d.text}
+            if d.index not in started:
+                started.add(d.index)
+                delta = {"role": "assistant", **delta}
+            choices.append(
+                {
+                    "index": d.index,
+                    "delta": delta,
+                    "logprobs": _logprobs(ctx, generation, d.token_ids, d.logprobs),
+                    "finish_reason": d.finish_reason,
+                }
+            )
+        return [{**head, "choices": choices, **usage_field}]
+
+    def usage() -> dict:
+        return {**head, "choices": [], "usage": generation.usage()}
+
+    return stream_response(
+        generation, first, chunk, usage if body.include_usage_in_stream else None
+    )
+
+
+def _head(ctx: ServerContext, generation: Generation, kind: str) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{generation.request_id}",
+        "object": kind,
+        "created": generation.created,
+        "model": ctx.config.served_model_name,
+    }
+
+
+def _chat_completion(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": "".join(c.text)},
+            "logprobs": _logprobs(ctx, generation, c.token_ids, c.logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for i, c in enumerate(generation.choices)
+    ]
+    head = _head(ctx, generation, "chat.completion")
+    return {**head, "choices": choices, "usage": generation.usage()}
+
+
+def _logprobs(
+    ctx: ServerContext,
+    generation: Generation,
+    token_ids: list[int],
+    logprobs: list[dict[int, float]] | None,
+) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    k = generation.params[0].logprobs or 0
+    return {
+        "content": [
+            {
+                **_entry(ctx, token, lp[token]),
+                "top_logprobs": [
+                    _entry(ctx, t, v) for t, v in sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+                ],
+            }
+            for token, lp in zip(token_ids, logprobs, strict=True)
+        ]
+    }
+
+
+def _entry(ctx: ServerContext, token_id: int, logprob: float) -> dict[str, Any]:
+    text = ctx.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

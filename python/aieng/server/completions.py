@@ -1,0 +1,161 @@
+"""`POST /v1/completions`: OpenAI's legacy completions, streaming and not, batched prompts."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from aieng.server.context import ServerContext, context_of
+from aieng.server.errors import ApiError, invalid
+from aieng.server.generation import ClientGone, Delta, Generation
+from aieng.server.openapi_docs import ERROR_RESPONSES
+from aieng.server.params import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    check_request,
+    resolve_max_tokens,
+    sampling_params,
+)
+from aieng.server.protocol import CompletionRequest
+from aieng.server.streaming import stream_response
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", responses=ERROR_RESPONSES)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    ctx = context_of(request)
+    engine = ctx.ready_engine()
+    ctx.check_model(body.model)
+    check_request(body)
+    prompts = await _prompt_ids(ctx, body)
+    params = []
+    for ids in prompts:
+        max_tokens = resolve_max_tokens(
+            body.max_tokens, len(ids), engine.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS
+        )
+        params.append(sampling_params(body, max_tokens, body.logprobs, ctx.model_defaults))
+    generation = Generation(ctx, request, "completions", prompts, params)
+    generation.start()
+    if body.stream:
+        return await _stream(ctx, generation, body)
+    try:
+        await generation.collect()
+        return JSONResponse(_completion(ctx, generation))
+    except ClientGone:
+        return Response(status_code=499)
+    except ApiError as error:
+        generation.fail(error)
+        raise
+    finally:
+        generation.close()
+
+
+async def _prompt_ids(ctx: ServerContext, body: CompletionRequest) -> list[list[int]]:
+    prompts = body.prompts
+    if isinstance(prompts[0], str):
+        if any(not p for p in prompts):
+            raise invalid("the prompt is empty", "prompt")
+        tokenizer = ctx.engine.tokenizer  # type: ignore[union-attr]
+        ids = await asyncio.to_thread(tokenizer.encode_batch, prompts, True)
+        if any(not p for p in ids):
+            raise invalid("the prompt has no tokens", "prompt")
+        return ids
+    for p in prompts:
+        if not p:
+            raise invalid("the prompt is empty", "prompt")
+        ctx.check_token_ids(p, "prompt")  # type: ignore[arg-type]
+    return [list(p) for p in prompts]  # type: ignore[arg-type]
+
+
+async def _stream(ctx: ServerContext, generation: Generation, body: CompletionRequest) -> Response:
+    try:
+        first = await generation.first_deltas()
+    except ClientGone:
+        generation.close()
+        return Response(status_code=499)
+    except ApiError as error:
+        generation.fail(error)
+        generation.close()
+        raise
+    head = _head(ctx, generation)
+    usage_field = {"usage": None} if body.include_usage_in_stream else {}
+
+    def chunk(deltas: list[Delta]) -> list[dict]:
+        choices = [
+            {
+                "index": d.index,
+                "text": d.text,
+                "logprobs": _logprobs(ctx, generation, d.token_ids, d.logprobs),
+                "finish_reason": d.finish_reason,
+                "stop_reason": _stop_reason(generation, d),
+            }
+            for d in deltas
+        ]
+        return [{**head, "choices": choices, **usage_field}]
+
+    def usage() -> dict:
+        return {**head, "choices": [], "usage": generation.usage()}
+
+    return stream_response(
+        generation, first, chunk, usage if body.include_usage_in_stream else None
+    )
+
+
+def _head(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
+    return {
+        "id": f"cmpl-{generation.request_id}",
+        "object": "text_completion",
+        "created": generation.created,
+        "model": ctx.config.served_model_name,
+    }
+
+
+def _completion(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
+    choices = [
+        {
+            "index": i,
+            "text": "".join(c.text),
+            "logprobs": _logprobs(ctx, generation, c.token_ids, c.logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for i, c in enumerate(generation.choices)
+    ]
+    return {**_head(ctx, generation), "choices": choices, "usage": generation.usage()}
+
+
+def _stop_reason(generation: Generation, delta: Delta) -> int | str | None:
+    return generation.choices[delta.index].stop_reason if delta.finish_reason else None
+
+
+def _logprobs(
+    ctx: ServerContext,
+    generation: Generation,
+    token_ids: list[int],
+    logprobs: list[dict[int, float]] | None,
+) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    k = generation.params[0].logprobs or 0
+    tokens = [ctx.token_text(t) for t in token_ids]
+    offsets, offset = [], 0
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs, strict=True)],
+        "top_logprobs": [_top(ctx, lp, k) for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _top(ctx: ServerContext, logprobs: dict[int, float], k: int) -> dict[str, float]:
+    """The k most likely tokens by text; of two tokens with one text the likelier is kept."""
+    top: dict[str, float] = {}
+    for token, value in sorted(logprobs.items(), key=lambda kv: -kv[1])[:k]:
+        top.setdefault(ctx.token_text(token), value)
+    return top

@@ -1,0 +1,40 @@
+"""What `aieng serve` is configured with, beside the engine's own `EngineConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    model_path: str = ""  # accepted as a model name too
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue_requests: int = 256
+    max_queue_tokens: int = 1 << 18
+    kv_cache_watermark: float = 0.95
+    request_timeout: float | None = 600.0
+    shutdown_timeout: float = 30.0
+    max_body_bytes: int = 4 * MIB
+    allowed_origins: tuple[str, ...] = field(default_factory=tuple)
+    log_format: str = "text"
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue_requests", "max_queue_tokens", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.kv_cache_watermark <= 1.0:
+            raise ValueError(f"kv_cache_watermark must be in (0, 1], got {self.kv_cache_watermark}")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
+
+    def knows_model(self, name: str) -> bool:
+        return name in (self.served_model_name, self.model_path)

@@ -1,0 +1,90 @@
+"""What every route shares: the config, the engine (once loaded), admission and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import Request
+
+from aieng.async_engine import AsyncLLMEngine, EngineStats
+from aieng.server.admission import Admission, ServerState
+from aieng.server.config import ServerConfig
+from aieng.server.errors import ApiError, invalid
+from aieng.server.metrics import ServerMetrics
+
+
+class ServerContext:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.engine: AsyncLLMEngine | None = None
+        self.model_defaults: dict[str, Any] = {}
+        self.created = int(time.time())
+        self.admission = Admission(config, self.stats)
+        self.metrics = ServerMetrics(config.served_model_name, self.stats)
+        self.drained = asyncio.Event()  # set when a drain has ended every request
+        self._ids = itertools.count()
+        self._token_text: dict[int, str] = {}
+
+    def stats(self) -> EngineStats | None:
+        return None if self.engine is None else self.engine.stats
+
+    def attach(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+        self.model_defaults = dict(engine.engine.runner.config.generation_defaults)
+        self.admission.state = ServerState.READY
+
+    def ready_engine(self) -> AsyncLLMEngine:
+        """The engine, or 503 while it loads, after a failure, or while draining."""
+        state = self.admission.state
+        if state is ServerState.DRAINING:
+            raise ApiError(503, "the server is shutting down", code="draining")
+        if self.engine is None or state is ServerState.STARTING:
+            raise ApiError(
+                503, "the model is still loading", code="starting", headers={"Retry-After": "5"}
+            )
+        if not self.engine.alive:
+            raise ApiError(503, "the engine loop is not running", code="engine_dead")
+        return self.engine
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and not self.config.knows_model(name):
+            raise invalid(
+                f"model {name!r} is not served here; this server serves "
+                f"{self.config.served_model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+    def new_engine_id(self) -> str:
+        return f"srv-{next(self._ids)}"
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.engine is not None
+        return self.engine.engine.runner.config.vocab_size
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        vocab = self.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            assert self.engine is not None
+            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+
+def context_of(request: Request) -> ServerContext:
+    return request.app.state.context
+
+
+def request_id_of(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id", "")

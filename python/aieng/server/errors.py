@@ -1,0 +1,99 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every refusal."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.code, self.headers)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code or "invalid_value")
+
+
+def error_body(status: int, message: str, param: str | None, code: str | None) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+
+
+def error_bytes(status: int, message: str, param: str | None, code: str | None) -> bytes:
+    return json.dumps(error_body(status, message, param, code)).encode()
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """The first problem pydantic found, named by its JSON path ("messages.0.role")."""
+    errors = list(exc.errors())
+    if not errors:
+        return invalid("the request body is invalid")
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first.get("msg", ""))
+        return invalid(f"the body is not valid JSON: {detail}", code="invalid_json")
+    param = ".".join(loc) or None
+    if kind == "extra_forbidden":
+        return invalid(f"unsupported field {param!r}", param, "unsupported_field")
+    if kind == "missing":
+        return invalid(f"missing required field {param!r}", param, "missing_field")
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    where = f"{param}: " if param else ""
+    return invalid(f"{where}{message}", param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), None, code, exc.headers)

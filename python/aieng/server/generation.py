@@ -1,0 +1,314 @@
+"""One HTTP generation request end to end: admission, the engine requests of its prompts,
+their merged deltas, timeouts, client disconnects, and the accounting when it ends.
+
+Choice `i * n + j` is completion `j` of prompt `i`, as in OpenAI's batched completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from aieng.async_engine import EngineDeadError
+from aieng.errors import AiengError, InvalidArgumentError
+from aieng.outputs import RequestOutput
+from aieng.sampling import SamplingParams
+from aieng.server.admission import ServerState
+from aieng.server.context import ServerContext, request_id_of
+from aieng.server.errors import ApiError
+from aieng.server.request_log import RequestRecord, log_request
+
+
+@dataclass
+class Delta:
+    """What one step added to one choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+@dataclass
+class Choice:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was complete."""
+
+
+class Generation:
+    def __init__(
+        self,
+        ctx: ServerContext,
+        http: Request,
+        endpoint: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+    ):
+        self.ctx, self.http, self.endpoint = ctx, http, endpoint
+        self.engine = ctx.ready_engine()
+        self.request_id = request_id_of(http)
+        self.arrival = time.monotonic()
+        self.created = int(time.time())
+        self.prompts, self.params = prompts, params
+        self.n = params[0].n
+        self.choices = [Choice() for _ in range(len(prompts) * self.n)]
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                for choice in self.choices[i * self.n : (i + 1) * self.n]:
+                    choice.logprobs = []
+        self.engine_ids = [ctx.new_engine_id() for _ in prompts]
+        self.cached_tokens = 0
+        self.queue_time: float | None = None
+        self.first_output: float | None = None
+        self.last_output: float | None = None
+        self.status = 200
+        self.error: str | None = None
+        self._last_output_of: dict[int, float] = {}  # prompt index -> time of its last tokens
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+        self._open = len(prompts)
+        self._admitted = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Admits the request (or raises 429/503) and hands its prompts to the engine."""
+        admission, metrics = self.ctx.admission, self.ctx.metrics
+        refusal = admission.refusal([len(p) for p in self.prompts])
+        if refusal is not None:
+            metrics.rejected(refusal.reason)
+            self.status, self.error = refusal.status, refusal.reason
+            self._log()
+            raise ApiError(
+                refusal.status, refusal.message, code=refusal.reason, headers=refusal.headers
+            )
+        timeout = self.ctx.config.request_timeout
+        deadline = None if timeout is None else self.arrival + timeout
+        for index, (engine_id, prompt, params) in enumerate(
+            zip(self.engine_ids, self.prompts, self.params, strict=True)
+        ):
+            admission.admit(engine_id, len(prompt))
+            metrics.admitted(len(prompt))
+            stream = self.engine.generate(engine_id, prompt, params, deadline=deadline)
+            self._pumps.append(asyncio.create_task(self._pump(index, engine_id, stream)))
+        self._admitted = True
+
+    async def _pump(self, index: int, engine_id: str, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                self._events.put_nowait((index, out))
+        except Exception as error:
+            self._events.put_nowait((index, error))
+        finally:
+            self.ctx.admission.done(engine_id)
+            self._events.put_nowait((index, None))
+
+    def close(self) -> None:
+        """Aborts what still runs (a no-op for finished requests) and does the accounting."""
+        if self._closed:
+            return
+        self._closed = True
+        for engine_id, task in zip(self.engine_ids, self._pumps, strict=False):
+            if not task.done():
+                self.engine.abort(engine_id)
+                task.cancel()
+        if self._admitted:
+            self._account()
+        self._log()
+
+    # ------------------------------------------------------------------ deltas
+
+    async def deltas(self) -> AsyncIterator[list[Delta]]:
+        """The deltas of each engine output, merged over prompts, until all have finished."""
+        while self._open:
+            index, item = await self._events.get()
+            if item is None:
+                self._open -= 1
+                continue
+            if isinstance(item, Exception):
+                raise self._api_error(item)
+            deltas = self._apply(index, item)
+            if deltas:
+                yield deltas
+
+    async def first_deltas(self) -> list[Delta]:
+        """Waits, watching for a disconnect, until there is something to send: output, or a
+        finish other than an abort. A request that ends with nothing raises its error status."""
+        buffered: list[Delta] = []
+        self._iterator = self.deltas().__aiter__()
+
+        async def first() -> None:
+            async for deltas in self._iterator:
+                buffered.extend(deltas)
+                if any(d.token_ids or d.finish_reason not in (None, "abort") for d in deltas):
+                    return
+
+        await self._or_disconnect(first())
+        if not any(c.token_ids for c in self.choices) and all(
+            c.finish_reason == "abort" for c in self.choices
+        ):
+            raise self._aborted_error()
+        return buffered
+
+    async def remaining_deltas(self) -> AsyncIterator[list[Delta]]:
+        async for deltas in self._iterator:
+            yield deltas
+
+    async def collect(self) -> None:
+        """Runs every choice to its end (non-streaming), watching for a disconnect."""
+        await self.first_deltas()
+
+        async def rest() -> None:
+            async for _ in self.remaining_deltas():
+                pass
+
+        await self._or_disconnect(rest())
+
+    def _apply(self, index: int, out: RequestOutput) -> list[Delta]:
+        now = time.monotonic()
+        self.ctx.admission.started(self.engine_ids[index])
+        if self.first_output is None:
+            self.first_output = now
+            if out.metrics is not None:
+                self.queue_time = out.metrics.queue_time
+        if any(c.token_ids for c in out.outputs):
+            previous = self._last_output_of.get(index)
+            if previous is not None:
+                self.ctx.metrics.inter_token(now - previous)
+            self._last_output_of[index] = self.last_output = now
+        if out.finished:
+            self.cached_tokens += out.num_cached_tokens
+        deltas = []
+        for c in out.outputs:
+            choice = self.choices[index * self.n + c.index]
+            new_finish = c.finish_reason if choice.finish_reason is None else None
+            if not (c.text or c.token_ids or new_finish):
+                continue
+            choice.text.append(c.text)
+            choice.token_ids.extend(c.token_ids)
+            if choice.logprobs is not None and c.logprobs is not None:
+                choice.logprobs.extend(c.logprobs)
+            if new_finish:
+                choice.finish_reason, choice.stop_reason = new_finish, c.stop_reason
+            logprobs = c.logprobs if choice.logprobs is not None else None
+            deltas.append(
+                Delta(index * self.n + c.index, c.text, c.token_ids, logprobs, new_finish)
+            )
+        return deltas
+
+    async def _or_disconnect(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_disconnected(self.http))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if task not in done:
+            task.cancel()
+            self.status, self.error = 499, "client_disconnected"
+            raise ClientGone
+        task.result()
+
+    # ------------------------------------------------------------------ errors, accounting
+
+    def _api_error(self, error: Exception) -> ApiError:
+        if isinstance(error, ApiError):
+            return error
+        if isinstance(error, InvalidArgumentError):
+            return ApiError(400, str(error), "prompt", "invalid_value")
+        if isinstance(error, EngineDeadError):
+            return ApiError(503, str(error), code="engine_dead")
+        if isinstance(error, AiengError):
+            return ApiError(500, f"engine error: {error}", code="engine_error")
+        return ApiError(500, f"internal error: {type(error).__name__}: {error}", code="internal")
+
+    def _aborted_error(self) -> ApiError:
+        if self.ctx.admission.state is ServerState.DRAINING:
+            return ApiError(
+                503, "the server shut down before this request started", code="draining"
+            )
+        timeout = self.ctx.config.request_timeout
+        return ApiError(
+            503,
+            f"the request did not start within the request timeout of {timeout} s",
+            code="request_timeout",
+            headers={"Retry-After": "1"},
+        )
+
+    def fail(self, error: ApiError) -> None:
+        self.status, self.error = error.status, error.code or "error"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def _ttft(self) -> float | None:
+        return None if self.first_output is None else self.first_output - self.arrival
+
+    def _tpot(self) -> float | None:
+        tokens = max((len(c.token_ids) for c in self.choices), default=0)
+        if self.first_output is None or self.last_output is None or tokens < 2:
+            return None
+        return (self.last_output - self.first_output) / (tokens - 1)
+
+    def _account(self) -> None:
+        reasons = [c.finish_reason or "abort" for c in self.choices]
+        self.ctx.metrics.finished(
+            self.completion_tokens,
+            reasons,
+            ttft=self._ttft(),
+            e2e=time.monotonic() - self.arrival,
+            queue_time=self.queue_time,
+            tpot=self._tpot(),
+        )
+
+    def _log(self) -> None:
+        reasons = sorted({c.finish_reason for c in self.choices if c.finish_reason})
+        log_request(
+            RequestRecord(
+                request_id=self.request_id,
+                endpoint=self.endpoint,
+                status=self.status,
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens,
+                cached_tokens=self.cached_tokens,
+                queue_time=self.queue_time,
+                ttft=self._ttft(),
+                tpot=self._tpot(),
+                e2e=time.monotonic() - self.arrival,
+                finish_reason=",".join(reasons) or None,
+                error=self.error,
+            )
+        )
+
+
+async def _disconnected(http: Request) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,120 @@
+"""Prometheus metrics with vLLM's names under an `aieng_` prefix.
+
+Engine-side values (running, waiting, KV usage, prefix cache, preemptions) are read from the
+engine loop's last published `EngineStats` at scrape time; request-side values are counted and
+observed as requests finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from aieng.async_engine import EngineStats
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str):
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.stats() or EngineStats()
+        labels = ["model_name"]
+        values: list[tuple[type, str, str, float]] = [
+            (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.",
+             stats.num_running),
+            (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.",
+             stats.num_waiting),
+            (GaugeMetricFamily, "kv_cache_usage_perc",
+             "Fraction of KV blocks held by requests (1 = full); cached free blocks count free.",
+             stats.kv_cache_usage),
+            (GaugeMetricFamily, "kv_cache_cached_blocks",
+             "Free KV blocks that still hold a reusable cached prefix.", stats.num_cached_blocks),
+            (CounterMetricFamily, "prefix_cache_queries",
+             "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+            (CounterMetricFamily, "prefix_cache_hits",
+             "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            (CounterMetricFamily, "num_preemptions", "Requests preempted for KV space.",
+             stats.num_preemptions),
+            (CounterMetricFamily, "engine_steps", "Engine steps run.", stats.num_steps),
+        ]  # fmt: skip
+        for family, name, doc, value in values:
+            metric = family(f"aieng_{name}", doc, labels=labels)
+            metric.add_metric([self.model_name], value)
+            yield metric
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(stats, model_name))
+        model = ["model_name"]
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"aieng_{name}", doc, [*model, *labels], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"aieng_{name}", doc, model, buckets=buckets, registry=self.registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter(
+            "request_success", "Finished completions by finish reason.", "finished_reason"
+        )
+        self.request_rejected = counter(
+            "request_rejected", "Requests refused, by reason.", "reason"
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between two outputs.")
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds", "Mean time per output token after the first."
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last output.")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.")
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens scheduled per engine step.", STEP_TOKEN_BUCKETS
+        )
+
+    def observe_step(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.iteration_tokens.labels(self.model_name).observe(num_tokens)
+
+    def rejected(self, reason: str) -> None:
+        self.request_rejected.labels(self.model_name, reason).inc()
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+
+    def finished(
+        self,
+        completion_tokens: int,
+        finish_reasons: list[str],
+        ttft: float | None,
+        e2e: float,
+        queue_time: float | None,
+        tpot: float | None,
+    ) -> None:
+        m = self.model_name
+        self.generation_tokens.labels(m).inc(completion_tokens)
+        for reason in finish_reasons:
+            self.request_success.labels(m, reason).inc()
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+        if queue_time is not None:
+            self.queue_time.labels(m).observe(queue_time)
+        if tpot is not None:
+            self.tpot.labels(m).observe(tpot)
+        self.e2e.labels(m).observe(e2e)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.labels(self.model_name).observe(seconds)

@@ -1,0 +1,31 @@
+"""Response shapes for the OpenAPI document (routes build their JSON directly, for speed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _error("The request is invalid; the message names the problem and `param` the field."),
+    401: _error("The API key is missing or wrong."),
+    413: _error("The body is larger than the server's limit."),
+    429: _error("The waiting queue or the KV cache is full; retry after `Retry-After` seconds."),
+    503: _error("The server is starting or shutting down, or the request timed out waiting."),
+}

@@ -1,0 +1,86 @@
+"""The small routes: models, health, readiness, metrics, tokenize and detokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from aieng.server.admission import ServerState
+from aieng.server.chat import render_chat
+from aieng.server.context import context_of
+from aieng.server.errors import invalid
+from aieng.server.openapi_docs import ERROR_RESPONSES
+from aieng.server.protocol import DetokenizeRequest, TokenizeRequest
+
+router = APIRouter()
+
+HEARTBEAT_LIMIT_S = 60.0  # a loop silent this long is stuck
+
+
+@router.get("/v1/models", responses=ERROR_RESPONSES)
+async def list_models(request: Request) -> JSONResponse:
+    ctx = context_of(request)
+    model = {
+        "id": ctx.config.served_model_name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "aieng",
+        "root": ctx.config.model_path,
+    }
+    if ctx.engine is not None:
+        model["max_model_len"] = ctx.engine.max_model_len
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """Liveness: the engine loop runs and has turned recently."""
+    engine = context_of(request).engine
+    if engine is None:
+        return JSONResponse({"status": "starting"}, 503)
+    age = time.monotonic() - engine.stats.heartbeat
+    if not engine.alive or age > HEARTBEAT_LIMIT_S:
+        return JSONResponse({"status": "dead", "last_heartbeat_s": round(age, 3)}, 503)
+    return JSONResponse({"status": "ok", "last_heartbeat_s": round(age, 3)})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: the model is loaded and the server is not draining."""
+    state = context_of(request).admission.state
+    return JSONResponse({"status": state.value}, 200 if state is ServerState.READY else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    registry = context_of(request).metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/tokenize", responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    ctx = context_of(request)
+    engine = ctx.ready_engine()
+    ctx.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("give exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        ids = await render_chat(ctx, body.messages, body.add_generation_prompt)
+    else:
+        encode = engine.tokenizer.encode
+        ids = await asyncio.to_thread(encode, body.prompt, body.add_special_tokens)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+
+
+@router.post("/detokenize", responses=ERROR_RESPONSES)
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    ctx = context_of(request)
+    engine = ctx.ready_engine()
+    ctx.check_model(body.model)
+    ctx.check_token_ids(body.tokens, "tokens")
+    text = await asyncio.to_thread(engine.tokenizer.decode, body.tokens, False)
+    return JSONResponse({"prompt": text})
