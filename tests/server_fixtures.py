@@ -32,7 +32,9 @@ ENGINE_DEFAULTS = dict(kv_cache_memory=1 << 22, block_size=4)
 
 def make_model_dir(folder: Path, max_positions: int = 2048) -> Path:
     save_model_dir(folder, byte_level_bpe(VOCAB))
-    return build_checkpoint("llama", folder, vocab_size=VOCAB, max_position_embeddings=max_positions)
+    return build_checkpoint(
+        "llama", folder, vocab_size=VOCAB, max_position_embeddings=max_positions
+    )
 
 
 def free_port() -> int:
