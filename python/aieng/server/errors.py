@@ -23,6 +23,9 @@ ERROR_TYPES = {
 }
 
 
+UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "TextPart", "ChatMessage"}
+
+
 class ApiError(Exception):
     def __init__(
         self,
@@ -69,7 +72,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     if not errors:
         return invalid("the request body is invalid")
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_tag(part)]
     kind = first.get("type", "")
     if kind == "json_invalid":
         detail = first.get("ctx", {}).get("error", first.get("msg", ""))
@@ -82,6 +85,13 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     where = f"{param}: " if param else ""
     return invalid(f"{where}{message}", param)
+
+
+def _is_tag(part: object) -> bool:
+    """Pydantic names the union member that failed in the location ("str", "list[int]")."""
+    if not isinstance(part, str):
+        return False
+    return "[" in part or part in UNION_TAGS or part.startswith(("constrained-", "function-"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

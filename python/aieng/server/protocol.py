@@ -6,7 +6,7 @@ error, so a client learns at once that a field it relies on is not honoured.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -15,7 +15,9 @@ MAX_LOGPROBS = 20
 MAX_STOP = 16
 INT64 = 1 << 63
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+Prompt = Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | list[TokenIds]
 
 
 class _Strict(BaseModel):
@@ -86,18 +88,21 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, value: object) -> object:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and value:
-            if all(_is_int(t) for t in value) or all(isinstance(p, str) for p in value):
-                return value
-            if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value):
-                return value
-        if isinstance(value, list) and not value:
-            raise ValueError("the prompt is empty")
-        raise ValueError(
-            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, list) and items and all(_is_int(t) for t in items):
+            items = [items]
+        shaped = isinstance(items, list) and all(
+            isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p))
+            for p in items
         )
+        if not shaped or (items and len({isinstance(p, str) for p in items}) > 1):
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists"
+            )
+        if not items or not all(items):
+            raise ValueError("the prompt is empty")
+        return value
 
     @field_validator("echo")
     @classmethod
@@ -133,6 +138,15 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: object) -> object:
+        if isinstance(value, str) or (
+            isinstance(value, list) and all(isinstance(part, dict) for part in value)
+        ):
+            return value
+        raise ValueError("must be a string or a list of text parts")
 
     @property
     def text(self) -> str:
