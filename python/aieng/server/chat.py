@@ -23,7 +23,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
-    engine = ctx.ready_engine()
+    engine = ctx.ready_engine(request)
     ctx.check_model(body.model)
     check_request(body)
     ids = await render_chat(ctx, body.messages, add_generation_prompt=True)
@@ -37,7 +37,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, ctx.model_defaults)
-    generation = Generation(ctx, request, "chat", [ids], [params])
+    generation = Generation(ctx, request, [ids], [params])
     generation.start()
     if body.stream:
         return await _stream(ctx, generation, body)

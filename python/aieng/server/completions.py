@@ -27,7 +27,7 @@ router = APIRouter()
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
-    engine = ctx.ready_engine()
+    engine = ctx.ready_engine(request)
     ctx.check_model(body.model)
     check_request(body)
     prompts = await _prompt_ids(ctx, body)
@@ -37,7 +37,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             body.max_tokens, len(ids), engine.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS
         )
         params.append(sampling_params(body, max_tokens, body.logprobs, ctx.model_defaults))
-    generation = Generation(ctx, request, "completions", prompts, params)
+    generation = Generation(ctx, request, prompts, params)
     generation.start()
     if body.stream:
         return await _stream(ctx, generation, body)

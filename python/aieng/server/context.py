@@ -15,6 +15,7 @@ from aieng.server.admission import Admission, ServerState
 from aieng.server.config import ServerConfig
 from aieng.server.errors import ApiError, invalid
 from aieng.server.metrics import ServerMetrics
+from aieng.server.request_log import RequestRecord, log_request
 
 
 class ServerContext:
@@ -37,18 +38,33 @@ class ServerContext:
         self.model_defaults = dict(engine.engine.runner.config.generation_defaults)
         self.admission.state = ServerState.READY
 
-    def ready_engine(self) -> AsyncLLMEngine:
-        """The engine, or 503 while it loads, after a failure, or while draining."""
+    def ready_engine(self, generation_request: Request | None = None) -> AsyncLLMEngine:
+        """The engine, or 503 while it loads, after a failure, or while draining. A generation
+        request refused here is counted and logged like any other refusal."""
         state = self.admission.state
+        error = None
         if state is ServerState.DRAINING:
-            raise ApiError(503, "the server is shutting down", code="draining")
-        if self.engine is None or state is ServerState.STARTING:
-            raise ApiError(
+            error = ApiError(503, "the server is shutting down", code="draining")
+        elif self.engine is None or state is ServerState.STARTING:
+            error = ApiError(
                 503, "the model is still loading", code="starting", headers={"Retry-After": "5"}
             )
-        if not self.engine.alive:
-            raise ApiError(503, "the engine loop is not running", code="engine_dead")
-        return self.engine
+        elif not self.engine.alive:
+            error = ApiError(503, "the engine loop is not running", code="engine_dead")
+        if error is None:
+            assert self.engine is not None
+            return self.engine
+        if generation_request is not None:
+            self.metrics.rejected(error.code or "unavailable")
+            log_request(
+                RequestRecord(
+                    request_id=request_id_of(generation_request),
+                    endpoint=generation_request.url.path,
+                    status=error.status,
+                    error=error.code,
+                )
+            )
+        raise error
 
     def check_model(self, name: str | None) -> None:
         if name is not None and not self.config.knows_model(name):

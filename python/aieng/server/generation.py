@@ -52,11 +52,10 @@ class Generation:
         self,
         ctx: ServerContext,
         http: Request,
-        endpoint: str,
         prompts: list[list[int]],
         params: list[SamplingParams],
     ):
-        self.ctx, self.http, self.endpoint = ctx, http, endpoint
+        self.ctx, self.http, self.endpoint = ctx, http, http.url.path
         self.engine = ctx.ready_engine()
         self.request_id = request_id_of(http)
         self.arrival = time.monotonic()
