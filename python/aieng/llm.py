@@ -7,6 +7,7 @@ from typing import Any
 
 from aieng._core import InvalidArgumentError
 from aieng.engine import EngineConfig, LLMEngine
+from aieng.models.default import default_model_path
 from aieng.outputs import RequestOutput
 from aieng.sampling import SamplingParams
 
@@ -37,10 +38,8 @@ class LLM:
         seed: int = 0,
         long_prefill_token_threshold: int = 0,
     ):
-        if model is None:
-            raise InvalidArgumentError(
-                "no model given: pass the path of a Hugging Face checkpoint folder"
-            )
+        if model is None:  # the bundled default model (aieng.models.default)
+            model = str(default_model_path())
         self.engine = LLMEngine(
             EngineConfig(
                 model=str(model),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,25 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_rows])  # (S, vocab)
         tokens, logprobs = self.sampler(logits, sampling)
         return tokens.cpu().numpy().astype(np.int64), logprobs
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Log-probability of each token given the ones before it, through the same forward as
+        serving (one prefill into a scratch KV cache): (len(token_ids) - 1,) float32."""
+        n = len(token_ids)
+        if n < 2:
+            raise ValueError(f"scoring needs at least 2 tokens, got {n}")
+        if n > self.config.max_position_embeddings:
+            raise ValueError(
+                f"{n} tokens exceed the model's context of {self.config.max_position_embeddings}"
+            )
+        num_blocks = math.ceil(n / self.block_size)
+        plan = _single_prompt_plan(n, num_blocks, self.block_size)
+        plan.input_ids = np.asarray(token_ids, dtype=np.int32)
+        hidden = self._forward(plan, self._allocate_kv_caches(num_blocks))
+        logits = self.model.compute_logits(hidden[:-1]).float()
+        targets = self._tensor(plan.input_ids[1:])
+        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].cpu()
 
     def _forward(self, plan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         attn = build_attention_metadata(

@@ -1,0 +1,5 @@
+import sys
+
+from aieng.cli import main
+
+sys.exit(main())

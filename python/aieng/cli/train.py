@@ -1,0 +1,133 @@
+"""`aieng train`: a Llama-architecture model trained from scratch on a text corpus."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from aieng.cli.common import positive_int
+
+
+def add_train(commands) -> None:
+    from aieng.train.config import TrainConfig
+
+    d = TrainConfig(data="", out="")
+    p = commands.add_parser(
+        "train",
+        help="train a small Llama from scratch on a text corpus",
+        description="Train a byte-level BPE tokenizer and a Llama-architecture causal LM from "
+        "scratch on a plain-text corpus (documents separated by blank lines), writing a Hugging "
+        "Face folder that transformers and aieng load. Checkpoints every --checkpoint-interval "
+        "steps; --resume continues a run exactly where it stopped.",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", metavar="FILE", help="training text file")
+    source.add_argument(
+        "--kjv",
+        action="store_true",
+        help="the King James Bible from Debian's bible-kjv package, with the books "
+        "Ruth, Ecclesiastes, Jonah, Mark and Philippians held out",
+    )
+    source.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
+    p.add_argument("--out", metavar="DIR", help="output folder (required unless --resume)")
+    p.add_argument("--heldout", metavar="FILE", help="held-out text file for evaluation")
+    p.add_argument(
+        "--heldout-fraction", type=float, metavar="F",
+        help="without --heldout: the last F of the documents (default: %(default)s)",
+    )  # fmt: skip
+    size = p.add_argument_group("model size")
+    for name, help_text in (
+        ("vocab_size", "BPE vocabulary size"),
+        ("hidden_size", "hidden size"),
+        ("num_layers", "decoder layers"),
+        ("num_heads", "attention heads"),
+        ("num_kv_heads", "key/value heads (grouped-query attention when fewer)"),
+        ("intermediate_size", "MLP size"),
+        ("seq_len", "training sequence length (also the model's context)"),
+    ):
+        _int_option(size, name, getattr(d, name), help_text)
+    run = p.add_argument_group("optimization")
+    _int_option(run, "steps", d.steps, "optimizer steps (with --resume: the new total)")
+    _int_option(run, "batch_size", d.batch_size, "sequences per step")
+    run.add_argument("--lr", type=float, help=f"peak learning rate ({d.lr})")
+    run.add_argument(
+        "--min-lr-ratio", type=float, help=f"cosine decay ends at lr * this ({d.min_lr_ratio})",
+    )  # fmt: skip
+    _int_option(run, "warmup_steps", d.warmup_steps, "linear warmup steps")
+    run.add_argument("--weight-decay", type=float, help=f"AdamW weight decay ({d.weight_decay})")
+    run.add_argument("--grad-clip", type=float, help=f"gradient norm clip ({d.grad_clip})")
+    run.add_argument("--seed", type=int, help=f"seed of weights and data order ({d.seed})")
+    cadence = p.add_argument_group("logging and checkpoints")
+    _int_option(cadence, "eval_interval", d.eval_interval, "steps between held-out evals")
+    _int_option(cadence, "eval_windows", d.eval_windows, "held-out windows per eval")
+    _int_option(cadence, "checkpoint_interval", d.checkpoint_interval, "steps between saves")
+    _int_option(cadence, "log_interval", d.log_interval, "steps between progress lines")
+    cadence.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    cadence.add_argument(
+        "--save-dtype", choices=("float32", "bfloat16"),
+        help=f"dtype of model.safetensors ({d.save_dtype})",
+    )  # fmt: skip
+    p.set_defaults(run=run_train)
+
+
+def _int_option(group, name: str, default: int, help_text: str) -> None:
+    # The parser's default stays None so that --resume can tell an option given from one not.
+    group.add_argument(
+        "--" + name.replace("_", "-"),
+        type=positive_int,
+        metavar="N",
+        help=f"{help_text} (default: {default})",
+    )
+
+
+def config_from_args(args: argparse.Namespace, data: str, heldout: str | None):
+    from aieng.train.config import TrainConfig
+
+    defaults = TrainConfig(data=data, out=args.out, heldout=heldout)
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(TrainConfig)
+        if f.name not in ("data", "out", "heldout") and getattr(args, f.name) is not None
+    }
+    return dataclasses.replace(defaults, **given)
+
+
+def resumed_config(args: argparse.Namespace):
+    """The saved run's settings, with the options --resume may change applied if given."""
+    import torch
+
+    from aieng.train.config import RESUMABLE_OPTIONS, TrainConfig
+    from aieng.train.trainer import STATE_FILE
+
+    path = Path(args.resume) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: no {STATE_FILE} in {args.resume}")
+    saved = torch.load(path, map_location="cpu", weights_only=False)["config"]
+    cfg = TrainConfig(**{**saved, "out": args.resume})
+    given = {n: getattr(args, n) for n in RESUMABLE_OPTIONS if getattr(args, n) is not None}
+    return dataclasses.replace(cfg, **given)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from aieng.train.trainer import train
+
+    if args.resume:
+        result = train(resumed_config(args), resume=True)
+    else:
+        if not args.out:
+            raise ValueError("--out DIR is required (the folder the model is written to)")
+        if args.kjv:
+            from aieng.train.corpus import write_kjv
+
+            data, heldout = (str(p) for p in write_kjv(Path(args.out) / "corpus"))
+        else:
+            data, heldout = args.data, args.heldout
+        result = train(config_from_args(args, data, heldout))
+    held = f", held-out loss {result.heldout_loss:.4f}" if result.heldout_loss is not None else ""
+    print(
+        f"trained {result.parameters / 1e6:.2f}M parameters for {result.steps} steps in "
+        f"{result.train_seconds / 60:.1f} min: loss {result.final_loss:.4f}{held}; "
+        f"wrote {result.out}"
+    )
+    return 0

@@ -1,0 +1,106 @@
+"""Perplexity of a model on a text (`aieng eval`): a sliding window with a stride, token-weighted.
+
+Each window of up to `window` tokens starts `stride` tokens after the one before; only the tokens
+the previous window did not score are scored, each with as much left context as the window
+allows (a window's first token has none, so the text's first token, and with stride == window
+each window's first, go unscored — as in transformers' perplexity guide). The mean of the scored
+tokens' negative log-likelihoods is exponentiated. Scores come from
+`ModelRunner.prompt_logprobs`, the engine's own forward path, so this is the yardstick for
+quantization and kernel changes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from aieng._core import InvalidArgumentError, Tokenizer
+from aieng.runner import ModelRunner
+
+
+@dataclass
+class PerplexityResult:
+    tokens: int  # tokens scored
+    text_tokens: int  # tokens in the text
+    nll: float  # mean negative log-likelihood (nats per token)
+    perplexity: float
+    window: int
+    stride: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def sliding_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored target) per window; targets are token positions in [1, n)."""
+    if window < 2:
+        raise InvalidArgumentError(f"window must be at least 2 tokens, got {window}")
+    if not 1 <= stride <= window:
+        raise InvalidArgumentError(f"stride must be in [1, window={window}], got {stride}")
+    spans, scored_until, begin = [], 1, 0
+    while scored_until < num_tokens:
+        end = min(begin + window, num_tokens)
+        # A window's first token has no context inside it: with stride == window it goes unscored.
+        spans.append((begin, end, max(scored_until, begin + 1)))
+        scored_until = end
+        begin += stride
+    return spans
+
+
+def perplexity_of_ids(
+    runner: ModelRunner, ids: Sequence[int], window: int, stride: int
+) -> PerplexityResult:
+    if len(ids) < 2:
+        raise InvalidArgumentError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
+    start = time.perf_counter()
+    total, count = 0.0, 0
+    for begin, end, first in sliding_windows(len(ids), window, stride):
+        logprobs = runner.prompt_logprobs(ids[begin:end])  # targets begin+1 .. end-1
+        scored = logprobs[first - begin - 1 :]
+        total -= float(scored.double().sum())
+        count += len(scored)
+    nll = total / count
+    return PerplexityResult(
+        tokens=count,
+        text_tokens=len(ids),
+        nll=nll,
+        perplexity=math.exp(nll),
+        window=window,
+        stride=stride,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def perplexity(
+    model: str | Path,
+    text_file: str | Path,
+    *,
+    window: int | None = None,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+    device: str | None = None,
+) -> PerplexityResult:
+    """Perplexity of the checkpoint folder `model` on a UTF-8 text file. `window` defaults to the
+    model's context, `stride` to half the window; `max_tokens` scores only the text's start."""
+    path = Path(text_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such text file: {path}")
+    text = path.read_text(encoding="utf-8")
+    tokenizer = Tokenizer.from_dir(str(model))
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    # Scoring uses scratch caches sized per window; the runner's own cache stays small.
+    runner = ModelRunner(model, device=device, kv_cache_memory=16 << 20)
+    window = window or runner.config.max_position_embeddings
+    stride = stride or max(1, window // 2)
+    if window > runner.config.max_position_embeddings:
+        raise InvalidArgumentError(
+            f"window {window} exceeds the model's context of "
+            f"{runner.config.max_position_embeddings} tokens"
+        )
+    return perplexity_of_ids(runner, ids, window, stride)

@@ -1,0 +1,1 @@
+"""Training a small Llama-architecture language model from scratch (`aieng train`)."""

@@ -1,0 +1,327 @@
+"""The training loop behind `aieng train`: tokenizer, data, AdamW with warmup and cosine decay,
+held-out evaluation, checkpoints that resume exactly, and the Hugging Face folder it exports.
+
+Output folder layout:
+  config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json
+      a Hugging Face checkpoint, rewritten at every checkpoint and at the end;
+  training_state.pt   model, optimizer, data-sampler state and step, for `--resume`;
+  training_log.json   the run's settings, loss history, timings and held-out results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from aieng.train.bpe import EOS_TOKEN, IM_END, save_tokenizer, train_tokenizer
+from aieng.train.config import RESUMABLE_OPTIONS, TrainConfig
+from aieng.train.corpus import read_documents
+from aieng.train.model import TrainableLlama
+
+STATE_FILE = "training_state.pt"
+LOG_FILE = "training_log.json"
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    parameters: int
+    train_tokens: int
+    heldout_tokens: int
+    train_seconds: float
+    final_loss: float
+    heldout_loss: float | None
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def train(
+    cfg: TrainConfig,
+    resume: bool = False,
+    log: TextIO = sys.stderr,
+    stop_after: int | None = None,
+) -> TrainResult:
+    """Runs (or with `resume`, continues) a training run to `cfg.steps`. `stop_after` ends this
+    run early after that step with a checkpoint, as an interruption would; resuming continues
+    as if the run had never stopped."""
+    cfg.validate()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / STATE_FILE
+    state: dict[str, Any] | None = None
+    if resume:
+        if not state_path.is_file():
+            raise FileNotFoundError(f"--resume: no {STATE_FILE} in {out}")
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        cfg = _resumed_config(cfg, state["config"])
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+
+    train_docs, held_docs = _documents(cfg)
+    tokenizer = _tokenizer(cfg, out, train_docs, reuse=state is not None)
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    train_ids = _encode(tokenizer, train_docs, eos_id)
+    held_ids = _encode(tokenizer, held_docs, eos_id) if held_docs else None
+    if len(train_ids) <= cfg.seq_len + 1:
+        raise ValueError(
+            f"the training text has {len(train_ids)} tokens; --seq-len {cfg.seq_len} needs more"
+        )
+    shape = cfg.shape(tokenizer.get_vocab_size())
+    model = TrainableLlama(shape)
+    optimizer = _optimizer(model, cfg)
+    sampler = torch.Generator().manual_seed(cfg.seed)
+    step, elapsed, history = 0, 0.0, []
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        sampler.set_state(state["sampler"])
+        step, elapsed, history = state["step"], state["elapsed"], state["history"]
+        print(f"resuming {out} at step {step}/{cfg.steps}", file=log)
+    print(
+        f"model: {model.num_parameters() / 1e6:.2f}M parameters, {shape.num_hidden_layers} "
+        f"layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}; "
+        f"{len(train_ids):,} training tokens"
+        + (f", {len(held_ids):,} held-out" if held_ids is not None else ""),
+        file=log,
+    )
+    eval_windows = _eval_windows(held_ids, cfg) if held_ids is not None else None
+
+    def save() -> None:
+        _export(out, model, tokenizer, cfg, eos_id)
+        _save_state(state_path, model, optimizer, sampler, step, elapsed, history, cfg)
+
+    progress = _Progress(cfg, log)
+    loss_value = float("nan")
+    model.train()
+    last_step = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    while step < last_step:
+        started = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        inputs, targets = _batch(train_ids, cfg, sampler)
+        loss = model.loss(inputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        step += 1
+        elapsed += time.perf_counter() - started
+        loss_value = loss.item()
+        record: dict[str, float] = {"step": step, "loss": loss_value, "elapsed": elapsed}
+        if eval_windows is not None and (step % cfg.eval_interval == 0 or step == cfg.steps):
+            record["heldout_loss"] = evaluate(model, eval_windows, cfg.batch_size)
+        if step % cfg.log_interval == 0 or "heldout_loss" in record or step == cfg.steps:
+            history.append(record)
+            progress.show(step, record, lr_at(step - 1, cfg))
+        if step % cfg.checkpoint_interval == 0 or step == last_step:
+            save()
+    progress.done()
+    heldout_loss = next((h["heldout_loss"] for h in reversed(history) if "heldout_loss" in h), None)
+    result = TrainResult(
+        out=out,
+        steps=step,
+        parameters=model.num_parameters(),
+        train_tokens=len(train_ids),
+        heldout_tokens=0 if held_ids is None else len(held_ids),
+        train_seconds=elapsed,
+        final_loss=loss_value,
+        heldout_loss=heldout_loss,
+        history=history,
+    )
+    _write_log(out, cfg, result)
+    return result
+
+
+@torch.no_grad()
+def evaluate(model: TrainableLlama, windows: torch.Tensor, batch_size: int) -> float:
+    """Mean next-token loss over (N, seq_len + 1) held-out windows."""
+    model.eval()
+    total, count = 0.0, 0
+    for chunk in windows.split(batch_size):
+        logits = model(chunk[:, :-1])
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
+        )
+        total, count = total + loss.item(), count + chunk[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+# ---------------------------------------------------------------------------------- pieces
+
+
+def _resumed_config(cfg: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
+    """The saved run's settings; only `steps` and the logging/checkpoint cadence may change."""
+    merged = dict(saved)
+    for name in RESUMABLE_OPTIONS:
+        merged[name] = getattr(cfg, name)
+    merged["out"] = cfg.out
+    return TrainConfig(**merged)
+
+
+def _documents(cfg: TrainConfig) -> tuple[list[str], list[str]]:
+    docs = read_documents(cfg.data)
+    if cfg.heldout:
+        return docs, read_documents(cfg.heldout)
+    n_held = int(len(docs) * cfg.heldout_fraction)
+    if n_held == 0:
+        return docs, []
+    return docs[:-n_held], docs[-n_held:]
+
+
+def _tokenizer(cfg: TrainConfig, out: Path, docs: list[str], reuse: bool):
+    from tokenizers import Tokenizer
+
+    path = out / "tokenizer.json"
+    if reuse:
+        return Tokenizer.from_file(str(path))
+    tokenizer = train_tokenizer(docs, cfg.vocab_size)
+    save_tokenizer(tokenizer, out, cfg.seq_len)
+    return tokenizer
+
+
+def _encode(tokenizer, docs: list[str], eos_id: int) -> torch.Tensor:
+    """Documents' ids, each followed by the end-of-text token, as one int64 stream."""
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(docs, add_special_tokens=False):
+        ids.extend(encoding.ids)
+        ids.append(eos_id)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def _optimizer(model: TrainableLlama, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; norms (1-D weights) get no weight decay."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _batch(
+    ids: torch.Tensor, cfg: TrainConfig, sampler: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.randint(0, len(ids) - cfg.seq_len - 1, (cfg.batch_size,), generator=sampler)
+    rows = torch.stack([ids[s : s + cfg.seq_len + 1] for s in starts.tolist()])
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _eval_windows(ids: torch.Tensor, cfg: TrainConfig) -> torch.Tensor | None:
+    """Up to `eval_windows` non-overlapping windows spread evenly over the held-out text."""
+    span = cfg.seq_len + 1
+    available = len(ids) // span
+    if available == 0:
+        return None
+    picks = torch.linspace(0, available - 1, min(cfg.eval_windows, available)).long().unique()
+    return torch.stack([ids[i * span : (i + 1) * span] for i in picks.tolist()])
+
+
+def _export(out: Path, model: TrainableLlama, tokenizer, cfg: TrainConfig, eos_id: int) -> None:
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, cfg.save_dtype)
+    tensors = {k: v.to(dtype) for k, v in model.hf_state_dict().items()}
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)  # safetensors creates the file owner-only; a shipped model is readable
+    os.replace(tmp, out / "model.safetensors")
+    config = model.shape.hf_config(bos_token_id=eos_id, eos_token_id=eos_id)
+    config["torch_dtype"] = cfg.save_dtype
+    _write_json(out / "config.json", config)
+    im_end = tokenizer.token_to_id(IM_END)
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": eos_id,
+            "eos_token_id": [eos_id, im_end],
+            "pad_token_id": eos_id,
+            "do_sample": True,
+            "temperature": 0.8,
+            "top_p": 0.95,
+            "max_length": cfg.seq_len,
+        },
+    )
+
+
+def _save_state(path: Path, model, optimizer, sampler, step, elapsed, history, cfg) -> None:
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "sampler": sampler.get_state(),
+        "step": step,
+        "elapsed": elapsed,
+        "history": history,
+        "config": asdict(cfg),
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _write_log(out: Path, cfg: TrainConfig, result: TrainResult) -> None:
+    summary = {k: v for k, v in asdict(result).items() if k not in ("out", "history")}
+    _write_json(out / LOG_FILE, {"config": asdict(cfg), **summary, "history": result.history})
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+class _Progress:
+    """One line per log interval: a bar, loss, held-out loss, tokens/s and time left."""
+
+    def __init__(self, cfg: TrainConfig, stream: TextIO):
+        self.cfg, self.stream = cfg, stream
+        self.tty = stream.isatty()
+        self.last: tuple[float, float] | None = None  # (step, elapsed) of the last line
+
+    def show(self, step: int, record: dict[str, float], lr: float) -> None:
+        elapsed = record["elapsed"]
+        if self.last is not None and elapsed > self.last[1]:
+            rate = (step - self.last[0]) / (elapsed - self.last[1])
+        else:
+            rate = step / max(elapsed, 1e-9)
+        self.last = (step, elapsed)
+        tokens_per_s = rate * self.cfg.batch_size * self.cfg.seq_len
+        left = (self.cfg.steps - step) / max(rate, 1e-9)
+        width = 24
+        filled = int(width * step / self.cfg.steps)
+        bar = "#" * filled + "." * (width - filled)
+        held = f" heldout {record['heldout_loss']:.3f}" if "heldout_loss" in record else ""
+        line = (
+            f"[{bar}] {step}/{self.cfg.steps} loss {record['loss']:.3f}{held} lr {lr:.2e} "
+            f"{tokens_per_s:,.0f} tok/s {_clock(elapsed)} elapsed, {_clock(left)} left"
+        )
+        if self.tty and not held:
+            print("\r" + line, end="", file=self.stream, flush=True)
+        else:
+            print(("\r" if self.tty else "") + line, file=self.stream, flush=True)
+
+    def done(self) -> None:
+        if self.tty:
+            print(file=self.stream)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

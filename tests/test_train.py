@@ -1,0 +1,178 @@
+"""`aieng train`: a seconds-long run produces a folder that transformers loads unchanged and that
+aieng generates from exactly as HF does; training resumes exactly; the trainer's model is HF's."""
+
+import io
+import itertools
+import json
+
+import pytest
+import torch
+import transformers
+from tiny_models import hf_greedy
+from train_fixtures import tiny_config, train_tiny, write_corpus
+
+from aieng import LLM, SamplingParams
+from aieng.train.corpus import kjv_books, read_documents, split_books
+from aieng.train.model import ModelShape, TrainableLlama
+from aieng.train.trainer import lr_at, train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train")
+    result = train_tiny(folder)
+    return folder, result
+
+
+def test_training_lowers_heldout_loss(trained):
+    _, result = trained
+    evals = [h["heldout_loss"] for h in result.history if "heldout_loss" in h]
+    assert len(evals) == 2
+    assert result.heldout_loss == evals[-1]
+    first_loss = result.history[0]["loss"]
+    assert result.final_loss < first_loss - 1.0
+    assert evals[-1] < 3.0  # the corpus is highly repetitive; a uniform guess is ln(320) = 5.8
+
+
+def test_folder_is_a_hugging_face_checkpoint(trained):
+    folder, result = trained
+    out = folder / "model"
+    names = {p.name for p in out.iterdir()}
+    for required in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "training_state.pt",
+        "training_log.json",
+    ):
+        assert required in names
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert sum(p.numel() for p in hf.parameters()) == result.parameters
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "The king went up to the city."
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                       add_generation_prompt=True)  # fmt: skip
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["steps"] == 40 and log["parameters"] == result.parameters
+
+
+def test_aieng_generates_exactly_as_hf(trained):
+    folder, _ = trained
+    out = folder / "model"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    llm = LLM(str(out), kv_cache_memory=4 << 20)
+    tok = llm.get_tokenizer()
+    prompts = ["The king", "A shepherd went up to", "Jerusalem", "The prophet blessed the"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, result in zip(prompts, outputs, strict=True):
+        expected, _ = hf_greedy(hf, tok.encode(prompt), 12)
+        assert result.outputs[0].token_ids == expected, prompt
+    llm.engine.check_pool_whole()
+
+
+def test_trainer_model_matches_hf_forward(trained):
+    folder, _ = trained
+    out = folder / "model"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    config = json.loads((out / "config.json").read_text())
+    shape = ModelShape(**{k: config[k] for k in ModelShape.__dataclass_fields__ if k in config})
+    ours = TrainableLlama(shape)
+    missing = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing.unexpected_keys
+    ids = torch.randint(0, shape.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight = train_tiny(tmp_path / "a", steps=20, checkpoint_interval=10)
+    cfg = tiny_config(tmp_path / "b", steps=20, checkpoint_interval=7)
+    first = train(cfg, stop_after=10)  # interrupted after step 10
+    assert first.steps == 10
+    log = io.StringIO()
+    resumed = train(cfg, resume=True, log=log)
+    assert "resuming" in log.getvalue() and "at step 10/20" in log.getvalue()
+    assert resumed.steps == 20
+    assert resumed.final_loss == pytest.approx(straight.final_loss, abs=1e-5)
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "a" / "model" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "model" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-5)
+
+
+def test_resume_without_state_is_a_clear_error(tmp_path):
+    cfg = tiny_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"training_state\.pt"):
+        train(cfg, resume=True)
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="not a multiple"):
+        train_tiny(tmp_path, hidden_size=60, num_heads=7)
+    with pytest.raises(ValueError, match="--lr"):
+        train_tiny(tmp_path, lr=0.0)
+    with pytest.raises(ValueError, match="--seq-len"):
+        train_tiny(tmp_path, seq_len=100_000)
+
+
+def test_learning_rate_schedule(tmp_path):
+    cfg = tiny_config(tmp_path, steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(100, cfg) == pytest.approx(1e-4)
+    values = [lr_at(s, cfg) for s in range(10, 101)]
+    assert all(a >= b for a, b in itertools.pairwise(values))
+
+
+KJV_SAMPLE = """
+Genesis 1
+
+  1 In the beginning God created the heaven and the earth.
+  2 And the earth was without form, and void; and darkness was upon the face of
+the deep. And the Spirit of God moved upon the face of the waters.
+
+Genesis 2
+
+  1 Thus the heavens and the earth were finished, and all the host of them.
+
+Ruth 1
+
+  1 Now it came to pass in the days when the judges ruled, that there was a
+famine in the land.
+
+1 John 1
+
+  1 That which was from the beginning, which we have heard.
+"""
+
+
+def test_kjv_text_is_stripped_of_headings_and_verse_numbers():
+    books = kjv_books(KJV_SAMPLE)
+    assert list(books) == ["Genesis", "Ruth", "1 John"]
+    assert books["Genesis"][0] == (
+        "In the beginning God created the heaven and the earth.\n"
+        "And the earth was without form, and void; and darkness was upon the face of the deep. "
+        "And the Spirit of God moved upon the face of the waters."
+    )
+    train_text, held = split_books(books, heldout=("Ruth",))
+    assert "famine" in held and "famine" not in train_text
+    assert "Genesis" not in train_text and "  1 " not in train_text
+    assert train_text.count("\n\n") == 2  # three chapters
+
+
+def test_documents_are_blank_line_separated(tmp_path):
+    path = write_corpus(tmp_path / "c.txt", 5, seed=0)
+    assert len(read_documents(path)) == 5
+    with pytest.raises(RuntimeError, match="no such text file"):
+        read_documents(tmp_path / "missing.txt")
