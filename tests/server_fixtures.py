@@ -60,12 +60,27 @@ def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None =
 class ThreadServer:
     """build_app + uvicorn in a background thread of the test process."""
 
-    def __init__(self, model: Path, engine: dict[str, Any] | None = None, **server: Any):
+    def __init__(
+        self,
+        model: Path,
+        engine: dict[str, Any] | None = None,
+        loading_gate: threading.Event | None = None,
+        **server: Any,
+    ):
+        """With `loading_gate`, the model load waits for the event (a slow load, for tests
+        of the starting state)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = ServerConfig(served_model_name=MODEL_NAME, model_path=str(model), **server)
         engine_config = EngineConfig(model=str(model), **{**ENGINE_DEFAULTS, **(engine or {})})
-        self.app = build_app(config, lambda: LLMEngine(engine_config))
+
+        def load() -> LLMEngine:
+            if loading_gate is not None:
+                loading_gate.wait(60)
+            return LLMEngine(engine_config)
+
+        self.app = build_app(config, load)
+        self.loading_gate = loading_gate
         self.ctx = self.app.state.context
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None)
@@ -82,7 +97,8 @@ class ThreadServer:
 
     def __enter__(self) -> ThreadServer:
         self.thread.start()
-        wait_ready(self.url)
+        if self.loading_gate is None:
+            wait_ready(self.url)
         return self
 
     def __exit__(self, *_exc: object) -> None:

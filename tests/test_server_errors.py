@@ -2,11 +2,13 @@
 body naming the problem; nothing a client sends raises a 5xx or disturbs the engine."""
 
 import json
+import threading
+import time
 
 import httpx
 import openai
 import pytest
-from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
+from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir, wait_ready
 
 MAX_BODY = 64 << 10
 
@@ -162,3 +164,38 @@ def test_api_key_and_cors_when_configured(model):
         preflight = {"Origin": "http://a.example", "Access-Control-Request-Method": "POST"}
         response = httpx.options(url, headers=preflight)
         assert response.headers["access-control-allow-origin"] == "http://a.example"
+
+
+def test_while_the_model_loads_everything_answers_503(model):
+    gate = threading.Event()
+    with ThreadServer(model, loading_gate=gate) as s:
+        deadline = time.monotonic() + 30
+        while True:  # the listener is up before the model
+            try:
+                ready = httpx.get(f"{s.url}/ready")
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert ready.status_code == 503 and ready.json()["status"] == "starting"
+        assert httpx.get(f"{s.url}/health").status_code == 503
+        response = httpx.post(f"{s.url}/v1/completions", json={"prompt": "The", "max_tokens": 2})
+        error = assert_error(response, 503, None, "loading")
+        assert error["code"] == "starting" and response.headers["retry-after"] == "5"
+        assert httpx.get(f"{s.url}/v1/models").status_code == 200
+        gate.set()
+        wait_ready(s.url)
+        response = httpx.post(f"{s.url}/v1/completions", json={"prompt": "The", "max_tokens": 2})
+        assert response.status_code == 200
+
+
+def test_a_request_larger_than_the_kv_pool_gets_400(model):
+    # 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes x 4 tokens: 2 KiB a block; 40 blocks
+    with ThreadServer(model, engine={"kv_cache_memory": 40 * 2048}) as s:
+        body = {"prompt": "The quick brown fox", "max_tokens": 400}
+        response = httpx.post(f"{s.url}/v1/completions", json=body)
+        assert_error(response, 400, "prompt", "KV blocks", "40")
+        ok = httpx.post(f"{s.url}/v1/completions", json={**body, "max_tokens": 8})
+        assert ok.status_code == 200
+        s.wait_idle()
+        s.in_engine(lambda engine: engine.check_pool_whole())

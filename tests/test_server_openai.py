@@ -177,3 +177,21 @@ def test_metrics_count_what_was_served(server, client):
     assert after["aieng_kv_cache_usage_perc"] == 0.0
     assert after["aieng_prefix_cache_queries_total"] >= after["aieng_prefix_cache_hits_total"]
     assert "aieng_num_preemptions_total" in after
+
+
+def test_penalties_change_a_repetitive_greedy_text(client):
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], **GREEDY)
+    text = plain.choices[0].text
+    penalised = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], frequency_penalty=2.0, presence_penalty=1.0, **GREEDY
+    )
+    assert penalised.choices[0].text != text
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(client):
+    prompt = "Numbers 3.14159 2.71828 1,000,000 and symbols, all of them cached"
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    again = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < cached < again.usage.prompt_tokens and cached % 4 == 0

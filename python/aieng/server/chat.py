@@ -6,16 +6,16 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from aieng.errors import ChatTemplateError
 from aieng.server.context import ServerContext, context_of
-from aieng.server.errors import ApiError, invalid
-from aieng.server.generation import ClientGone, Delta, Generation
+from aieng.server.errors import invalid
+from aieng.server.generation import Delta, Generation
 from aieng.server.openapi_docs import ERROR_RESPONSES
 from aieng.server.params import check_request, resolve_max_tokens, sampling_params
 from aieng.server.protocol import ChatCompletionRequest, ChatMessage
-from aieng.server.streaming import stream_response
+from aieng.server.streaming import Shapes, respond
 
 router = APIRouter()
 
@@ -37,20 +37,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, ctx.model_defaults)
-    generation = Generation(ctx, request, [ids], [params])
-    generation.start()
-    if body.stream:
-        return await _stream(ctx, generation, body)
-    try:
-        await generation.collect()
-        return JSONResponse(_chat_completion(ctx, generation))
-    except ClientGone:
-        return Response(status_code=499)
-    except ApiError as error:
-        generation.fail(error)
-        raise
-    finally:
-        generation.close()
+    generation = Generation(ctx, request, engine, [ids], [params])
+    return await respond(
+        generation, body.stream, body.include_usage_in_stream, _shapes(ctx, generation)
+    )
 
 
 async def render_chat(
@@ -70,45 +60,23 @@ async def render_chat(
     return ids
 
 
-async def _stream(
-    ctx: ServerContext, generation: Generation, body: ChatCompletionRequest
-) -> Response:
-    try:
-        first = await generation.first_deltas()
-    except ClientGone:
-        generation.close()
-        return Response(status_code=499)
-    except ApiError as error:
-        generation.fail(error)
-        generation.close()
-        raise
+def _shapes(ctx: ServerContext, generation: Generation) -> Shapes:
+    started: set[int] = set()  # choices whose first delta (with the role) went out
+
+    def choice_delta(d: Delta) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": d.text}
+        if d.index not in started:
+            started.add(d.index)
+            delta = {"role": "assistant", **delta}
+        return {
+            "index": d.index,
+            "delta": delta,
+            "logprobs": _logprobs(ctx, generation, d.token_ids, d.logprobs),
+            "finish_reason": d.finish_reason,
+        }
+
     head = _head(ctx, generation, "chat.completion.chunk")
-    usage_field = {"usage": None} if body.include_usage_in_stream else {}
-    started: set[int] = set()
-
-    def chunk(deltas: list[Delta]) -> list[dict]:
-        choices = []
-        for d in deltas:
-            delta: dict[str, Any] = {"content": d.text}
-            if d.index not in started:
-                started.add(d.index)
-                delta = {"role": "assistant", **delta}
-            choices.append(
-                {
-                    "index": d.index,
-                    "delta": delta,
-                    "logprobs": _logprobs(ctx, generation, d.token_ids, d.logprobs),
-                    "finish_reason": d.finish_reason,
-                }
-            )
-        return [{**head, "choices": choices, **usage_field}]
-
-    def usage() -> dict:
-        return {**head, "choices": [], "usage": generation.usage()}
-
-    return stream_response(
-        generation, first, chunk, usage if body.include_usage_in_stream else None
-    )
+    return Shapes(head, choice_delta, lambda: _chat_completion(ctx, generation))
 
 
 def _head(ctx: ServerContext, generation: Generation, kind: str) -> dict[str, Any]:

@@ -6,11 +6,11 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from aieng.server.context import ServerContext, context_of
-from aieng.server.errors import ApiError, invalid
-from aieng.server.generation import ClientGone, Delta, Generation
+from aieng.server.errors import invalid
+from aieng.server.generation import Delta, Generation
 from aieng.server.openapi_docs import ERROR_RESPONSES
 from aieng.server.params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -19,7 +19,7 @@ from aieng.server.params import (
     sampling_params,
 )
 from aieng.server.protocol import CompletionRequest
-from aieng.server.streaming import stream_response
+from aieng.server.streaming import Shapes, respond
 
 router = APIRouter()
 
@@ -37,20 +37,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             body.max_tokens, len(ids), engine.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS
         )
         params.append(sampling_params(body, max_tokens, body.logprobs, ctx.model_defaults))
-    generation = Generation(ctx, request, prompts, params)
-    generation.start()
-    if body.stream:
-        return await _stream(ctx, generation, body)
-    try:
-        await generation.collect()
-        return JSONResponse(_completion(ctx, generation))
-    except ClientGone:
-        return Response(status_code=499)
-    except ApiError as error:
-        generation.fail(error)
-        raise
-    finally:
-        generation.close()
+    generation = Generation(ctx, request, engine, prompts, params)
+    return await respond(
+        generation, body.stream, body.include_usage_in_stream, _shapes(ctx, generation)
+    )
 
 
 async def _prompt_ids(ctx: ServerContext, body: CompletionRequest) -> list[list[int]]:
@@ -70,38 +60,17 @@ async def _prompt_ids(ctx: ServerContext, body: CompletionRequest) -> list[list[
     return [list(p) for p in prompts]  # type: ignore[arg-type]
 
 
-async def _stream(ctx: ServerContext, generation: Generation, body: CompletionRequest) -> Response:
-    try:
-        first = await generation.first_deltas()
-    except ClientGone:
-        generation.close()
-        return Response(status_code=499)
-    except ApiError as error:
-        generation.fail(error)
-        generation.close()
-        raise
-    head = _head(ctx, generation)
-    usage_field = {"usage": None} if body.include_usage_in_stream else {}
+def _shapes(ctx: ServerContext, generation: Generation) -> Shapes:
+    def choice_delta(d: Delta) -> dict[str, Any]:
+        return {
+            "index": d.index,
+            "text": d.text,
+            "logprobs": _logprobs(ctx, generation, d.token_ids, d.logprobs),
+            "finish_reason": d.finish_reason,
+            "stop_reason": generation.choices[d.index].stop_reason if d.finish_reason else None,
+        }
 
-    def chunk(deltas: list[Delta]) -> list[dict]:
-        choices = [
-            {
-                "index": d.index,
-                "text": d.text,
-                "logprobs": _logprobs(ctx, generation, d.token_ids, d.logprobs),
-                "finish_reason": d.finish_reason,
-                "stop_reason": _stop_reason(generation, d),
-            }
-            for d in deltas
-        ]
-        return [{**head, "choices": choices, **usage_field}]
-
-    def usage() -> dict:
-        return {**head, "choices": [], "usage": generation.usage()}
-
-    return stream_response(
-        generation, first, chunk, usage if body.include_usage_in_stream else None
-    )
+    return Shapes(_head(ctx, generation), choice_delta, lambda: _completion(ctx, generation))
 
 
 def _head(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
@@ -125,10 +94,6 @@ def _completion(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
         for i, c in enumerate(generation.choices)
     ]
     return {**_head(ctx, generation), "choices": choices, "usage": generation.usage()}
-
-
-def _stop_reason(generation: Generation, delta: Delta) -> int | str | None:
-    return generation.choices[delta.index].stop_reason if delta.finish_reason else None
 
 
 def _logprobs(

@@ -104,3 +104,8 @@ def context_of(request: Request) -> ServerContext:
 
 def request_id_of(request: Request) -> str:
     return request.scope.get("state", {}).get("request_id", "")
+
+
+def arrival_of(request: Request) -> float:
+    """time.monotonic() when the request reached the server (before its body was read)."""
+    return request.scope.get("state", {}).get("arrival", time.monotonic())

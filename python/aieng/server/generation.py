@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from aieng.async_engine import EngineDeadError
+from aieng.async_engine import AsyncLLMEngine, EngineDeadError
 from aieng.errors import AiengError, InvalidArgumentError
 from aieng.outputs import RequestOutput
 from aieng.sampling import SamplingParams
 from aieng.server.admission import ServerState
-from aieng.server.context import ServerContext, request_id_of
+from aieng.server.context import ServerContext, arrival_of, request_id_of
 from aieng.server.errors import ApiError
 from aieng.server.request_log import RequestRecord, log_request
 
@@ -52,13 +52,13 @@ class Generation:
         self,
         ctx: ServerContext,
         http: Request,
+        engine: AsyncLLMEngine,
         prompts: list[list[int]],
         params: list[SamplingParams],
     ):
-        self.ctx, self.http, self.endpoint = ctx, http, http.url.path
-        self.engine = ctx.ready_engine()
+        self.ctx, self.http, self.endpoint, self.engine = ctx, http, http.url.path, engine
         self.request_id = request_id_of(http)
-        self.arrival = time.monotonic()
+        self.arrival = arrival_of(http)
         self.created = int(time.time())
         self.prompts, self.params = prompts, params
         self.n = params[0].n

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import re
+import time
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,7 +42,8 @@ async def _send_error(
 
 
 class RequestIdMiddleware:
-    """Honours a well-formed incoming X-Request-Id, else makes one; returns it on the response."""
+    """Honours a well-formed incoming X-Request-Id, else makes one; returns it on the response.
+    Notes the arrival time, from which TTFT and the request timeout count."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -52,7 +54,8 @@ class RequestIdMiddleware:
             return
         incoming = (_header(scope, REQUEST_ID_HEADER) or b"").decode("latin-1")
         request_id = incoming if _REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"], state["arrival"] = request_id, time.monotonic()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -1,35 +1,69 @@
-"""Server-sent events: `data: {json}\\n\\n` chunks ending with `data: [DONE]\\n\\n`.
+"""From a started `Generation` to the HTTP response: one JSON body, or server-sent events
+(`data: {json}\\n\\n` chunks ending with `data: [DONE]\\n\\n`).
 
-The response owns its `Generation`: however the stream ends (finished, client gone,
-cancelled), `close()` runs, which aborts what still runs and frees its KV blocks.
+The status line waits for the first output, so a request that ends with nothing (a timeout in
+the queue, a drain) still gets an error status. However a response ends (finished, client
+gone, cancelled), the generation is closed: what still runs is aborted and its blocks freed.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from aieng.server.errors import ApiError, error_body
-from aieng.server.generation import Delta, Generation
-
-logger = logging.getLogger(__name__)
+from aieng.server.generation import ClientGone, Delta, Generation
 
 DONE = b"data: [DONE]\n\n"
+CLIENT_CLOSED = 499  # nginx's code: nobody reads it, the logs and metrics do
+
+
+@dataclass
+class Shapes:
+    """An endpoint's JSON: the fields every chunk shares, a choice's delta, the whole body."""
+
+    head: dict[str, Any]
+    choice_delta: Callable[[Delta], dict[str, Any]]
+    whole: Callable[[], dict[str, Any]]
 
 
 def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+async def respond(
+    generation: Generation, stream: bool, include_usage: bool, shapes: Shapes
+) -> Response:
+    generation.start()
+    try:
+        if not stream:
+            await generation.collect()
+            generation.close()
+            return JSONResponse(shapes.whole())
+        first = await generation.first_deltas()
+    except ClientGone:
+        generation.close()
+        return Response(status_code=CLIENT_CLOSED)
+    except ApiError as error:
+        generation.fail(error)
+        generation.close()
+        raise
+    except BaseException:
+        generation.close()
+        raise
+    return GenerationStream(generation, _events(generation, first, include_usage, shapes))
+
+
 class GenerationStream(StreamingResponse):
     def __init__(self, generation: Generation, body: AsyncIterator[bytes]):
-        super().__init__(
-            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+        headers = {"Cache-Control": "no-cache"}
+        super().__init__(body, media_type="text/event-stream", headers=headers)
         self.generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -39,34 +73,29 @@ class GenerationStream(StreamingResponse):
             self.generation.close()
 
 
-def stream_response(
-    generation: Generation,
-    first: list[Delta],
-    chunk: Callable[[list[Delta]], list[dict]],
-    usage_chunk: Callable[[], dict] | None,
-) -> GenerationStream:
-    """Streams `first` and then the rest; `chunk` turns deltas into chunk payloads."""
+async def _events(
+    generation: Generation, first: list[Delta], include_usage: bool, shapes: Shapes
+) -> AsyncIterator[bytes]:
+    usage_field = {"usage": None} if include_usage else {}
 
-    def chunks(deltas: list[Delta]) -> list[dict]:
-        # A token whose text is held back (a partial character, a possible stop string) is
-        # sent with the text that completes it, unless its logprobs were asked for.
+    def chunk(deltas: list[Delta]) -> bytes:
+        # A token whose text is held back (a partial character, a possible stop string) goes
+        # out with the text that completes it, unless its logprobs were asked for.
         shown = [d for d in deltas if d.text or d.finish_reason or d.logprobs]
-        return chunk(shown) if shown else []
+        if not shown:
+            return b""
+        choices = [shapes.choice_delta(d) for d in shown]
+        return sse({**shapes.head, "choices": choices, **usage_field})
 
-    async def body() -> AsyncIterator[bytes]:
-        for payload in chunks(first):
-            yield sse(payload)
-        try:
-            async for deltas in generation.remaining_deltas():
-                for payload in chunks(deltas):
-                    yield sse(payload)
-        except ApiError as error:  # the status line is sent: report it in the stream
-            generation.fail(error)
-            yield sse(error_body(error.status, error.message, error.param, error.code))
-            yield DONE
-            return
-        if usage_chunk is not None:
-            yield sse(usage_chunk())
+    yield chunk(first)
+    try:
+        async for deltas in generation.remaining_deltas():
+            yield chunk(deltas)
+    except ApiError as error:  # the status line is sent: report it in the stream
+        generation.fail(error)
+        yield sse(error_body(error.status, error.message, error.param, error.code))
         yield DONE
-
-    return GenerationStream(generation, body())
+        return
+    if include_usage:
+        yield sse({**shapes.head, "choices": [], "usage": generation.usage()})
+    yield DONE
