@@ -23,7 +23,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument(
+        "--max-model-len", type=int, default=None, help="default: the model's context"
+    )
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--block-size", type=int, default=16)
@@ -43,8 +45,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize (env AIENG_API_KEY)",
     )
     server.add_argument("--served-model-name", default=None, help="the model's name in the API")
-    server.add_argument("--max-queue-requests", type=int, default=256)
-    server.add_argument("--max-queue-tokens", type=int, default=1 << 18)
+    server.add_argument(
+        "--max-queue-requests",
+        type=int,
+        default=256,
+        help="requests admitted but not yet started; past it new ones get 429",
+    )
+    server.add_argument(
+        "--max-queue-tokens",
+        type=int,
+        default=1 << 18,
+        help="prompt tokens of the requests waiting to start; past it new ones get 429",
+    )
     server.add_argument(
         "--kv-cache-watermark",
         type=float,
@@ -52,10 +64,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse new requests (429) while KV usage is at least this and requests wait",
     )
     server.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds; 0 for no timeout"
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds from arrival after which a request is aborted; 0 for none",
     )
-    server.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds")
-    server.add_argument("--max-body-bytes", type=int, default=4 * MIB)
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM before they are aborted",
+    )
+    server.add_argument(
+        "--max-body-bytes", type=int, default=4 * MIB, help="larger request bodies get 413"
+    )
     server.add_argument(
         "--allowed-origins",
         default="",
