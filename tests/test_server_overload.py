@@ -35,8 +35,9 @@ async def rest_of(lines) -> list[dict]:
 
 def test_a_full_queue_refuses_exactly_the_overflow(model):
     with ThreadServer(
-        model, engine={"max_num_seqs": 1}, max_queue_requests=2, max_queue_tokens=200
+        model, engine={"max_num_seqs": 1}, max_queue_requests=3, max_queue_tokens=200
     ) as server:
+        admission = server.ctx.admission
 
         async def scenario():
             url = f"{server.url}/v1/completions"
@@ -44,35 +45,41 @@ def test_a_full_queue_refuses_exactly_the_overflow(model):
                 async with client.stream("POST", url, json=LONG) as blocker:
                     lines = blocker.aiter_lines()  # held: dropping it would close the stream
                     await first_chunk(lines)  # it runs: the only seat is taken
+                    big = asyncio.create_task(client.post(url, json={**SHORT, "prompt": [7] * 150}))
+                    while admission.num_queued < 1:
+                        await asyncio.sleep(0.01)
+                    over_tokens = await client.post(url, json={**SHORT, "prompt": [7] * 60})
                     burst = [asyncio.create_task(client.post(url, json=SHORT)) for _ in range(6)]
                     end = time.monotonic() + 10
                     while sum(t.done() for t in burst) < 4 and time.monotonic() < end:
                         await asyncio.sleep(0.02)  # the refusals come back at once
                     await asyncio.sleep(0.2)
                     assert sum(t.done() for t in burst) == 4  # the other two still wait
-                    assert server.ctx.admission.num_queued == 2
-                # leaving the block closes the blocker: it is aborted, the two queued run
-                responses = await asyncio.gather(*burst)
-                too_long = await client.post(url, json={"prompt": [7] * 201, "max_tokens": 2})
-            return responses, too_long
+                    assert admission.num_queued == 3 and not big.done()
+                # leaving the block closes the blocker: it is aborted, the three queued run
+                responses = [*await asyncio.gather(*burst), await big]
+                never = await client.post(url, json={"prompt": [7] * 201, "max_tokens": 2})
+            return responses, over_tokens, never
 
-        responses, too_long = asyncio.run(scenario())
-        statuses = sorted(r.status_code for r in responses)
-        assert statuses == [200, 200, 429, 429, 429, 429]
+        responses, over_tokens, never = asyncio.run(scenario())
+        assert sorted(r.status_code for r in responses) == [200, 200, 200, 429, 429, 429, 429]
         for r in responses:
             if r.status_code == 429:
                 assert r.headers["retry-after"] == "1"
                 assert r.json()["error"]["code"] == "queue_requests"
             else:
                 assert r.json()["choices"][0]["finish_reason"] == "length"
-        assert too_long.status_code == 429
-        assert too_long.json()["error"]["code"] == "queue_tokens"
-        assert "200" in too_long.json()["error"]["message"]
+        assert over_tokens.status_code == 429
+        assert over_tokens.json()["error"]["code"] == "queue_tokens"
+        assert "150 of at most 200" in over_tokens.json()["error"]["message"]
+        assert never.status_code == 400  # it could never be queued: retrying cannot help
+        assert "201" in never.json()["error"]["message"]
         m = server.wait_idle()
         assert m["aieng_request_rejected_total{reason=queue_requests}"] == 4
         assert m["aieng_request_rejected_total{reason=queue_tokens}"] == 1
+        assert m["aieng_request_rejected_total{reason=exceeds_queue_limits}"] == 1
         assert m["aieng_request_success_total{finished_reason=abort}"] == 1
-        assert m["aieng_request_success_total{finished_reason=length}"] == 2
+        assert m["aieng_request_success_total{finished_reason=length}"] == 3
         server.in_engine(lambda engine: engine.check_pool_whole())
 
 

@@ -58,6 +58,9 @@ class Admission:
             return Refusal(503, "starting", "the server is starting; retry shortly", 5)
         if self.state is ServerState.DRAINING:
             return Refusal(503, "draining", "the server is shutting down", None)
+        never = self._never_admitted(prompt_tokens)
+        if never is not None:
+            return never
         limit = self.config.max_queue_requests
         if self.num_queued + len(prompt_tokens) > limit:
             return Refusal(
@@ -79,6 +82,26 @@ class Admission:
                 "kv_cache",
                 f"the KV cache is {stats.kv_cache_usage:.0%} full (watermark {watermark:.0%}) "
                 "with requests already waiting; retry later",
+            )
+        return None
+
+    def _never_admitted(self, prompt_tokens: list[int]) -> Refusal | None:
+        """A request past the queue limits on its own: retrying cannot help, so 400."""
+        if len(prompt_tokens) > self.config.max_queue_requests:
+            return Refusal(
+                400,
+                "exceeds_queue_limits",
+                f"{len(prompt_tokens)} prompts in one request, but the server queues at most "
+                f"{self.config.max_queue_requests} requests",
+                None,
+            )
+        if sum(prompt_tokens) > self.config.max_queue_tokens:
+            return Refusal(
+                400,
+                "exceeds_queue_limits",
+                f"the prompts have {sum(prompt_tokens)} tokens, but the server queues at most "
+                f"{self.config.max_queue_tokens} prompt tokens",
+                None,
             )
         return None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections.abc import Sequence
@@ -26,7 +25,6 @@ class ServerContext:
         self.created = int(time.time())
         self.admission = Admission(config, self.stats)
         self.metrics = ServerMetrics(config.served_model_name, self.stats)
-        self.drained = asyncio.Event()  # set when a drain has ended every request
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}
 
