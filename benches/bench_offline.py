@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from aieng.benchmarks.offline import (
+    HF_BATCH,
+    identical_requests,
+    machine,
+    run_aieng,
+    run_hf,
+    workload,
+)
+
 THREADS = 2
-HF_BATCH = 32
 MODELS = {
     # name: LlamaConfig overrides (vocab 32000 for both)
     "small": dict(
@@ -87,96 +91,9 @@ def build_checkpoint(name: str, folder: Path) -> tuple[Path, int]:
     return folder, sum(p.numel() for p in model.parameters())
 
 
-def workload(num_requests: int, vocab: int) -> tuple[list[list[int]], list[int]]:
-    rng = np.random.default_rng(0)
-    prompt_lens = rng.integers(16, 257, num_requests)
-    output_lens = rng.integers(16, 257, num_requests)
-    prompts = [rng.integers(3, vocab, n).tolist() for n in prompt_lens]
-    return prompts, [int(n) for n in output_lens]
-
-
 def kv_budget(config: dict, num_requests: int) -> int:
     per_token = 2 * config["num_hidden_layers"] * config["hidden_size"] * 4  # K+V, fp32
     return int(num_requests * (256 + 256 + 32) * per_token * 1.1)
-
-
-def run_aieng(folder, prompts, output_lens, kv_bytes, batched_tokens, max_seqs, reps=1):
-    from aieng import LLM, SamplingParams
-
-    llm = LLM(
-        str(folder),
-        kv_cache_memory=kv_bytes,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=batched_tokens,
-        enable_prefix_caching=False,
-    )
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
-    walls = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        walls.append(time.perf_counter() - start)
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert tokens == sum(output_lens), (tokens, sum(output_lens))
-    del llm
-    return tokens, min(walls), walls, [list(o.outputs[0].token_ids) for o in outs]
-
-
-@torch.inference_mode()
-def run_hf(folder, prompts, output_lens, reps=1):
-    import transformers
-
-    model = transformers.LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
-    model.eval()
-    model.generation_config.eos_token_id = None  # ignore_eos
-    model.generation_config.pad_token_id = 0
-
-    def batch_generate(batch_prompts, max_new):
-        width = max(len(p) for p in batch_prompts)
-        ids = torch.zeros(len(batch_prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(batch_prompts), width, dtype=torch.long)
-        for row, p in enumerate(batch_prompts):  # left padding
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-        )
-        return out[:, width:]
-
-    batch_generate(prompts[:4], 4)  # warm-up
-    walls, generated = [], []
-    for _ in range(reps):
-        generated = []
-        start = time.perf_counter()
-        for lo in range(0, len(prompts), HF_BATCH):
-            batch, lens = prompts[lo : lo + HF_BATCH], output_lens[lo : lo + HF_BATCH]
-            new = batch_generate(batch, max(lens))
-            generated += [new[row, :n].tolist() for row, n in enumerate(lens)]
-        walls.append(time.perf_counter() - start)
-    return sum(output_lens), min(walls), walls, generated
-
-
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": os.cpu_count(),
-        "cpu": cpu,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "threads": THREADS,
-    }
 
 
 def main() -> None:
@@ -204,17 +121,18 @@ def main() -> None:
             candidates = [chosen] if chosen else configs
             best = None
             for batched, seqs in candidates:
-                tokens, wall, walls, aieng_ids = run_aieng(
-                    folder, prompts, output_lens, kv_bytes, batched, seqs, args.reps
-                )
-                tps = tokens / wall
+                run = run_aieng(
+                    folder, prompts, output_lens, kv_cache_memory=kv_bytes,
+                    max_num_batched_tokens=batched, max_num_seqs=seqs, reps=args.reps,
+                )  # fmt: skip
+                tokens, wall, walls, tps = run.tokens, run.wall_s, run.walls_s, run.tokens_per_s
                 tuning.append(
                     {"model": name, "max_num_batched_tokens": batched, "max_num_seqs": seqs,
                      "tokens_per_s": tps, "walls_s": walls}
                 )  # fmt: skip
                 print(f"  aieng {name} {batched}:{seqs}: {tps:.1f} tok/s ({walls})", flush=True)
                 if best is None or tps > best[0]:
-                    best = (tps, wall, tokens, (batched, seqs), aieng_ids)
+                    best = (tps, wall, tokens, (batched, seqs), run)
             assert best is not None
             chosen = best[3]
             row = {
@@ -231,15 +149,16 @@ def main() -> None:
                 },
             }
             if not args.skip_hf:
-                tokens, wall, walls, hf_ids = run_hf(folder, prompts, output_lens, args.reps)
+                hf = run_hf(folder, prompts, output_lens, args.reps)
+                tokens, wall, walls = hf.tokens, hf.wall_s, hf.walls_s
                 row["hf"] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
                 row["ratio"] = best[0] / (tokens / wall)
-                same = sum(a == b for a, b in zip(best[4], hf_ids, strict=True))
+                same = identical_requests(best[4], hf)
                 row["greedy_identical_requests"] = same
                 print(f"  hf {name}: {tokens / wall:.1f} tok/s ({walls}); {same} identical")
             rows.append(row)
 
-    info = machine()
+    info = machine(THREADS)
     lines = [
         f"# bench_offline{f' ({args.label})' if args.label else ''}",
         "",
