@@ -637,7 +637,8 @@ async def _run(args: argparse.Namespace, url: str) -> tuple[dict, list[Outcome]]
 def _server_line(args: argparse.Namespace, url: str) -> str:
     if args.spawn is None:
         return url
-    return " ".join(["python -m aieng.server", args.spawn, *args.server_arg])
+    model = [] if args.spawn == "default" else [args.spawn]
+    return " ".join(["python -m aieng.server", *model, *args.server_arg])
 
 
 def _cpus() -> int:
