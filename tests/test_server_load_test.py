@@ -26,7 +26,7 @@ def test_a_short_load_run_balances_its_books(tmp_path):
         argv = [
             "--url", server.url,
             "--rate", "auto", "--load-factor", "2.0",  # past capacity: some are refused
-            "--calibrate-seconds", "1.5", "--calibrate-concurrency", "8",
+            "--calibrate-seconds", "1", "--calibrate-concurrency", "4,8",
             "--duration", "4", "--canary-every", "1",
             "--disconnect-fraction", "0.2",
             "--short-output", "16", "--long-output", "48", "--long-prompt", "200",
