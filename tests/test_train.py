@@ -4,6 +4,8 @@ aieng generates from exactly as HF does; training resumes exactly; the trainer's
 import io
 import itertools
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from tiny_models import hf_greedy
 from train_fixtures import tiny_config, train_tiny, write_corpus
 
 from aieng import LLM, SamplingParams
-from aieng.train.corpus import kjv_books, read_documents, split_books
+from aieng.train.corpus import kjv_books, read_documents, split_books, write_kjv
 from aieng.train.model import ModelShape, TrainableLlama
 from aieng.train.trainer import lr_at, train
 
@@ -176,3 +178,16 @@ def test_documents_are_blank_line_separated(tmp_path):
     assert len(read_documents(path)) == 5
     with pytest.raises(RuntimeError, match="no such text file"):
         read_documents(tmp_path / "missing.txt")
+
+
+@pytest.mark.skipif(
+    shutil.which("bible") is None, reason="Debian's bible-kjv package is not installed"
+)
+def test_kjv_corpus_from_the_bible_program(tmp_path):
+    train_path, held_path = write_kjv(tmp_path)
+    train_text, held = train_path.read_text(), held_path.read_text()
+    assert train_text.startswith("In the beginning God created the heaven and the earth.\n")
+    assert held.startswith("Now it came to pass in the days when the judges ruled")  # Ruth 1:1
+    assert len(read_documents(train_path)) + len(read_documents(held_path)) == 1189  # chapters
+    assert 0.02 < len(held) / (len(held) + len(train_text)) < 0.05
+    assert "Genesis 1" not in train_text and not re.search(r"^\s*\d+ ", train_text, re.M)

@@ -16,7 +16,7 @@ Conversation = Sequence[Mapping[str, Any]]
 
 
 class LLM:
-    """An offline engine over one Hugging Face checkpoint folder.
+    """An offline engine over one Hugging Face checkpoint folder (default: the bundled model).
 
     `generate` runs a batch to completion, `stream` yields incremental outputs of one
     prompt, `chat` renders conversations with the model's chat template first.
