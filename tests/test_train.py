@@ -6,17 +6,19 @@ import itertools
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from tiny_models import hf_greedy
+from tokenizers import Tokenizer
 from train_fixtures import tiny_config, train_tiny, write_corpus
 
 from aieng import LLM, SamplingParams
 from aieng.train.corpus import kjv_books, read_documents, split_books, write_kjv
 from aieng.train.model import ModelShape, TrainableLlama
-from aieng.train.trainer import lr_at, train
+from aieng.train.trainer import _encode, _eval_windows, lr_at, train
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,8 @@ def test_training_lowers_heldout_loss(trained):
     _, result = trained
     evals = [h["heldout_loss"] for h in result.history if "heldout_loss" in h]
     assert len(evals) == 2
-    assert result.heldout_loss == evals[-1]
+    assert result.heldout_loss == min(evals)  # the exported checkpoint is the best evaluated
+    assert result.best_step == 20 * (1 + evals.index(min(evals)))
     first_loss = result.history[0]["loss"]
     assert result.final_loss < first_loss - 1.0
     assert evals[-1] < 3.0  # the corpus is highly repetitive; a uniform guess is ln(320) = 5.8
@@ -110,6 +113,33 @@ def test_resume_continues_exactly(tmp_path):
     b = load_file(tmp_path / "b" / "model" / "model.safetensors")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-5)
+
+
+OFF_DOMAIN = (
+    "Quantum chromodynamics describes quarks; gluons bind them tightly.\n\n"
+    "Zebras graze quietly while xylophones echo over fjords.\n\n"
+    "Jovial wizards quickly box the frozen yak.\n\n"
+) * 3
+
+
+def test_exported_folder_is_the_best_heldout_checkpoint(tmp_path):
+    # Held-out text unlike the training text: its loss dips, then rises as the model specializes.
+    cfg = tiny_config(tmp_path, steps=30, eval_interval=5)
+    Path(cfg.heldout).write_text(OFF_DOMAIN)
+    result = train(cfg)
+    evals = [(h["heldout_loss"], h["step"]) for h in result.history if "heldout_loss" in h]
+    best_loss, best_step = min(evals)
+    assert result.best_step == best_step and result.heldout_loss == best_loss
+    assert best_step < 30, "the test needs a run whose last evaluation is not its best"
+    out = tmp_path / "model"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    held = _encode(tok, read_documents(cfg.heldout), tok.token_to_id("<|endoftext|>"))
+    windows = _eval_windows(held, cfg)
+    with torch.no_grad():
+        logits = hf(windows[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+    assert loss.item() == pytest.approx(best_loss, abs=1e-4)
 
 
 def test_resume_without_state_is_a_clear_error(tmp_path):

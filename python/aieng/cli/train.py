@@ -18,8 +18,10 @@ def add_train(commands) -> None:
         help="train a small Llama from scratch on a text corpus",
         description="Train a byte-level BPE tokenizer and a Llama-architecture causal LM from "
         "scratch on a plain-text corpus (documents separated by blank lines), writing a Hugging "
-        "Face folder that transformers and aieng load. Checkpoints every --checkpoint-interval "
-        "steps; --resume continues a run exactly where it stopped.",
+        "Face folder that transformers and aieng load: with held-out text, the checkpoint with "
+        "the lowest held-out loss (evaluated every --eval-interval steps), else the latest. "
+        "The full training state is saved every --checkpoint-interval steps; --resume "
+        "continues a run exactly where it stopped.",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", metavar="FILE", help="training text file")
@@ -127,7 +129,7 @@ def run_train(args: argparse.Namespace) -> int:
     held = f", held-out loss {result.heldout_loss:.4f}" if result.heldout_loss is not None else ""
     print(
         f"trained {result.parameters / 1e6:.2f}M parameters for {result.steps} steps in "
-        f"{result.train_seconds / 60:.1f} min: loss {result.final_loss:.4f}{held}; "
+        f"{result.train_seconds / 60:.1f} min: final loss {result.final_loss:.4f}{held}; "
         f"wrote {result.out}"
     )
     return 0

@@ -3,7 +3,8 @@ held-out evaluation, checkpoints that resume exactly, and the Hugging Face folde
 
 Output folder layout:
   config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json
-      a Hugging Face checkpoint, rewritten at every checkpoint and at the end;
+      a Hugging Face checkpoint: with held-out text, the step with the lowest held-out loss so
+      far (rewritten whenever an evaluation improves on it); without, the latest checkpoint;
   training_state.pt   model, optimizer, data-sampler state and step, for `--resume`;
   training_log.json   the run's settings, loss history, timings and held-out results.
 """
@@ -39,7 +40,8 @@ class TrainResult:
     heldout_tokens: int
     train_seconds: float
     final_loss: float
-    heldout_loss: float | None
+    heldout_loss: float | None  # of the exported checkpoint
+    best_step: int | None  # the step exported (with held-out text)
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -89,11 +91,13 @@ def train(
     optimizer = _optimizer(model, cfg)
     sampler = torch.Generator().manual_seed(cfg.seed)
     step, elapsed, history = 0, 0.0, []
+    best: dict[str, float] | None = None  # {"step", "heldout_loss"} of the exported checkpoint
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         sampler.set_state(state["sampler"])
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
+        best = state.get("best", _last_eval(history))
         print(f"resuming {out} at step {step}/{cfg.steps}", file=log)
     print(
         f"model: {model.num_parameters() / 1e6:.2f}M parameters, {shape.num_hidden_layers} "
@@ -105,8 +109,10 @@ def train(
     eval_windows = _eval_windows(held_ids, cfg) if held_ids is not None else None
 
     def save() -> None:
-        _export(out, model, tokenizer, cfg, eos_id)
-        _save_state(state_path, model, optimizer, sampler, step, elapsed, history, cfg)
+        if eval_windows is None:
+            _export(out, model, tokenizer, cfg, eos_id)
+        extra = {"best": best}
+        _save_state(state_path, model, optimizer, sampler, step, elapsed, history, cfg, extra)
 
     progress = _Progress(cfg, log)
     loss_value = float("nan")
@@ -128,13 +134,15 @@ def train(
         record: dict[str, float] = {"step": step, "loss": loss_value, "elapsed": elapsed}
         if eval_windows is not None and (step % cfg.eval_interval == 0 or step == cfg.steps):
             record["heldout_loss"] = evaluate(model, eval_windows, cfg.batch_size)
+            if best is None or record["heldout_loss"] < best["heldout_loss"]:
+                best = {"step": step, "heldout_loss": record["heldout_loss"]}
+                _export(out, model, tokenizer, cfg, eos_id)
         if step % cfg.log_interval == 0 or "heldout_loss" in record or step == cfg.steps:
             history.append(record)
             progress.show(step, record, lr_at(step - 1, cfg))
         if step % cfg.checkpoint_interval == 0 or step == last_step:
             save()
     progress.done()
-    heldout_loss = next((h["heldout_loss"] for h in reversed(history) if "heldout_loss" in h), None)
     result = TrainResult(
         out=out,
         steps=step,
@@ -143,7 +151,8 @@ def train(
         heldout_tokens=0 if held_ids is None else len(held_ids),
         train_seconds=elapsed,
         final_loss=loss_value,
-        heldout_loss=heldout_loss,
+        heldout_loss=None if best is None else best["heldout_loss"],
+        best_step=None if best is None else int(best["step"]),
         history=history,
     )
     _write_log(out, cfg, result)
@@ -263,8 +272,16 @@ def _export(out: Path, model: TrainableLlama, tokenizer, cfg: TrainConfig, eos_i
     )
 
 
-def _save_state(path: Path, model, optimizer, sampler, step, elapsed, history, cfg) -> None:
+def _last_eval(history: list[dict[str, float]]) -> dict[str, float] | None:
+    """For a state saved before `best` was recorded: the last evaluation, which is what the
+    exported folder held when eval and checkpoint intervals coincide."""
+    evals = [h for h in history if "heldout_loss" in h]
+    return {"step": evals[-1]["step"], "heldout_loss": evals[-1]["heldout_loss"]} if evals else None
+
+
+def _save_state(path: Path, model, optimizer, sampler, step, elapsed, history, cfg, extra) -> None:
     state = {
+        **extra,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "sampler": sampler.get_state(),
