@@ -267,7 +267,6 @@ def _export(out: Path, model: TrainableLlama, tokenizer, cfg: TrainConfig, eos_i
             "do_sample": True,
             "temperature": 0.8,
             "top_p": 0.95,
-            "max_length": cfg.seq_len,
         },
     )
 
