@@ -572,10 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"load_test{args.label}"
-        stem.with_suffix(".md").write_text(text)
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        plot(result, outcomes, stem.with_suffix(".png"))
+        stem = f"load_test{args.label}"  # a label may hold dots: no with_suffix
+        (args.out / f"{stem}.md").write_text(text)
+        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        plot(result, outcomes, args.out / f"{stem}.png")
     return 0 if ok else 1
 
 

@@ -30,11 +30,11 @@ def test_a_short_load_run_balances_its_books(tmp_path):
             "--duration", "4", "--canary-every", "1",
             "--disconnect-fraction", "0.2",
             "--short-output", "16", "--long-output", "48", "--long-prompt", "200",
-            "--out", str(tmp_path), "--label", "_smoke",
+            "--out", str(tmp_path), "--label", "_smoke.1",  # a dot in the label is kept
         ]  # fmt: skip
         status = bench.main(argv)
         server.in_engine(lambda engine: engine.check_pool_whole())
-    result = json.loads((tmp_path / "load_test_smoke.json").read_text())
+    result = json.loads((tmp_path / "load_test_smoke.1.json").read_text())
     summary = result["summary"]
     assert summary["sent"] == sum(summary["outcomes"].values()) > 0
     assert summary["outcomes"].get("aborted_client", 0) > 0
@@ -44,5 +44,5 @@ def test_a_short_load_run_balances_its_books(tmp_path):
     canaries = result["canaries"]
     assert status == (0 if canaries["matched"] == canaries["answered"] > 0 else 1)
     assert summary["ttft_s"]["p50"] <= summary["ttft_s"]["p99"]
-    assert (tmp_path / "load_test_smoke.png").stat().st_size > 10_000
-    assert "| sent | completed |" in (tmp_path / "load_test_smoke.md").read_text()
+    assert (tmp_path / "load_test_smoke.1.png").stat().st_size > 10_000
+    assert "| sent | completed |" in (tmp_path / "load_test_smoke.1.md").read_text()
