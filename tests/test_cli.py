@@ -64,6 +64,9 @@ def test_help_lists_every_command_and_each_has_help():
         assert sub.returncode == 0, sub.stderr
         assert "usage: aieng " + command in sub.stdout
         assert "--" in sub.stdout
+    load_test = aieng("bench", "--serve", "--help")
+    assert load_test.returncode == 0 and "usage: aieng bench --serve" in load_test.stdout
+    assert "--rate" in load_test.stdout and "--duration" in load_test.stdout
 
 
 def test_generate_greedy_matches_hf(hf_default):

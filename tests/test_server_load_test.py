@@ -1,26 +1,15 @@
-"""benches/load_test.py end to end against a real server: a few seconds of Poisson load with
-disconnecting clients and canaries; its books balance and every check passes."""
+"""The load test (aieng.benchmarks.load_test, `aieng bench --serve`) against a real server: a
+few seconds of Poisson load with disconnecting clients and canaries; its books balance and every
+check passes."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 from server_fixtures import ThreadServer, make_model_dir
 
-BENCH = Path(__file__).resolve().parent.parent / "benches" / "load_test.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("load_test", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["load_test"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from aieng.benchmarks import load_test
 
 
 def test_a_short_load_run_balances_its_books(tmp_path):
-    bench = load_bench()
     model = make_model_dir(tmp_path / "model")
     with ThreadServer(model, engine={"max_num_seqs": 8}, max_queue_requests=4) as server:
         argv = [
@@ -32,7 +21,7 @@ def test_a_short_load_run_balances_its_books(tmp_path):
             "--short-output", "16", "--long-output", "48", "--long-prompt", "200",
             "--out", str(tmp_path), "--label", "_smoke.1",  # a dot in the label is kept
         ]  # fmt: skip
-        status = bench.main(argv)
+        status = load_test.main(argv)
         server.in_engine(lambda engine: engine.check_pool_whole())
     result = json.loads((tmp_path / "load_test_smoke.1.json").read_text())
     summary = result["summary"]

@@ -18,7 +18,7 @@ def add_bench(commands) -> None:
         "[16, 256], greedy, ignore_eos) through aieng's LLM.generate and through HF "
         "transformers' generate in static batches of 32, on the same checkpoint; prints "
         "throughput, latency percentiles and how many greedy outputs are identical. "
-        "With --serve, runs the load test (benches/load_test.py) instead; "
+        "With --serve, runs the server load test (benches/load_test.py) instead; "
         "pass its options after --serve, e.g. `aieng bench --serve --url http://127.0.0.1:8000 "
         "--rate 2 --duration 60`.",
     )
