@@ -18,7 +18,7 @@ from train_fixtures import tiny_config, train_tiny, write_corpus
 from aieng import LLM, SamplingParams
 from aieng.train.corpus import kjv_books, read_documents, split_books, write_kjv
 from aieng.train.model import ModelShape, TrainableLlama
-from aieng.train.trainer import _encode, _eval_windows, lr_at, train
+from aieng.train.trainer import _encode, _eval_windows, lr_at, resume_run, train
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +146,14 @@ def test_resume_without_state_is_a_clear_error(tmp_path):
     cfg = tiny_config(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"training_state\.pt"):
         train(cfg, resume=True)
+
+
+def test_resume_refuses_to_change_the_model_or_schedule(tmp_path):
+    cfg = tiny_config(tmp_path, steps=4, checkpoint_interval=2)
+    train(cfg, stop_after=2)
+    with pytest.raises(ValueError, match="cannot change"):
+        resume_run(cfg.out, {"lr": 1.0, "hidden_size": 8})
+    assert resume_run(cfg.out, {"steps": 4}).steps == 4
 
 
 def test_bad_settings_are_refused(tmp_path):

@@ -95,27 +95,18 @@ def config_from_args(args: argparse.Namespace, data: str, heldout: str | None):
     return dataclasses.replace(defaults, **given)
 
 
-def resumed_config(args: argparse.Namespace):
-    """The saved run's settings, with the options --resume may change applied if given."""
-    import torch
+def resume_overrides(args: argparse.Namespace) -> dict:
+    """The options --resume may change, where given; the rest come from the saved run."""
+    from aieng.train.config import RESUMABLE_OPTIONS
 
-    from aieng.train.config import RESUMABLE_OPTIONS, TrainConfig
-    from aieng.train.trainer import STATE_FILE
-
-    path = Path(args.resume) / STATE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"--resume: no {STATE_FILE} in {args.resume}")
-    saved = torch.load(path, map_location="cpu", weights_only=False)["config"]
-    cfg = TrainConfig(**{**saved, "out": args.resume})
-    given = {n: getattr(args, n) for n in RESUMABLE_OPTIONS if getattr(args, n) is not None}
-    return dataclasses.replace(cfg, **given)
+    return {n: getattr(args, n) for n in RESUMABLE_OPTIONS if getattr(args, n) is not None}
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from aieng.train.trainer import train
+    from aieng.train.trainer import resume_run, train
 
     if args.resume:
-        result = train(resumed_config(args), resume=True)
+        result = resume_run(args.resume, resume_overrides(args))
     else:
         if not args.out:
             raise ValueError("--out DIR is required (the folder the model is written to)")
@@ -126,7 +117,11 @@ def run_train(args: argparse.Namespace) -> int:
         else:
             data, heldout = args.data, args.heldout
         result = train(config_from_args(args, data, heldout))
-    held = f", held-out loss {result.heldout_loss:.4f}" if result.heldout_loss is not None else ""
+    held = (
+        f"; exported step {result.best_step}, the best held-out loss {result.heldout_loss:.4f}"
+        if result.heldout_loss is not None
+        else ""
+    )
     print(
         f"trained {result.parameters / 1e6:.2f}M parameters for {result.steps} steps in "
         f"{result.train_seconds / 60:.1f} min: final loss {result.final_loss:.4f}{held}; "

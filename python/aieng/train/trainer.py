@@ -60,19 +60,42 @@ def train(
     log: TextIO = sys.stderr,
     stop_after: int | None = None,
 ) -> TrainResult:
-    """Runs (or with `resume`, continues) a training run to `cfg.steps`. `stop_after` ends this
-    run early after that step with a checkpoint, as an interruption would; resuming continues
-    as if the run had never stopped."""
+    """Runs a training run to `cfg.steps`; with `resume`, continues the one saved in `cfg.out`
+    (see `resume`), taking only `cfg`'s RESUMABLE_OPTIONS. `stop_after` ends this run early
+    after that step with a checkpoint, as an interruption would; resuming continues as if the
+    run had never stopped."""
+    if resume:
+        overrides = {name: getattr(cfg, name) for name in RESUMABLE_OPTIONS}
+        return resume_run(cfg.out, overrides, log, stop_after)
+    return _run(cfg, None, log, stop_after)
+
+
+def resume_run(
+    out: str | Path,
+    overrides: dict[str, Any] | None = None,
+    log: TextIO = sys.stderr,
+    stop_after: int | None = None,
+) -> TrainResult:
+    """Continues the run saved in `out` with its own settings; `overrides` may change only
+    RESUMABLE_OPTIONS (the step count and the logging/checkpoint cadence)."""
+    state_path = Path(out) / STATE_FILE
+    if not state_path.is_file():
+        raise FileNotFoundError(f"--resume: no {STATE_FILE} in {out}")
+    unknown = set(overrides or {}) - set(RESUMABLE_OPTIONS)
+    if unknown:
+        raise ValueError(f"a resumed run cannot change {sorted(unknown)}")
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    cfg = TrainConfig(**{**state["config"], **(overrides or {}), "out": str(out)})
+    return _run(cfg, state, log, stop_after)
+
+
+def _run(
+    cfg: TrainConfig, state: dict[str, Any] | None, log: TextIO, stop_after: int | None
+) -> TrainResult:
     cfg.validate()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE_FILE
-    state: dict[str, Any] | None = None
-    if resume:
-        if not state_path.is_file():
-            raise FileNotFoundError(f"--resume: no {STATE_FILE} in {out}")
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
-        cfg = _resumed_config(cfg, state["config"])
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -175,15 +198,6 @@ def evaluate(model: TrainableLlama, windows: torch.Tensor, batch_size: int) -> f
 
 
 # ---------------------------------------------------------------------------------- pieces
-
-
-def _resumed_config(cfg: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
-    """The saved run's settings; only `steps` and the logging/checkpoint cadence may change."""
-    merged = dict(saved)
-    for name in RESUMABLE_OPTIONS:
-        merged[name] = getattr(cfg, name)
-    merged["out"] = cfg.out
-    return TrainConfig(**merged)
 
 
 def _documents(cfg: TrainConfig) -> tuple[list[str], list[str]]:
