@@ -1,10 +1,12 @@
 """A small Python stand-in for the Rust scheduler: it builds StepPlans the way the core does
-(prefill chunks and decodes in one batch, block tables, slot mapping, sampled rows)."""
+(prefill chunks and decodes in one batch, new blocks, slot mapping, sampled rows) and sends
+them to a ModelRunner as RunnerSteps."""
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from aieng.runner_io import NewSamplingRow, RunnerStep
 from aieng.sampling import SamplingParams
 
 
@@ -18,7 +20,9 @@ class StepPlan:
     query_start_loc: np.ndarray
     num_computed_tokens: np.ndarray
     seq_lens: np.ndarray
-    block_tables: np.ndarray
+    new_block_slots: np.ndarray
+    new_block_indices: np.ndarray
+    new_block_ids: np.ndarray
     logits_indices: np.ndarray
     sample_request_rows: np.ndarray
     slots: np.ndarray
@@ -47,13 +51,12 @@ class Request:
 
 
 class FakeScheduler:
-    def __init__(self, runner, chunk_size: int | None = None, eos_token_ids=()):
+    def __init__(self, runner, chunk_size: int | None = None):
         self.runner = runner
         self.block_size = runner.block_size
         self.chunk_size = chunk_size
-        self.eos_token_ids = eos_token_ids
         self.free_blocks = list(range(runner.num_blocks))[::-1]  # hand out high ids first
-        self.table = runner.new_sampling_table(capacity=4)
+        self.added: list[NewSamplingRow] = []
         self.requests: list[Request] = []
         self.next_slot = 5  # slots need not start at 0 nor be dense
 
@@ -67,7 +70,7 @@ class FakeScheduler:
         slot, self.next_slot = self.next_slot, self.next_slot + 3
         request = Request(f"req-{slot}", slot, list(prompt), params, blocks=list(cached_blocks))
         request.num_computed = len(cached_blocks) * self.block_size
-        self.table.add_request(slot, params, prompt, eos_token_ids=self.eos_token_ids)
+        self.added.append(NewSamplingRow(slot, params, list(prompt)))
         self.requests.append(request)
         return request
 
@@ -81,23 +84,21 @@ class FakeScheduler:
         if not running:
             return False
         plan = self._plan(running)
-        batch = self.table.batch(plan)
-        token_ids, logprobs = self.runner.execute(plan, batch)
-        self.table.append_tokens(batch, token_ids)
+        out = self.runner.execute(RunnerStep(plan, self.added))
+        self.added = []
+        assert out.num_sampled.tolist() == [1] * len(plan.sample_request_rows)
+        logprobs = out.logprobs
+        of_row = {int(s): i for i, s in enumerate(logprobs.rows)}
         for s, row in enumerate(plan.sample_request_rows):
             request = running[row]
-            request.output.append(int(token_ids[s]))
-            request.logprobs.append(float(logprobs.chosen[s]))
-            n = logprobs.num_top[s]
-            request.top_logprobs.append(
-                dict(
-                    zip(
-                        logprobs.top_ids[s, :n].tolist(),
-                        logprobs.top_logprobs[s, :n].tolist(),
-                        strict=True,
-                    )
-                )
-            )
+            request.output.append(int(out.sampled_token_ids[s]))
+            if s in of_row:
+                i = of_row[s]
+                request.logprobs.append(float(logprobs.chosen[i]))
+                n = logprobs.num_top[i]
+                ids, values = logprobs.top_ids[i, :n], logprobs.top_logprobs[i, :n]
+                top = zip(ids.tolist(), values.tolist(), strict=True)
+                request.top_logprobs.append(dict(top))
         return True
 
     def _plan(self, running: list[Request]) -> StepPlan:
@@ -124,10 +125,10 @@ class FakeScheduler:
                 logits_indices.append(query_start_loc[-1] - 1)
                 sample_rows.append(row)
             request.num_computed = end
-        max_blocks = max(len(r.blocks) for r in running)
-        block_tables = np.zeros((len(running), max_blocks), np.int32)
-        for row, request in enumerate(running):
-            block_tables[row, : len(request.blocks)] = request.blocks
+        # Every block of every running request, every step: re-applying one is harmless.
+        block_slots = [r.slot for r in running for _ in r.blocks]
+        block_indices = [i for r in running for i in range(len(r.blocks))]
+        block_ids = [b for r in running for b in r.blocks]
 
         def i32(values):
             return np.asarray(values, dtype=np.int32)
@@ -141,7 +142,9 @@ class FakeScheduler:
             query_start_loc=i32(query_start_loc),
             num_computed_tokens=i32(num_computed),
             seq_lens=i32(seq_lens),
-            block_tables=block_tables,
+            new_block_slots=i32(block_slots),
+            new_block_indices=i32(block_indices),
+            new_block_ids=i32(block_ids),
             logits_indices=i32(logits_indices),
             sample_request_rows=i32(sample_rows),
             slots=i32([r.slot for r in running]),

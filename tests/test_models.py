@@ -5,13 +5,18 @@ import torch
 from fake_scheduler import FakeScheduler
 from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_checkpoint, hf_greedy, load_hf
 
+from aieng.engine_args import EngineArgs
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
 
 PROMPT_LENS = [1, 3, 7, 12, 17, 25, 33, 40]
 MAX_TOKENS = 8
 BLOCK_SIZE = 4
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
+
+
+def runner_args(folder, **options) -> EngineArgs:
+    return EngineArgs(model=str(folder), block_size=BLOCK_SIZE, **options)
 
 
 class Reference:
@@ -20,7 +25,7 @@ class Reference:
     def __init__(self, arch, folder):
         self.folder = build_checkpoint(arch, folder)
         self.hf = load_hf(self.folder)
-        self.runner = ModelRunner(self.folder, block_size=BLOCK_SIZE, kv_cache_memory=1 << 22)
+        self.runner = ModelRunner(runner_args(self.folder, kv_cache_memory=1 << 22))
         generator = torch.Generator().manual_seed(1)
         self.prompts = [
             torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in PROMPT_LENS
@@ -164,5 +169,5 @@ def test_kv_cache_is_sized_from_the_budget(reference):
     expected = (runner.num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
     assert k_cache.shape == v_cache.shape == expected
     assert len(runner.kv_caches) == config.num_hidden_layers
-    with pytest.raises(ValueError, match="KV cache budget"):
-        ModelRunner(reference.folder, block_size=BLOCK_SIZE, kv_cache_memory=runner.block_bytes - 1)
+    with pytest.raises(ValueError, match=r"kv_cache_memory: a budget of .* holds no KV block"):
+        ModelRunner(runner_args(reference.folder, kv_cache_memory=runner.block_bytes - 1))

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from aieng.sampling import Sampler, SamplingParams, SamplingTable, apply_penalties
+from aieng.sampler import Sampler, SamplingTable, apply_penalties
+from aieng.sampling import SamplingParams
 
 VOCAB = 32
 

@@ -1,8 +1,12 @@
-"""ModelRunner: owns the model and its paged KV cache and executes the scheduler's step plans.
+"""ModelRunner: the device boundary. It owns everything on the device — the model, the KV cache
+and its spec, the persistent input buffers, the sampling state and the sampler, the attention
+backend — and executes one `RunnerStep` (the core's StepPlan plus the sampling rows that changed)
+into one `ModelRunnerOutput`.
 
-A step plan (the Rust scheduler's StepPlan) is a set of flat int32 arrays — see `execute`. The
-runner copies them to the device, writes the new tokens' K/V into their cache slots, runs attention
-over each request's cached context, computes logits only for the rows that sample, and samples.
+A step: apply the plan's new blocks to the persistent block table, write the input ids,
+positions and cache slots into the persistent buffers, let the backend build its metadata once,
+run the model (each attention layer writes its new K/V and attends over the cache), compute
+logits only for the rows that sample, sample, and read the sampled ids back in one transfer.
 """
 
 from __future__ import annotations
@@ -12,15 +16,18 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from aieng.layers.attention import build_attention_metadata
+from aieng.attention import AttentionInputs, ForwardContext, KVCache, select_attention_backend
+from aieng.engine_args import EngineArgs, torch_dtype
+from aieng.input_buffers import InputBuffers
+from aieng.kv_cache import KVCacheSpec
 from aieng.models.loader import load_model, resolve_dtype
-from aieng.sampling import SampledLogprobs, Sampler, SamplingBatch, SamplingTable
+from aieng.runner_io import ModelRunnerOutput, RunnerStep, SampledLogprobs
+from aieng.sampler import Sampler, SamplerOutput, SamplingTable
 
 logger = logging.getLogger(__name__)
 
@@ -28,79 +35,140 @@ CPU_KV_CACHE_FRACTION = 0.2  # of available RAM, when kv_cache_memory is not giv
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        seed: int | None = None,
-    ):
-        """kv_cache_memory: bytes for the KV cache (default on CPU: a fraction of available RAM;
-        on CUDA: what `gpu_memory_utilization` of the GPU leaves after a profiling forward of
-        `max_num_batched_tokens` tokens; a default budget is capped at what `max_num_seqs`
-        full-length sequences can use). seed: the generator of rows without their own seed."""
+    def __init__(self, args: EngineArgs, eos_token_ids: Sequence[int] = ()):
+        """args.kv_cache_memory: bytes for the KV cache (default on CPU: a fraction of available
+        RAM; on CUDA: what gpu_memory_utilization of the GPU leaves after a profiling forward of
+        max_num_batched_tokens tokens; a default budget is capped at what max_num_seqs
+        full-length sequences can use). eos_token_ids: banned from rows below min_tokens."""
+        self.args = args
+        device = None if args.device == "auto" else args.device
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = None if args.dtype == "auto" else torch_dtype(args.dtype)
         if dtype is None and self.device.type == "cpu":
             dtype = torch.float32
         self.model: Any
-        self.model, self.config = load_model(model, dtype, self.device)
+        self.model, self.config = load_model(args.model, dtype, self.device)
         self.dtype = dtype or resolve_dtype(self.config.dtype)
-        self.block_size = block_size
-        if kv_cache_memory is None:
-            kv_cache_memory = (
-                self._profile_free_memory(gpu_memory_utilization, max_num_batched_tokens)
-                if self.device.type == "cuda"
-                else int(available_ram() * CPU_KV_CACHE_FRACTION)
-            )
-            blocks_per_seq = math.ceil(self.config.max_position_embeddings / block_size)
-            kv_cache_memory = min(kv_cache_memory, max_num_seqs * blocks_per_seq * self.block_bytes)
-        self.num_blocks = kv_cache_memory // self.block_bytes
-        if self.num_blocks < 1:
-            raise ValueError(
-                f"KV cache budget of {kv_cache_memory} bytes holds no block "
-                f"(one block of {block_size} tokens needs {self.block_bytes} bytes)"
-            )
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB) on %s",
-            self.num_blocks,
-            block_size,
-            self.num_blocks * self.block_bytes / 2**20,
-            self.device,
+        self.block_size = args.block_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_model_len = args.effective_max_model_len(self.config.max_position_embeddings)
+        self.max_num_batched_tokens = args.effective_max_num_batched_tokens(self.max_model_len)
+        self.kv_spec = KVCacheSpec.for_model(self.config, self.block_size, self.dtype)
+        self.attention = select_attention_backend(
+            args.attention_backend, self.config, self.device, self.dtype
         )
-        self.sampler = Sampler(self.device, seed)
+        self.num_blocks = self._num_blocks(args)
+        self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device, self.attention)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB) on %s; attention backend %s",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.kv_spec.block_bytes / 2**20,
+            self.device,
+            self.attention.name,
+        )
+        max_blocks = math.ceil(self.max_model_len / self.block_size)
+        self.inputs = InputBuffers(self.max_num_batched_tokens, max_blocks, self.device)
+        self.sampling = SamplingTable(
+            self.config.vocab_size, self.device, capacity=max(64, args.max_num_seqs)
+        )
+        self.sampler = Sampler(self.device, args.seed)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of K and V over all layers."""
-        c = self.config
-        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
-        return per_token * self.block_size * self.dtype.itemsize
+        return self.kv_spec.block_bytes
 
-    def new_sampling_table(self, capacity: int = 64) -> SamplingTable:
-        return SamplingTable(self.config.vocab_size, self.device, capacity)
+    def _num_blocks(self, args: EngineArgs) -> int:
+        memory = args.kv_cache_memory
+        if memory is None:
+            memory = (
+                self._profile_free_memory(args.gpu_memory_utilization)
+                if self.device.type == "cuda"
+                else int(available_ram() * CPU_KV_CACHE_FRACTION)
+            )
+            blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+            memory = min(memory, args.max_num_seqs * blocks_per_seq * self.block_bytes)
+        num_blocks = memory // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: a budget of {memory} bytes holds no KV block "
+                f"(one block of {self.block_size} tokens needs {self.block_bytes} bytes)"
+            )
+        return num_blocks
+
+    # ------------------------------------------------------------------ the step
 
     @torch.inference_mode()
-    def execute(self, plan, sampling: SamplingBatch) -> tuple[np.ndarray, SampledLogprobs]:
-        """Run one step. `plan` has the StepPlan's arrays (int32 numpy):
-        input_ids, positions, slot_mapping (T,); query_start_loc (R+1,); num_computed_tokens,
-        seq_lens (R,); block_tables (R, max_blocks); logits_indices, sample_request_rows (S,).
-        `sampling` is `SamplingTable.batch(plan)`. -> (token ids int64 (S,), their logprobs)."""
-        if len(plan.input_ids) == 0:
-            return np.zeros(0, np.int64), _no_logprobs()
-        hidden = self._forward(plan, self.kv_caches)  # (T, hidden)
-        if len(plan.logits_indices) == 0:  # only partial prefills this step
-            return np.zeros(0, np.int64), _no_logprobs()
-        logits_rows = self._tensor(plan.logits_indices)
-        logits = self.model.compute_logits(hidden[logits_rows])  # (S, vocab)
-        tokens, logprobs = self.sampler(logits, sampling)
-        return tokens.cpu().numpy().astype(np.int64), logprobs
+    def execute(self, step: RunnerStep) -> ModelRunnerOutput:
+        for slot in step.finished_slots:
+            self.sampling.remove_request(slot)
+        for row in step.added:
+            self.sampling.add_request(
+                row.slot, row.params, row.prompt_token_ids, eos_token_ids=self.eos_token_ids
+            )
+        plan = step.plan
+        self.inputs.apply_new_blocks(
+            plan.new_block_slots, plan.new_block_indices, plan.new_block_ids
+        )
+        if plan.num_tokens == 0:
+            return ModelRunnerOutput.empty()
+        width = -(-int(np.max(plan.seq_lens)) // self.block_size)
+        block_tables = self.inputs.block_tables(np.asarray(plan.slots, np.int64), width)
+        hidden = self._forward(plan, block_tables, self.kv_caches)  # (T, hidden)
+        logits_indices = plan.logits_indices
+        if len(logits_indices) == 0:  # only partial prefills this step
+            return ModelRunnerOutput.empty()
+        rows = torch.from_numpy(np.asarray(logits_indices, np.int64)).to(self.device)
+        logits = self.model.compute_logits(hidden[rows])  # (S, vocab)
+        batch = self.sampling.batch(plan.slots[plan.sample_request_rows])
+        sampled = self.sampler(logits, batch)
+        tokens, logprobs = self._to_host(sampled)
+        accepted = tokens >= 0
+        self.sampling.append_tokens(batch.slots[accepted], tokens[accepted])
+        return ModelRunnerOutput(
+            sampled_token_ids=tokens, num_sampled=np.ones(len(tokens), np.int32), logprobs=logprobs
+        )
+
+    def _forward(
+        self, plan, block_tables: np.ndarray, kv_caches: list[KVCache] | None
+    ) -> torch.Tensor:
+        """plan: the StepPlan's (or a one-off plan's) arrays; block_tables (R, W)."""
+        input_ids, positions, slot_mapping = self.inputs.write(
+            plan.input_ids, plan.positions, plan.slot_mapping
+        )
+        metadata = self.attention.build_metadata(
+            AttentionInputs(
+                slot_mapping=slot_mapping,
+                query_start_loc=np.asarray(plan.query_start_loc),
+                num_computed_tokens=np.asarray(plan.num_computed_tokens),
+                seq_lens=np.asarray(plan.seq_lens),
+                block_tables=block_tables,
+                block_size=self.block_size,
+            )
+        )
+        ctx = ForwardContext(self.attention, metadata, kv_caches)
+        return self.model(input_ids, positions, ctx)
+
+    def _to_host(self, out: SamplerOutput) -> tuple[np.ndarray, SampledLogprobs]:
+        """The step's one wait on the device: sampled ids (and asked-for logprobs) to host."""
+        lp = out.logprobs
+        tensors = [out.tokens] + ([lp.chosen, lp.top_ids, lp.top_logprobs] if lp else [])
+        if self.device.type == "cuda":
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+            torch.cuda.current_stream(self.device).synchronize()
+        tokens = tensors[0].numpy()
+        if lp is None:
+            return tokens, SampledLogprobs.empty()
+        chosen, top_ids, top_values = (t.numpy() for t in tensors[1:])
+        return tokens, SampledLogprobs(
+            rows=lp.rows.astype(np.int64),
+            chosen=chosen,
+            top_ids=top_ids,
+            top_logprobs=top_values,
+            num_top=lp.num_top.astype(np.int32),
+        )
+
+    # ------------------------------------------------------------------ one-off forwards
 
     @torch.inference_mode()
     def prompt_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -116,52 +184,24 @@ class ModelRunner:
         num_blocks = math.ceil(n / self.block_size)
         plan = _single_prompt_plan(n, num_blocks, self.block_size)
         plan.input_ids = np.asarray(token_ids, dtype=np.int32)
-        hidden = self._forward(plan, self._allocate_kv_caches(num_blocks))
+        scratch = self.kv_spec.allocate(num_blocks, self.device, self.attention)
+        hidden = self._forward(plan, plan.block_tables, scratch)
         logits = self.model.compute_logits(hidden[:-1]).float()
-        targets = self._tensor(plan.input_ids[1:])
+        targets = torch.from_numpy(plan.input_ids[1:].astype(np.int64)).to(self.device)
         return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].cpu()
 
-    def _forward(self, plan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        attn = build_attention_metadata(
-            slot_mapping=self._tensor(plan.slot_mapping),
-            query_start_loc=np.asarray(plan.query_start_loc),
-            num_computed_tokens=np.asarray(plan.num_computed_tokens),
-            seq_lens=np.asarray(plan.seq_lens),
-            block_tables=np.asarray(plan.block_tables),
-            block_size=self.block_size,
-            sliding_window=self.config.sliding_window,
-            token_bytes=self.block_bytes // (2 * self.config.num_hidden_layers * self.block_size),
-        )
-        input_ids, positions = self._tensor(plan.input_ids), self._tensor(plan.positions)
-        return self.model(input_ids, positions, attn, kv_caches)
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
-        return tensor.to(self.device, non_blocking=True)
-
-    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        c = self.config
-        shape = (num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
-        # Zeroed: masked context positions are read through block 0 and must be finite.
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(c.num_hidden_layers)
-        ]
-
     @torch.inference_mode()
-    def _profile_free_memory(self, utilization: float, num_tokens: int) -> int:
+    def _profile_free_memory(self, utilization: float) -> int:
         """Bytes left for the KV cache: utilization * total GPU memory, less what is in use and
-        the activation peak of a forward over `num_tokens` tokens."""
-        num_tokens = min(num_tokens, self.config.max_position_embeddings)
+        the activation peak of a forward over the step token budget."""
+        num_tokens = min(self.max_num_batched_tokens, self.max_model_len)
         num_blocks = math.ceil(num_tokens / self.block_size)
-        kv_caches = self._allocate_kv_caches(num_blocks)
+        kv_caches = self.kv_spec.allocate(num_blocks, self.device, self.attention)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._forward(_single_prompt_plan(num_tokens, num_blocks, self.block_size), kv_caches)
+        plan = _single_prompt_plan(num_tokens, num_blocks, self.block_size)
+        self._forward(plan, plan.block_tables, kv_caches)
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - before
         del kv_caches
@@ -170,17 +210,10 @@ class ModelRunner:
         return int(total * utilization - (total - free) - activation_peak)
 
 
-def _no_logprobs() -> SampledLogprobs:
-    return SampledLogprobs(
-        chosen=np.zeros(0, np.float32),
-        top_ids=np.zeros((0, 0), np.int64),
-        top_logprobs=np.zeros((0, 0), np.float32),
-        num_top=np.zeros(0, np.int32),
-    )
-
-
 @dataclass
-class _ProfilePlan:
+class _OneOffPlan:
+    """A plan of one prompt over its own blocks (scoring, profiling)."""
+
     input_ids: np.ndarray
     positions: np.ndarray
     slot_mapping: np.ndarray
@@ -190,9 +223,9 @@ class _ProfilePlan:
     block_tables: np.ndarray
 
 
-def _single_prompt_plan(num_tokens: int, num_blocks: int, block_size: int) -> _ProfilePlan:
+def _single_prompt_plan(num_tokens: int, num_blocks: int, block_size: int) -> _OneOffPlan:
     positions = np.arange(num_tokens, dtype=np.int32)
-    return _ProfilePlan(
+    return _OneOffPlan(
         input_ids=np.zeros(num_tokens, np.int32),
         positions=positions,
         slot_mapping=positions,

@@ -1,111 +1,155 @@
 """The Llama family: Llama 2/3 (Touvron et al., 2023), Mistral 7B (Jiang et al., 2023),
-Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim) — one definition.
+Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim) — one definition, used
+for serving and for training.
 
 Pre-norm decoder layers with grouped-query attention (Ainslie et al., 2023), RoPE and a SwiGLU MLP.
 Tensors are flat over the step's tokens: T is the number of tokens in the step, across requests.
 Parameter names follow Hugging Face's, with q/k/v fused into `qkv_proj` and gate/up into
 `gate_up_proj`; `packed_modules` tells the loader where the checkpoint's separate tensors go.
+How attention is computed (and where K/V are cached) is the `ForwardContext`'s backend; how each
+linear layer stores its weights is its `LinearMethod`.
 """
 
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from aieng.attention.backend import ForwardContext
 from aieng.config import ModelConfig
 from aieng.layers.activation import silu_and_mul
-from aieng.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
-from aieng.layers.linear import Embedding, Linear
+from aieng.layers.attention import Attention
+from aieng.layers.linear import Embedding, Linear, LinearMethodChooser, dense_everywhere
 from aieng.layers.norm import RMSNorm
 from aieng.layers.rotary import RotaryEmbedding
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (num_blocks, block_size, H_kv, head_dim)
-
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        methods: LinearMethodChooser,
+        layer_index: int,
+        prefix: str,
+    ):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
-            config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias, dtype
+            config.hidden_size,
+            [q_size, kv_size, kv_size],
+            config.attention_bias,
+            dtype,
+            methods(f"{prefix}.qkv_proj"),
+            f"{prefix}.qkv_proj",
         )
-        self.o_proj = Linear(q_size, config.hidden_size, dtype=dtype)
+        self.o_proj = Linear(
+            q_size,
+            config.hidden_size,
+            False,
+            dtype,
+            methods(f"{prefix}.o_proj"),
+            f"{prefix}.o_proj",
+        )
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.rotary = rotary
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            layer_index,
+            sliding_window=config.sliding_window,
+        )
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_cache: KVCache,
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, attn, self.scale, k, v)  # (T, H, D)
+        out = self.attn(q, k, v, ctx)  # (T, H, D)
         return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, methods: LinearMethodChooser, prefix: str
+    ):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, [size, size], dtype=dtype)
-        self.down_proj = Linear(size, config.hidden_size, dtype=dtype)
+        self.gate_up_proj = Linear(
+            config.hidden_size,
+            [size, size],
+            False,
+            dtype,
+            methods(f"{prefix}.gate_up_proj"),
+            f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = Linear(
+            size,
+            config.hidden_size,
+            False,
+            dtype,
+            methods(f"{prefix}.down_proj"),
+            f"{prefix}.down_proj",
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        methods: LinearMethodChooser,
+        layer_index: int,
+    ):
         super().__init__()
+        prefix = f"model.layers.{layer_index}"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, rotary, dtype)
+        self.self_attn = LlamaAttention(
+            config, rotary, dtype, methods, layer_index, f"{prefix}.self_attn"
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, methods, f"{prefix}.mlp")
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionMetadata, kv: KVCache
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), attn, kv)
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, methods: LinearMethodChooser):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, dtype) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary, dtype, methods, i)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_caches: list[KVCache],
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, attn, kv)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
         return self.norm(x)
 
 
@@ -118,26 +162,34 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        linear_methods: LinearMethodChooser = dense_everywhere,
+    ):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype)
+        self.model = LlamaModel(config, dtype, linear_methods)
         self.tie_word_embeddings = config.tie_word_embeddings
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+            self.lm_head = Linear(
+                config.hidden_size,
+                config.vocab_size,
+                False,
+                dtype,
+                linear_methods("lm_head"),
+                "lm_head",
+            )
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_caches: list[KVCache],
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """-> final hidden states (T, hidden)."""
-        return self.model(input_ids, positions, attn, kv_caches)
+        """input_ids, positions (T,) -> final hidden states (T, hidden)."""
+        return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, hidden) -> logits (S, vocab)."""
         if self.tie_word_embeddings:
-            return F.linear(hidden, self.model.embed_tokens.weight)
+            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)

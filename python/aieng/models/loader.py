@@ -1,9 +1,10 @@
 """Load a Hugging Face checkpoint folder into a model.
 
 Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`, memory-mapped
-through safetensors' `safe_open` (never `torch.load`, which can run arbitrary code). Each tensor is
-converted to the target dtype once and copied into its parameter; q/k/v and gate/up land in their
-fused parameters' row blocks. Every problem raises a ValueError naming the file and the tensor.
+through safetensors' `safe_open` (never `torch.load`, which can run arbitrary code). Each tensor
+goes to its parameter's `weight_loader`, which places it (a shard of a fused q/k/v or gate/up
+along the dimension its linear method says) and converts its dtype where the method allows.
+Every problem raises a ValueError naming the file and the tensor.
 """
 
 import json
@@ -17,6 +18,13 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from aieng.config import ModelConfig
+from aieng.engine_args import torch_dtype
+from aieng.layers.linear import (
+    LinearMethodChooser,
+    WeightLoadError,
+    default_weight_loader,
+    dense_everywhere,
+)
 from aieng.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -25,25 +33,16 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, stored by some old checkpoints
 
-DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
 
 @dataclass
 class LoadTimes:
     reading_s: float = 0.0
-    conversion_s: float = 0.0
-    transfer_s: float = 0.0
+    placing_s: float = 0.0  # the weight loaders: conversion, checks, copy to the device
 
 
 def resolve_dtype(name: str, source: str = "config.json") -> torch.dtype:
     try:
-        return DTYPES[name]
+        return torch_dtype(name)
     except KeyError:
         raise ValueError(f"{source}: field 'torch_dtype' = {name!r} is not supported") from None
 
@@ -53,6 +52,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     config: ModelConfig | None = None,
+    linear_methods: LinearMethodChooser = dense_everywhere,
 ) -> tuple[nn.Module, ModelConfig]:
     """-> (model in eval mode on `device`, its config). dtype defaults to the checkpoint's."""
     folder = Path(path)
@@ -60,15 +60,14 @@ def load_model(
     cls = model_class(config.architecture, str(folder / "config.json"))
     dtype = dtype or resolve_dtype(config.dtype, str(folder / "config.json"))
     with torch.device(device):
-        model = cls(config, dtype)
+        model = cls(config, dtype, linear_methods)
     times = load_weights(model, folder)
     logger.info(
-        "loaded %s from %s: reading %.2fs, conversion %.2fs, transfer %.2fs",
+        "loaded %s from %s: reading %.2fs, placing %.2fs",
         config.architecture,
         folder,
         times.reading_s,
-        times.conversion_s,
-        times.transfer_s,
+        times.placing_s,
     )
     return model.eval(), config
 
@@ -95,10 +94,12 @@ def checkpoint_files(folder: Path) -> dict[Path, list[str] | None]:
 
 
 def load_weights(model: nn.Module, folder: Path) -> LoadTimes:
+    """Every checkpoint tensor goes to its parameter's `weight_loader` (with its shard of a fused
+    layer); the loop itself knows nothing of fusing, packing or dtypes."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
-    filled: dict[str, set[int]] = {name: set() for name in params}
+    filled: dict[str, set[int | None]] = {name: set() for name in params}
     times = LoadTimes()
     files = checkpoint_files(folder)
     for file, names in files.items():
@@ -115,15 +116,25 @@ def load_weights(model: nn.Module, folder: Path) -> LoadTimes:
                     target, shard = _target(name, packed)
                     if target not in params:
                         raise ValueError(f"{file}: unexpected tensor {name}")
-                    _load_tensor(model, params[target], target, shard, handle, name, file, times)
+                    param = params[target]
+                    start = time.perf_counter()
+                    tensor = handle.get_tensor(name)
+                    read_at = time.perf_counter()
+                    loader = getattr(param, "weight_loader", default_weight_loader)
+                    try:
+                        loader(param, tensor, shard if _num_shards(param) > 1 else None)
+                    except WeightLoadError as e:
+                        raise ValueError(f"{file}: tensor {name} {e}") from None
+                    times.reading_s += read_at - start
+                    times.placing_s += time.perf_counter() - read_at
                     filled[target].add(shard)
         except SafetensorError as e:
             raise ValueError(f"{file}: cannot read safetensors file: {e}") from e
     missing = [
         name
         for target, shards in filled.items()
-        if len(shards) < _num_shards(model, target)
-        for name in _source_names(target, packed, _num_shards(model, target), shards)
+        if len(shards) < _num_shards(params[target])
+        for name in _source_names(target, packed, _num_shards(params[target]), shards)
     ]
     if missing:
         where = ", ".join(str(file) for file in files)
@@ -132,7 +143,7 @@ def load_weights(model: nn.Module, folder: Path) -> LoadTimes:
 
 
 def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int]:
-    """HF tensor name -> (our parameter name, row block index)."""
+    """HF tensor name -> (our parameter name, shard index within a fused layer)."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in packed:
@@ -141,18 +152,12 @@ def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int]:
     return name, 0
 
 
-def _shard_sizes(model: nn.Module, target: str) -> list[int] | None:
-    module = model.get_submodule(target.rsplit(".", 1)[0])
-    return getattr(module, "shard_sizes", None)
-
-
-def _num_shards(model: nn.Module, target: str) -> int:
-    sizes = _shard_sizes(model, target)
-    return len(sizes) if sizes else 1
+def _num_shards(param: nn.Parameter) -> int:
+    return getattr(param, "num_shards", 1)
 
 
 def _source_names(
-    target: str, packed: dict[str, tuple[str, int]], expected: int, shards: set[int]
+    target: str, packed: dict[str, tuple[str, int]], expected: int, shards: set[int | None]
 ) -> list[str]:
     if expected == 1:
         return [target]
@@ -170,26 +175,3 @@ def _split_fused(target: str, packed: dict[str, tuple[str, int]]) -> tuple[str, 
     i = next(i for i, part in enumerate(parts) if part in fused_names)
     prefix = ".".join(parts[:i])
     return (prefix + "." if prefix else ""), parts[i], ".".join(parts[i + 1 :])
-
-
-def _load_tensor(model, param, target, shard, handle, name, file, times: LoadTimes) -> None:
-    sizes = _shard_sizes(model, target)
-    destination = param.data
-    if sizes and len(sizes) > 1:
-        destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])
-    shape = tuple(handle.get_slice(name).get_shape())
-    if shape != tuple(destination.shape):
-        raise ValueError(
-            f"{file}: tensor {name} has shape {list(shape)}, expected {list(destination.shape)}"
-        )
-    start = time.perf_counter()
-    tensor = handle.get_tensor(name)
-    converted_at = time.perf_counter()
-    tensor = tensor.to(destination.dtype)
-    transferred_at = time.perf_counter()
-    with torch.no_grad():
-        destination.copy_(tensor)
-    done = time.perf_counter()
-    times.reading_s += converted_at - start
-    times.conversion_s += transferred_at - converted_at
-    times.transfer_s += done - transferred_at

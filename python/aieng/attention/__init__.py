@@ -1,0 +1,13 @@
+"""Attention backends: the `AttentionBackend` seam, the pure-PyTorch paged reference, and the
+selector that picks one per engine."""
+
+from aieng.attention.backend import AttentionBackend, AttentionInputs, ForwardContext, KVCache
+from aieng.attention.selector import select_attention_backend
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionInputs",
+    "ForwardContext",
+    "KVCache",
+    "select_attention_backend",
+]

@@ -1,0 +1,244 @@
+"""Paged attention over a block KV cache — the pure-PyTorch reference backend (`torch`).
+
+The cache of one layer is a K and a V tensor of shape (num_blocks, block_size, num_kv_heads,
+head_dim); token slot s lives at block s // block_size, offset s % block_size. Context positions
+past a request's length are read through the block table's padding (block 0) and masked; the runner
+zero-fills the cache so that such reads are always finite.
+
+A step is split into decode rows (query length 1) and prefill rows. The decode rows, sorted by
+length, go in groups: one batched attention per group over the contexts gathered block by block
+into (R_group, L, H_kv, D) with a length mask, a group's gather sized to stay in cache. Each
+prefill row is its own `scaled_dot_product_attention` — causal over the new tokens' own K/V when
+nothing of the request is cached yet, else over its cached context with the causal mask offset by
+the cached length. The index tensors and masks are built once per step, not per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from aieng.attention.backend import AttentionBackend, AttentionInputs, KVCache
+
+if TYPE_CHECKING:
+    from aieng.layers.attention import Attention
+
+
+@dataclass
+class PrefillSpan:
+    """One request of the step with more than one query token."""
+
+    start: int  # its tokens are rows start:end of the step's T
+    end: int
+    context_len: int  # L: its sequence length after this step
+    blocks: torch.Tensor | None  # (ceil(L / block_size),) its blocks; None: attend to new K/V only
+    mask: torch.Tensor | None  # (Q, L) True where query i may attend to position j; None: causal
+
+
+@dataclass
+class DecodeGroup:
+    """Decode requests (query length 1) attended together, padded to the longest of them."""
+
+    rows: slice | torch.Tensor  # their rows of the step's T
+    blocks: torch.Tensor  # (R_g, B) their block tables
+    context_len: int  # L_g: the longest context in the group
+    mask: torch.Tensor | None  # (R_g, 1, 1, L_g) True where attended; None: all of L_g
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors shared by every layer (built once per step by `build_metadata`)."""
+
+    slot_mapping: torch.Tensor  # (T,) cache slot for each new token's K/V
+    num_tokens: int
+    decodes: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+# A decode group's gathered K (or V) is kept near this size, so that it stays in cache between
+# the gather and the attention that reads it; groups hold requests of similar lengths.
+DECODE_GROUP_BYTES = 1 << 21
+
+
+def build_attention_metadata(
+    slot_mapping: torch.Tensor,
+    query_start_loc: np.ndarray,
+    num_computed_tokens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    sliding_window: int | None = None,
+    token_bytes: int = 0,
+) -> AttentionMetadata:
+    """`slot_mapping` is int64 on the model's device; the other arrays are the StepPlan's (host
+    numpy), so that building this never waits on the device. token_bytes: bytes of one token's K
+    in one layer (sizes the decode groups; 0 puts every decode request in one group)."""
+    device = slot_mapping.device
+    query_start_loc = np.asarray(query_start_loc, np.int64)
+    num_computed = np.asarray(num_computed_tokens, np.int64)
+    seq_lens = np.asarray(seq_lens, np.int64)
+    block_tables = np.asarray(block_tables, np.int64)
+    query_lens = np.diff(query_start_loc)
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+
+    decodes = np.flatnonzero(query_lens == 1)
+    decodes = decodes[np.argsort(seq_lens[decodes], kind="stable")]
+    groups = []
+    lo = 0
+    while lo < len(decodes):
+        hi = len(decodes)
+        if token_bytes > 0:  # lengths ascend: the group's longest is its last
+            longest = seq_lens[decodes[lo:]]
+            sizes = np.arange(1, hi - lo + 1) * longest * token_bytes  # ascending
+            hi = lo + max(1, int(np.count_nonzero(sizes <= DECODE_GROUP_BYTES)))
+        members = decodes[lo:hi]
+        tokens = query_start_loc[members]
+        rows: slice | torch.Tensor
+        if np.all(np.diff(tokens) == 1):
+            rows = slice(int(tokens[0]), int(tokens[0]) + len(tokens))
+        else:
+            rows = to_device(tokens)
+        lens = seq_lens[members]
+        context_len = int(lens.max())
+        blocks = to_device(block_tables[members, : -(-context_len // block_size)])
+        positions = np.arange(context_len)
+        mask = positions[None, :] < lens[:, None]
+        if sliding_window is not None:
+            mask &= positions[None, :] > lens[:, None] - 1 - sliding_window
+        dmask = None if mask.all() else to_device(mask[:, None, None, :])
+        groups.append(DecodeGroup(rows, blocks, context_len, dmask))
+        lo = hi
+
+    prefills = []
+    for r in np.flatnonzero(query_lens > 1):
+        start, end = int(query_start_loc[r]), int(query_start_loc[r + 1])
+        computed, context_len = int(num_computed[r]), int(seq_lens[r])
+        blocks = mask = None
+        if computed > 0:
+            blocks = to_device(block_tables[r, : -(-context_len // block_size)])
+        if computed > 0 or sliding_window is not None:
+            query_pos = computed + np.arange(end - start)[:, None]
+            positions = np.arange(context_len)[None, :]
+            allowed = positions <= query_pos
+            if sliding_window is not None:
+                allowed &= positions > query_pos - sliding_window
+            mask = to_device(allowed)
+        prefills.append(PrefillSpan(start, end, context_len, blocks, mask))
+
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        num_tokens=int(query_start_loc[-1]),
+        decodes=groups,
+        prefills=prefills,
+    )
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k, v (T, H_kv, D) -> their slots of the caches."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """cache (N, B, H_kv, D), blocks (..., nb) -> (..., H_kv, length, D)."""
+    num_kv_heads, head_dim = cache.shape[2:]
+    gathered = cache[blocks]  # (..., nb, B, H_kv, D)
+    gathered = gathered.view(*blocks.shape[:-1], -1, num_kv_heads, head_dim)[..., :length, :, :]
+    return gathered.transpose(-3, -2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q (T, H, D) over each request's cached context (new tokens already written) -> (T, H, D).
+    k, v (T, H_kv, D): the step's new K/V, used directly by prefills with no cached context."""
+    _, num_heads, _ = q.shape
+    gqa = num_heads != k_cache.shape[2]
+    out = torch.empty_like(q)
+    for group in meta.decodes:
+        qd = q[group.rows][:, :, None, :]  # (R_g, H, 1, D)
+        kd = _gather_context(k_cache, group.blocks, group.context_len)  # (R_g, H_kv, L_g, D)
+        vd = _gather_context(v_cache, group.blocks, group.context_len)
+        od = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa
+        )
+        out[group.rows] = od[:, :, 0, :]
+    for span in meta.prefills:
+        qp = q[span.start : span.end].transpose(0, 1)  # (H, Q, D)
+        if span.blocks is None and k is not None and v is not None:
+            kp = k[span.start : span.end].transpose(0, 1)  # (H_kv, Q, D)
+            vp = v[span.start : span.end].transpose(0, 1)
+        else:
+            blocks = span.blocks
+            if blocks is None:  # no new K/V given: read them back from the cache
+                raise ValueError("paged_attention needs k and v for prefills without a context")
+            kp = _gather_context(k_cache, blocks, span.context_len)
+            vp = _gather_context(v_cache, blocks, span.context_len)
+        op = F.scaled_dot_product_attention(
+            qp,
+            kp,
+            vp,
+            attn_mask=span.mask,
+            is_causal=span.mask is None,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[span.start : span.end] = op.transpose(0, 1)
+    return out
+
+
+class TorchPagedAttention(AttentionBackend):
+    """The reference backend: any device, any float dtype, sliding window."""
+
+    name = "torch"
+
+    def __init__(self, sliding_window: int | None = None, token_bytes: int = 0):
+        """token_bytes: bytes of one token's K in one layer (sizes the decode groups)."""
+        self.sliding_window = sliding_window
+        self.token_bytes = token_bytes
+
+    def build_metadata(self, inputs: AttentionInputs) -> AttentionMetadata:
+        return build_attention_metadata(
+            slot_mapping=inputs.slot_mapping,
+            query_start_loc=inputs.query_start_loc,
+            num_computed_tokens=inputs.num_computed_tokens,
+            seq_lens=inputs.seq_lens,
+            block_tables=inputs.block_tables,
+            block_size=inputs.block_size,
+            sliding_window=self.sliding_window,
+            token_bytes=self.token_bytes,
+        )
+
+    def forward(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        if kv_cache is None:
+            raise ValueError("the paged attention backend needs a KV cache")
+        k_cache, v_cache = kv_cache
+        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, metadata, layer.scale, k, v)

@@ -1,0 +1,69 @@
+"""The messages across the device boundary: what the engine sends the model runner each step,
+and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from aieng.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from aieng._core import StepPlan
+
+
+@dataclass(frozen=True)
+class NewSamplingRow:
+    """A request that took a slot since the last step: its sampling state starts here."""
+
+    slot: int
+    params: SamplingParams
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class RunnerStep:
+    """One step for the runner: the core's plan, plus the sampling rows that changed."""
+
+    plan: StepPlan
+    added: list[NewSamplingRow] = field(default_factory=list)
+    finished_slots: list[int] = field(default_factory=list)  # applied before `added`
+
+
+@dataclass
+class SampledLogprobs:
+    """Logprobs of the sampled rows that asked for them (`SamplingParams.logprobs` set)."""
+
+    rows: np.ndarray  # (L,) int64: which sampling rows these are
+    chosen: np.ndarray  # (L,) float32: log-probability of each row's sampled token
+    top_ids: np.ndarray  # (L, K) int64: K = the largest `logprobs` asked for in the step
+    top_logprobs: np.ndarray  # (L, K) float32; row i is valid up to num_top[i]
+    num_top: np.ndarray  # (L,) int32
+
+    @classmethod
+    def empty(cls) -> SampledLogprobs:
+        return cls(
+            rows=np.zeros(0, np.int64),
+            chosen=np.zeros(0, np.float32),
+            top_ids=np.zeros((0, 0), np.int64),
+            top_logprobs=np.zeros((0, 0), np.float32),
+            num_top=np.zeros(0, np.int32),
+        )
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens accepted this step, sampling row after sampling row (the plan's logits rows).
+
+    Row s owns `sampled_token_ids[offsets[s]:offsets[s] + num_sampled[s]]`; today every row has
+    one token, and speculative decoding may accept several."""
+
+    sampled_token_ids: np.ndarray  # (N,) int64
+    num_sampled: np.ndarray  # (S,) int32
+    logprobs: SampledLogprobs  # per sampling row's first token
+
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int32), SampledLogprobs.empty())

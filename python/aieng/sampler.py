@@ -1,0 +1,389 @@
+"""The runner's sampler: per-request sampling state by slot, and one token per sampled row.
+
+`SamplingTable` holds per-request sampling state in arrays indexed by the scheduler's persistent
+slot ids, so building a step's `SamplingBatch` is a few array gathers, not a loop over requests.
+The host arrays decide what the step needs (any sampled row? penalties? logprobs?) without
+asking the device. `Sampler` then does only that work:
+- greedy rows take the argmax; a step of greedy rows never builds probabilities;
+- the full-vocabulary log-softmax runs only over rows that asked for logprobs;
+- sampled rows use the exponential race (argmax p_i / E_i with E_i ~ Exp(1) is a draw from p).
+  Seeded rows draw E from a counter-based hash of (seed, output index, token id), so a seed gives
+  the same tokens whatever else is in the batch and whichever step produces the token — with no
+  generator object per row; the other rows share the runner's generator.
+A row whose processed distribution has no valid token (NaN logits, everything masked) is
+reported as failed, never answered with a token it could not have drawn.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from aieng.runner_io import SampledLogprobs
+from aieng.sampling import SamplingParams
+
+UINT64 = (1 << 64) - 1
+MASK32 = (1 << 32) - 1
+HASH_MULTIPLIER = 0x45D9F3B  # < 2**27: hashing 32-bit values in int64 never overflows
+
+
+@dataclass
+class SamplingBatch:
+    """Sampling inputs of one step's S sampled rows; tensors on the model's device."""
+
+    slots: np.ndarray  # (S,) slot of each row
+    all_greedy: bool
+    greedy: torch.Tensor  # (S,) bool
+    temperature: torch.Tensor  # (S,) float32, 1.0 on greedy rows
+    top_k: torch.Tensor  # (S,) int64, vocab size where off
+    top_p: torch.Tensor  # (S,) float32
+    min_p: torch.Tensor  # (S,) float32
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    penalties: Penalties | None  # None when no row has one
+    blocked_rows: torch.Tensor | None  # (B,) with blocked_ids: tokens banned until min_tokens
+    blocked_ids: torch.Tensor | None  # (B,)
+    seeded_rows: torch.Tensor | None  # (K,) rows with their own seed
+    seeded_keys: torch.Tensor | None  # (K, 2) int64: 32-bit hash keys of (seed, output index)
+    logprob_rows: np.ndarray  # (L,) rows that asked for logprobs
+    num_logprobs: np.ndarray  # (L,) how many top logprobs each of them wants
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.slots)
+
+
+@dataclass
+class Penalties:
+    repetition: torch.Tensor  # (S,) float32
+    presence: torch.Tensor  # (S,)
+    frequency: torch.Tensor  # (S,)
+    output_counts: torch.Tensor  # (S, V) int32
+    prompt_mask: torch.Tensor  # (S, V) bool
+
+
+# Columns of SamplingTable.floats, in order.
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+class SamplingTable:
+    """Per-request sampling state indexed by slot id (the StepPlan's `slots`)."""
+
+    def __init__(self, vocab_size: int, device: str | torch.device = "cpu", capacity: int = 64):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.floats = np.zeros((0, len(FLOAT_FIELDS)), np.float32)
+        self.top_k = np.zeros(0, np.int64)
+        self.seed = np.zeros(0, np.int64)
+        self.has_seed = np.zeros(0, bool)
+        self.greedy = np.zeros(0, bool)
+        self.has_penalty = np.zeros(0, bool)
+        self.num_logprobs = np.zeros(0, np.int32)  # -1: no logprobs
+        self.num_output = np.zeros(0, np.int64)
+        self.min_tokens = np.zeros(0, np.int64)
+        self.min_tokens_ids: dict[int, list[int]] = {}
+        self.output_counts: torch.Tensor | None = None  # (capacity, V), made on first penalty
+        self.prompt_mask: torch.Tensor | None = None
+        self._grow(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.top_k)
+
+    def add_request(
+        self,
+        slot: int,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        if slot >= self.capacity:
+            self._grow(max(slot + 1, 2 * self.capacity))
+        greedy = params.greedy
+        self.floats[slot] = (
+            1.0 if greedy else params.temperature,
+            1.0 if greedy else params.top_p,
+            0.0 if greedy else params.min_p,
+            params.repetition_penalty,
+            params.presence_penalty,
+            params.frequency_penalty,
+        )
+        self.top_k[slot] = self.vocab_size if greedy or params.top_k <= 0 else params.top_k
+        self.greedy[slot] = greedy
+        self.has_seed[slot] = params.seed is not None
+        self.seed[slot] = np.uint64((params.seed or 0) & UINT64).astype(np.int64)
+        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self.num_output[slot] = 0
+        self.min_tokens[slot] = params.min_tokens
+        banned = list(params.stop_token_ids or ()) + (
+            [] if params.ignore_eos else list(eos_token_ids)
+        )
+        banned = [t for t in banned if 0 <= t < self.vocab_size]  # checked at the door too
+        if params.min_tokens > 0 and banned:
+            self.min_tokens_ids[slot] = banned
+        else:
+            self.min_tokens_ids.pop(slot, None)
+        has_penalty = (
+            params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+        )
+        self.has_penalty[slot] = has_penalty
+        if has_penalty and self.output_counts is None:
+            shape = (self.capacity, self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        if has_penalty and self.output_counts is not None and self.prompt_mask is not None:
+            self.output_counts[slot] = 0
+            self.prompt_mask[slot] = False
+            ids = torch.as_tensor(list(prompt_token_ids), dtype=torch.long)
+            self.prompt_mask[slot, ids.to(self.device)] = True
+
+    def remove_request(self, slot: int) -> None:
+        self.min_tokens_ids.pop(slot, None)
+        if slot < self.capacity:
+            self.has_penalty[slot] = False
+
+    def batch(self, slots: np.ndarray) -> SamplingBatch:
+        """slots (S,): the slot of each sampled row, in the plan's sampling order."""
+        slots = np.asarray(slots, dtype=np.int64)
+        device = self.device
+        floats = self.floats[slots]  # (S, len(FLOAT_FIELDS))
+        greedy = self.greedy[slots]
+        all_greedy = bool(greedy.all())
+        top_k = self.top_k[slots]
+        any_top_k = not all_greedy and bool(np.any(top_k < self.vocab_size))
+        any_top_p = not all_greedy and bool(np.any(floats[:, 1] < 1.0))
+        any_min_p = not all_greedy and bool(np.any(floats[:, 2] > 0.0))
+        float_columns = torch.from_numpy(floats).to(device)
+        penalties = None
+        if self.output_counts is not None and self.prompt_mask is not None:
+            if self.has_penalty[slots].any():
+                index = torch.from_numpy(slots).to(device)
+                penalties = Penalties(
+                    repetition=float_columns[:, 3],
+                    presence=float_columns[:, 4],
+                    frequency=float_columns[:, 5],
+                    output_counts=self.output_counts[index],
+                    prompt_mask=self.prompt_mask[index],
+                )
+        blocked_rows = blocked_ids = None
+        if self.min_tokens_ids:
+            rows, ids = [], []
+            for r in np.flatnonzero(self.num_output[slots] < self.min_tokens[slots]).tolist():
+                banned = self.min_tokens_ids.get(int(slots[r]))
+                if banned:
+                    rows += [r] * len(banned)
+                    ids += banned
+            if rows:
+                blocked_rows = torch.tensor(rows, dtype=torch.long).to(device)
+                blocked_ids = torch.tensor(ids, dtype=torch.long).to(device)
+        seeded_rows = seeded_keys = None
+        seeded = np.flatnonzero(self.has_seed[slots]) if not all_greedy else np.zeros(0, np.int64)
+        if len(seeded):
+            keys = [
+                _mix(int(self.seed[slots[r]]) & UINT64, int(self.num_output[slots[r]]))
+                for r in seeded.tolist()
+            ]
+            halves = [(k & MASK32, (k >> 32) & MASK32) for k in keys]
+            seeded_rows = torch.from_numpy(seeded).to(device)
+            seeded_keys = torch.tensor(halves, dtype=torch.int64).to(device)
+        num_logprobs = self.num_logprobs[slots]
+        logprob_rows = np.flatnonzero(num_logprobs >= 0)
+        return SamplingBatch(
+            slots=slots,
+            all_greedy=all_greedy,
+            greedy=torch.from_numpy(greedy).to(device),
+            temperature=float_columns[:, 0],
+            top_k=torch.from_numpy(top_k).to(device),
+            top_p=float_columns[:, 1],
+            min_p=float_columns[:, 2],
+            any_top_k=any_top_k,
+            any_top_p=any_top_p,
+            any_min_p=any_min_p,
+            penalties=penalties,
+            blocked_rows=blocked_rows,
+            blocked_ids=blocked_ids,
+            seeded_rows=seeded_rows,
+            seeded_keys=seeded_keys,
+            logprob_rows=logprob_rows,
+            num_logprobs=num_logprobs[logprob_rows],
+        )
+
+    def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
+        """Record accepted tokens: token i belongs to slots[i] (a slot may repeat)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        np.add.at(self.num_output, slots, 1)
+        if self.output_counts is not None and len(slots) and self.has_penalty[slots].any():
+            index = torch.from_numpy(slots).to(self.device)
+            tokens = torch.from_numpy(np.asarray(token_ids, np.int64)).to(self.device)
+            ones = torch.ones(len(tokens), dtype=torch.int32, device=self.device)
+            self.output_counts.index_put_((index, tokens), ones, accumulate=True)
+
+    def _grow(self, capacity: int) -> None:
+        extra = capacity - self.capacity
+        self.floats = np.concatenate([self.floats, np.ones((extra, len(FLOAT_FIELDS)), np.float32)])
+        for name in (
+            "top_k",
+            "seed",
+            "has_seed",
+            "greedy",
+            "has_penalty",
+            "num_logprobs",
+            "num_output",
+            "min_tokens",
+        ):
+            old = getattr(self, name)
+            setattr(self, name, np.concatenate([old, np.zeros(extra, old.dtype)]))
+        if self.output_counts is not None and self.prompt_mask is not None:
+            pad = (extra, self.vocab_size)
+            self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(pad)])
+            self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(pad)])
+
+
+def _mix(seed: int, index: int) -> int:
+    """SplitMix64 of (seed, output index) -> a 64-bit key."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & UINT64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & UINT64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & UINT64
+    return z ^ (z >> 31)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser over int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * HASH_MULTIPLIER) & MASK32
+    x = x ^ (x >> 16)
+    x = (x * HASH_MULTIPLIER) & MASK32
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """keys (K, 2) int64 -> Exp(1) noise (K, V) float32, a pure function of (key, token id)."""
+    ids = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)[None, :]
+    bits = _hash32(_hash32(ids ^ keys[:, :1]) ^ keys[:, 1:])  # (K, V) in [0, 2**32)
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
+    return -torch.log(uniform)
+
+
+@dataclass
+class DeviceLogprobs:
+    """Logprobs of the rows that asked for them, still on the device."""
+
+    rows: np.ndarray  # (L,) host
+    num_top: np.ndarray  # (L,) host
+    chosen: torch.Tensor  # (L,) float32
+    top_ids: torch.Tensor  # (L, K) int64
+    top_logprobs: torch.Tensor  # (L, K) float32
+
+    def to_host(self) -> SampledLogprobs:
+        return SampledLogprobs(
+            rows=self.rows.astype(np.int64),
+            chosen=self.chosen.numpy(),
+            top_ids=self.top_ids.numpy(),
+            top_logprobs=self.top_logprobs.numpy(),
+            num_top=self.num_top.astype(np.int32),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    tokens: torch.Tensor  # (S,) int64 on the device; -1 on failed rows
+    logprobs: DeviceLogprobs | None
+
+
+class Sampler:
+    """logits (S, V) + SamplingBatch -> one token per row, with logprobs where asked."""
+
+    def __init__(self, device: str | torch.device = "cpu", seed: int | None = None):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if len(batch.logprob_rows):  # reported logprobs: before any processing
+            rows = torch.from_numpy(batch.logprob_rows).to(logits.device)
+            raw_logprobs = torch.log_softmax(logits[rows], dim=-1)
+        logits = torch.nan_to_num(logits, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
+        if batch.blocked_rows is not None:
+            logits.index_put_(
+                (batch.blocked_rows, batch.blocked_ids),
+                torch.tensor(-math.inf, device=logits.device),
+            )
+        greedy_tokens = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            tokens = greedy_tokens
+        else:
+            tokens = torch.where(batch.greedy, greedy_tokens, self._sample(logits, batch))
+        # A token is valid only if its processed logit is finite (not masked, not NaN).
+        valid = torch.isfinite(logits.gather(1, tokens[:, None])[:, 0])
+        tokens = torch.where(valid, tokens, torch.full_like(tokens, -1))
+        return SamplerOutput(tokens, _logprobs(raw_logprobs, tokens, batch))
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = logits / batch.temperature[:, None]
+        if batch.any_min_p:
+            probs = logits.softmax(dim=-1)
+            threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < threshold, -math.inf)
+        if batch.any_top_k or batch.any_top_p:
+            logits = apply_top_k_top_p(logits, batch)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        if batch.seeded_rows is not None and batch.seeded_keys is not None:
+            noise[batch.seeded_rows] = seeded_exponential(batch.seeded_keys, probs.shape[-1])
+        return (probs / noise).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """vLLM's penalties: repetition over prompt and output; presence, frequency over output."""
+    counts = p.output_counts
+    seen = p.prompt_mask | (counts > 0)
+    penalty = p.repetition[:, None]
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - p.frequency[:, None] * counts
+    return logits - p.presence[:, None] * (counts > 0)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, V)
+    if batch.any_top_k:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits.masked_fill_(ranks[None] >= batch.top_k[:, None], -math.inf)
+    if batch.any_top_p:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # the first token is always kept
+        sorted_logits.masked_fill_(mass_before > batch.top_p[:, None], -math.inf)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _logprobs(
+    raw_logprobs: torch.Tensor | None, tokens: torch.Tensor, batch: SamplingBatch
+) -> DeviceLogprobs | None:
+    if raw_logprobs is None:
+        return None
+    rows = torch.from_numpy(batch.logprob_rows).to(tokens.device)
+    chosen = raw_logprobs.gather(1, tokens[rows].clamp(min=0)[:, None])[:, 0]
+    k = min(int(batch.num_logprobs.max(initial=0)), raw_logprobs.shape[-1])
+    top_values, top_ids = raw_logprobs.topk(k, dim=-1)  # (L, K)
+    return DeviceLogprobs(batch.logprob_rows, batch.num_logprobs, chosen, top_ids, top_values)
