@@ -1,13 +1,12 @@
 """SamplingParams validation and the batched sampler on synthetic logits."""
 
 import math
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 
-from aieng.sampler import Sampler, SamplingTable, apply_penalties
+from aieng.runner_io import SampledLogprobs
+from aieng.sampler import Sampler, SamplingTable, apply_penalties, seeded_exponential
 from aieng.sampling import SamplingParams
 
 VOCAB = 32
@@ -69,14 +68,15 @@ def run(rows, logits, sampler=None, steps=1, prompts=None, eos=()):
     slots = [10 + 7 * i for i in range(len(rows))]
     for i, (slot, params) in enumerate(zip(slots, rows, strict=True)):
         table.add_request(slot, params, prompts[i] if prompts else [], eos_token_ids=eos)
-    plan = SimpleNamespace(slots=np.array(slots), sample_request_rows=np.arange(len(rows)))
     sampler = sampler or Sampler(seed=0)
     out = []
     for _ in range(steps):
-        batch = table.batch(plan)
-        tokens, logprobs = sampler(logits.clone(), batch)
-        table.append_tokens(batch, tokens.numpy())
-        out.append(tokens.numpy())
+        batch = table.batch(np.array(slots))
+        sampled = sampler(logits.clone(), batch)
+        tokens = sampled.tokens.numpy()
+        table.append_tokens(batch.slots, tokens)
+        out.append(tokens)
+    logprobs = sampled.logprobs.to_host() if sampled.logprobs else SampledLogprobs.empty()
     return np.stack(out), logprobs
 
 
@@ -97,7 +97,7 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
 
 def test_reported_logprobs_ignore_temperature_and_penalties():
     logits = skewed_logits(1)
-    params = SamplingParams(temperature=0.3, repetition_penalty=2.0, seed=3)
+    params = SamplingParams(temperature=0.3, repetition_penalty=2.0, seed=3, logprobs=0)
     tokens, logprobs = run([params], logits, prompts=[[0, 1, 2]])
     raw = torch.log_softmax(logits[0], -1)
     assert logprobs.chosen[0] == pytest.approx(raw[tokens[0, 0]].item(), abs=1e-6)
@@ -135,8 +135,7 @@ def test_penalties_follow_vllm():
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     table = SamplingTable(VOCAB)
     table.add_request(0, params, prompt_token_ids=[0, 1], output_token_ids=[3, 3])
-    plan = SimpleNamespace(slots=np.array([0]), sample_request_rows=np.array([0]))
-    out = apply_penalties(logits.clone(), table.batch(plan))[0, :4]
+    out = apply_penalties(logits.clone(), table.batch(np.array([0])).penalties)[0, :4]
     expected = [2.0 / 2, -1.0 * 2, 0.5, 3.0 / 2 - 0.5 * 2 - 0.25]
     torch.testing.assert_close(out, torch.tensor(expected))
 
@@ -191,8 +190,7 @@ def test_seeded_token_depends_on_its_output_index_not_the_step():
     table = SamplingTable(VOCAB)
     # The same request resumed after 3 outputs (e.g. recomputed after preemption).
     table.add_request(2, seeded, [], output_token_ids=reference[:3, 0].tolist())
-    plan = SimpleNamespace(slots=np.array([2]), sample_request_rows=np.array([0]))
-    tokens, _ = Sampler(seed=123)(logits.clone(), table.batch(plan))
+    tokens = Sampler(seed=123)(logits.clone(), table.batch(np.array([2]))).tokens
     assert tokens[0] == reference[3, 0]
 
 
@@ -219,8 +217,8 @@ def test_mixed_rows_in_one_batch():
     argmax = logits.argmax(-1)
     assert tokens[0, 0] == argmax[0] and tokens[0, 1] == argmax[1] and tokens[0, 4] == argmax[4]
     assert tokens[0, 2] != argmax[2]
-    assert logprobs.num_top.tolist() == [0, 0, 0, 0, 2]
-    assert logprobs.top_ids.shape == (5, 2)
+    assert logprobs.rows.tolist() == [4] and logprobs.num_top.tolist() == [2]
+    assert logprobs.top_ids.shape == (1, 2)  # logprobs only for the row that asked
 
 
 def test_table_grows_and_reuses_slots():
@@ -229,6 +227,31 @@ def test_table_grows_and_reuses_slots():
     table.add_request(3, SamplingParams(), [1])
     assert table.capacity > 40 and table.output_counts.shape[0] == table.capacity
     table.add_request(40, SamplingParams(temperature=0), [7])  # slot reused by a new request
-    plan = SimpleNamespace(slots=np.array([40]), sample_request_rows=np.array([0]))
-    batch = table.batch(plan)
-    assert bool(batch.greedy[0]) and not batch.prompt_mask[0].any()
+    batch = table.batch(np.array([40]))
+    assert bool(batch.greedy[0]) and batch.all_greedy and batch.penalties is None
+
+
+def test_a_row_without_a_valid_token_fails_alone():
+    logits = skewed_logits(3)
+    logits[0] = math.nan  # a broken row: no token has a probability
+    logits[1, :5] = math.nan  # NaN in places: never drawn
+    rows = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(seed=1)]
+    tokens, _ = run(rows, logits, steps=50)
+    assert (tokens[:, 0] == -1).all()
+    assert (tokens[:, 1] == int(logits[1, 5:].argmax()) + 5).all()
+    assert (tokens[:, 2] >= 0).all()
+
+
+def test_a_fully_masked_sampled_row_fails():
+    logits = torch.full((1, VOCAB), -math.inf)
+    tokens, _ = run([SamplingParams(temperature=0.7)], logits)
+    assert tokens[0, 0] == -1
+
+
+def test_seeded_noise_is_exponential_and_keyed():
+    keys = torch.tensor([[1, 2], [1, 3]], dtype=torch.int64)
+    noise = seeded_exponential(keys, 1 << 16)
+    assert noise.shape == (2, 1 << 16) and bool((noise > 0).all())
+    assert abs(noise.mean().item() - 1.0) < 0.02 and abs(noise.var().item() - 1.0) < 0.05
+    assert torch.equal(noise, seeded_exponential(keys, 1 << 16))
+    assert not torch.equal(noise[0], noise[1])

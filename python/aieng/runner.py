@@ -152,21 +152,15 @@ class ModelRunner:
     def _to_host(self, out: SamplerOutput) -> tuple[np.ndarray, SampledLogprobs]:
         """The step's one wait on the device: sampled ids (and asked-for logprobs) to host."""
         lp = out.logprobs
-        tensors = [out.tokens] + ([lp.chosen, lp.top_ids, lp.top_logprobs] if lp else [])
-        if self.device.type == "cuda":
-            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
-            torch.cuda.current_stream(self.device).synchronize()
-        tokens = tensors[0].numpy()
-        if lp is None:
-            return tokens, SampledLogprobs.empty()
-        chosen, top_ids, top_values = (t.numpy() for t in tensors[1:])
-        return tokens, SampledLogprobs(
-            rows=lp.rows.astype(np.int64),
-            chosen=chosen,
-            top_ids=top_ids,
-            top_logprobs=top_values,
-            num_top=lp.num_top.astype(np.int32),
-        )
+        if self.device.type != "cuda":
+            return out.tokens.numpy(), lp.to_host() if lp else SampledLogprobs.empty()
+        tokens = out.tokens.to("cpu", non_blocking=True)
+        if lp is not None:
+            lp.chosen, lp.top_ids, lp.top_logprobs = (
+                t.to("cpu", non_blocking=True) for t in (lp.chosen, lp.top_ids, lp.top_logprobs)
+            )
+        torch.cuda.current_stream(self.device).synchronize()
+        return tokens.numpy(), lp.to_host() if lp else SampledLogprobs.empty()
 
     # ------------------------------------------------------------------ one-off forwards
 

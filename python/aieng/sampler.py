@@ -108,7 +108,10 @@ class SamplingTable:
         params: SamplingParams,
         prompt_token_ids: Sequence[int],
         eos_token_ids: Sequence[int] = (),
+        output_token_ids: Sequence[int] = (),
     ) -> None:
+        """Set slot's state; `output_token_ids` are tokens it already generated (a request
+        moved here mid-way), which count for penalties and seeded draws."""
         if slot >= self.capacity:
             self._grow(max(slot + 1, 2 * self.capacity))
         greedy = params.greedy
@@ -125,7 +128,7 @@ class SamplingTable:
         self.has_seed[slot] = params.seed is not None
         self.seed[slot] = np.uint64((params.seed or 0) & UINT64).astype(np.int64)
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
-        self.num_output[slot] = 0
+        self.num_output[slot] = len(output_token_ids)
         self.min_tokens[slot] = params.min_tokens
         banned = list(params.stop_token_ids or ()) + (
             [] if params.ignore_eos else list(eos_token_ids)
@@ -150,6 +153,9 @@ class SamplingTable:
             self.prompt_mask[slot] = False
             ids = torch.as_tensor(list(prompt_token_ids), dtype=torch.long)
             self.prompt_mask[slot, ids.to(self.device)] = True
+            outputs = torch.as_tensor(list(output_token_ids), dtype=torch.long)
+            counts = torch.bincount(outputs, minlength=self.vocab_size).to(torch.int32)
+            self.output_counts[slot] = counts.to(self.device)
 
     def remove_request(self, slot: int) -> None:
         self.min_tokens_ids.pop(slot, None)
@@ -289,11 +295,12 @@ class DeviceLogprobs:
     top_logprobs: torch.Tensor  # (L, K) float32
 
     def to_host(self) -> SampledLogprobs:
+        """Call after the device work is done (the runner waits once per step)."""
         return SampledLogprobs(
             rows=self.rows.astype(np.int64),
-            chosen=self.chosen.numpy(),
-            top_ids=self.top_ids.numpy(),
-            top_logprobs=self.top_logprobs.numpy(),
+            chosen=self.chosen.cpu().numpy(),
+            top_ids=self.top_ids.cpu().numpy(),
+            top_logprobs=self.top_logprobs.cpu().numpy(),
             num_top=self.num_top.astype(np.int32),
         )
 
