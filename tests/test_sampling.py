@@ -1,6 +1,7 @@
 """SamplingParams validation and the batched sampler on synthetic logits."""
 
 import math
+
 import numpy as np
 import pytest
 import torch
