@@ -1,5 +1,7 @@
 """`aieng train`: a seconds-long run produces a folder that transformers loads unchanged and that
-aieng generates from exactly as HF does; training resumes exactly; the trainer's model is HF's."""
+aieng generates from exactly as HF does; training resumes exactly; the trained model is the
+serving model, and its training forward (dense batches, causal attention) is HF's and the
+engine's."""
 
 import io
 import itertools
@@ -11,13 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_models import hf_greedy
+from fake_scheduler import FakeScheduler
+from tiny_models import ARCHITECTURES, build_checkpoint, hf_greedy, load_hf
 from tokenizers import Tokenizer
 from train_fixtures import tiny_config, train_tiny, write_corpus
 
 from aieng import LLM, SamplingParams
+from aieng.engine_args import EngineArgs
+from aieng.models.loader import load_model
+from aieng.runner import ModelRunner
+from aieng.train.causal_lm import batch_logits, batch_loss
 from aieng.train.corpus import kjv_books, read_documents, split_books, write_kjv
-from aieng.train.model import ModelShape, TrainableLlama
+from aieng.train.export import hf_state_dict
 from aieng.train.trainer import _encode, _eval_windows, lr_at, resume_run, train
 
 
@@ -83,18 +90,67 @@ def test_aieng_generates_exactly_as_hf(trained):
     llm.engine.check_pool_whole()
 
 
-def test_trainer_model_matches_hf_forward(trained):
+def test_trained_model_matches_hf_forward(trained):
     folder, _ = trained
     out = folder / "model"
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    config = json.loads((out / "config.json").read_text())
-    shape = ModelShape(**{k: config[k] for k in ModelShape.__dataclass_fields__ if k in config})
-    ours = TrainableLlama(shape)
-    missing = ours.load_state_dict(hf.state_dict(), strict=False)
-    assert not missing.unexpected_keys
-    ids = torch.randint(0, shape.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    ours, config = load_model(out)
+    ids = torch.randint(0, config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(batch_logits(ours, ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_training_forward_matches_hf(arch, tmp_path):
+    """Every family the serving model covers trains through the same forward: llama3 rope,
+    Mistral's sliding window (shorter than the rows), Qwen2's q/k/v bias, Qwen3's head_dim."""
+    folder = build_checkpoint(arch, tmp_path)
+    hf = load_hf(folder)
+    ours, config = load_model(folder)
+    ids = torch.randint(0, config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(batch_logits(ours, ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    loss = batch_loss(ours, ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ours.parameters())
+    exported = hf_state_dict(ours)
+    expected = hf.state_dict()
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    assert set(exported) == set(expected) - tied
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, expected[name], atol=0, rtol=0)
+
+
+def test_training_forward_matches_serving_forward(trained):
+    """The same trained weights through the training forward (a dense batch, causal attention,
+    no cache) and through the runner's paged path: a prompt scored in one prefill, and greedy
+    continuations whose prompts arrive in chunks and whose tokens decode over the KV cache."""
+    folder, _ = trained
+    runner = ModelRunner(
+        EngineArgs(model=str(folder / "model"), block_size=4, kv_cache_memory=1 << 22)
+    )
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, runner.config.vocab_size, (2, 64), generator=generator)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(batch_logits(runner.model, ids), dim=-1)
+    for row, row_logprobs in zip(ids, logprobs, strict=True):
+        scored = row_logprobs[:-1].gather(1, row[1:, None])[:, 0]
+        torch.testing.assert_close(
+            scored, runner.prompt_logprobs(row.tolist()), atol=1e-5, rtol=1e-5
+        )
+
+    scheduler = FakeScheduler(runner, chunk_size=8)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    for length in (5, 13, 30):
+        scheduler.add(ids[0, :length].tolist(), greedy)
+    for request in scheduler.run():
+        tokens = torch.tensor([request.tokens])
+        with torch.no_grad():
+            continuation = torch.log_softmax(batch_logits(runner.model, tokens)[0], dim=-1)
+        predicted = continuation[len(request.prompt) - 1 : -1]  # (12, vocab)
+        assert predicted.argmax(-1).tolist() == request.output
+        chosen = predicted.gather(1, torch.tensor(request.output)[:, None])[:, 0]
+        torch.testing.assert_close(chosen, torch.tensor(request.logprobs), atol=1e-4, rtol=0)
 
 
 def test_resume_continues_exactly(tmp_path):

@@ -11,7 +11,6 @@ Output folder layout:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -22,10 +21,13 @@ from typing import Any, TextIO
 
 import torch
 
+from aieng.config import ModelConfig
+from aieng.models.llama import LlamaForCausalLM
 from aieng.train.bpe import EOS_TOKEN, IM_END, save_tokenizer, train_tokenizer
+from aieng.train.causal_lm import batch_logits, batch_loss, new_model, num_parameters
 from aieng.train.config import RESUMABLE_OPTIONS, TrainConfig
 from aieng.train.corpus import read_documents
-from aieng.train.model import TrainableLlama
+from aieng.train.export import export_checkpoint, write_json
 
 STATE_FILE = "training_state.pt"
 LOG_FILE = "training_log.json"
@@ -110,30 +112,36 @@ def _run(
             f"the training text has {len(train_ids)} tokens; --seq-len {cfg.seq_len} needs more"
         )
     shape = cfg.shape(tokenizer.get_vocab_size())
-    model = TrainableLlama(shape)
+    # config.json as exported, and the model built from it: one description of the model
+    config_json = shape.hf_config(bos_token_id=eos_id, eos_token_id=eos_id)
+    model = new_model(ModelConfig.from_dicts(config_json), shape.initializer_range)
     optimizer = _optimizer(model, cfg)
     sampler = torch.Generator().manual_seed(cfg.seed)
     step, elapsed, history = 0, 0.0, []
     best: dict[str, float] | None = None  # {"step", "heldout_loss"} of the exported checkpoint
     if state is not None:
-        model.load_state_dict(state["model"])
+        _load_model_state(model, state["model"], state_path)
         optimizer.load_state_dict(state["optimizer"])
         sampler.set_state(state["sampler"])
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
         best = state.get("best", _last_eval(history))
         print(f"resuming {out} at step {step}/{cfg.steps}", file=log)
     print(
-        f"model: {model.num_parameters() / 1e6:.2f}M parameters, {shape.num_hidden_layers} "
+        f"model: {num_parameters(model) / 1e6:.2f}M parameters, {shape.num_hidden_layers} "
         f"layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}; "
         f"{len(train_ids):,} training tokens"
         + (f", {len(held_ids):,} held-out" if held_ids is not None else ""),
         file=log,
     )
     eval_windows = _eval_windows(held_ids, cfg) if held_ids is not None else None
+    generation_config = _generation_config(tokenizer, eos_id)
+
+    def export() -> None:
+        export_checkpoint(out, model, config_json, generation_config, cfg.save_dtype)
 
     def save() -> None:
         if eval_windows is None:
-            _export(out, model, tokenizer, cfg, eos_id)
+            export()
         extra = {"best": best}
         _save_state(state_path, model, optimizer, sampler, step, elapsed, history, cfg, extra)
 
@@ -146,7 +154,7 @@ def _run(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         inputs, targets = _batch(train_ids, cfg, sampler)
-        loss = model.loss(inputs, targets)
+        loss = batch_loss(model, inputs, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -159,7 +167,7 @@ def _run(
             record["heldout_loss"] = evaluate(model, eval_windows, cfg.batch_size)
             if best is None or record["heldout_loss"] < best["heldout_loss"]:
                 best = {"step": step, "heldout_loss": record["heldout_loss"]}
-                _export(out, model, tokenizer, cfg, eos_id)
+                export()
         if step % cfg.log_interval == 0 or "heldout_loss" in record or step == cfg.steps:
             history.append(record)
             progress.show(step, record, lr_at(step - 1, cfg))
@@ -169,7 +177,7 @@ def _run(
     result = TrainResult(
         out=out,
         steps=step,
-        parameters=model.num_parameters(),
+        parameters=num_parameters(model),
         train_tokens=len(train_ids),
         heldout_tokens=0 if held_ids is None else len(held_ids),
         train_seconds=elapsed,
@@ -183,12 +191,12 @@ def _run(
 
 
 @torch.no_grad()
-def evaluate(model: TrainableLlama, windows: torch.Tensor, batch_size: int) -> float:
+def evaluate(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int) -> float:
     """Mean next-token loss over (N, seq_len + 1) held-out windows."""
     model.eval()
     total, count = 0.0, 0
     for chunk in windows.split(batch_size):
-        logits = model(chunk[:, :-1])
+        logits = batch_logits(model, chunk[:, :-1])
         loss = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
         )
@@ -230,7 +238,7 @@ def _encode(tokenizer, docs: list[str], eos_id: int) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def _optimizer(model: TrainableLlama, cfg: TrainConfig) -> torch.optim.AdamW:
+def _optimizer(model: LlamaForCausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; norms (1-D weights) get no weight decay."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -259,30 +267,22 @@ def _eval_windows(ids: torch.Tensor, cfg: TrainConfig) -> torch.Tensor | None:
     return torch.stack([ids[i * span : (i + 1) * span] for i in picks.tolist()])
 
 
-def _export(out: Path, model: TrainableLlama, tokenizer, cfg: TrainConfig, eos_id: int) -> None:
-    from safetensors.torch import save_file
+def _generation_config(tokenizer, eos_id: int) -> dict[str, Any]:
+    return {
+        "bos_token_id": eos_id,
+        "eos_token_id": [eos_id, tokenizer.token_to_id(IM_END)],
+        "pad_token_id": eos_id,
+        "do_sample": True,
+        "temperature": 0.8,
+        "top_p": 0.95,
+    }
 
-    dtype = getattr(torch, cfg.save_dtype)
-    tensors = {k: v.to(dtype) for k, v in model.hf_state_dict().items()}
-    tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.chmod(tmp, 0o644)  # safetensors creates the file owner-only; a shipped model is readable
-    os.replace(tmp, out / "model.safetensors")
-    config = model.shape.hf_config(bos_token_id=eos_id, eos_token_id=eos_id)
-    config["torch_dtype"] = cfg.save_dtype
-    _write_json(out / "config.json", config)
-    im_end = tokenizer.token_to_id(IM_END)
-    _write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": eos_id,
-            "eos_token_id": [eos_id, im_end],
-            "pad_token_id": eos_id,
-            "do_sample": True,
-            "temperature": 0.8,
-            "top_p": 0.95,
-        },
-    )
+
+def _load_model_state(model: LlamaForCausalLM, saved: dict[str, Any], path: Path) -> None:
+    try:
+        model.load_state_dict(saved)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: its model state does not fit this model ({e})") from e
 
 
 def _last_eval(history: list[dict[str, float]]) -> dict[str, float] | None:
@@ -310,11 +310,7 @@ def _save_state(path: Path, model, optimizer, sampler, step, elapsed, history, c
 
 def _write_log(out: Path, cfg: TrainConfig, result: TrainResult) -> None:
     summary = {k: v for k, v in asdict(result).items() if k not in ("out", "history")}
-    _write_json(out / LOG_FILE, {"config": asdict(cfg), **summary, "history": result.history})
-
-
-def _write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n")
+    write_json(out / LOG_FILE, {"config": asdict(cfg), **summary, "history": result.history})
 
 
 class _Progress:
