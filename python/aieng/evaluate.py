@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from aieng._core import InvalidArgumentError, Tokenizer
+from aieng.engine_args import EngineArgs
 from aieng.runner import ModelRunner
 
 
@@ -95,7 +96,10 @@ def perplexity(
     if max_tokens is not None:
         ids = ids[:max_tokens]
     # Scoring uses scratch caches sized per window; the runner's own cache stays small.
-    runner = ModelRunner(model, device=device, kv_cache_memory=16 << 20)
+    args = EngineArgs(
+        model=str(model), device=device or "auto", max_num_seqs=1, kv_cache_memory=16 << 20
+    )
+    runner = ModelRunner(args)
     window = window or runner.config.max_position_embeddings
     stride = stride or max(1, window // 2)
     if window > runner.config.max_position_embeddings:
