@@ -3,6 +3,7 @@
 `config.json` gives the architecture and shapes; `generation_config.json` (optional) gives the
 end-of-sequence ids and the sampling defaults the model was published with. Both the old rope
 form (`rope_theta` + `rope_scaling`) and the transformers-5 form (`rope_parameters`) are read.
+A special token id (bos, eos) outside the vocabulary refuses the checkpoint at load.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ class ModelConfig:
         raw = _read_json(config_file)
         generation_file = folder / "generation_config.json"
         generation = _read_json(generation_file) if generation_file.is_file() else {}
-        return cls.from_dicts(raw, generation, source=str(config_file))
+        return cls.from_dicts(
+            raw, generation, source=str(config_file), generation_source=str(generation_file)
+        )
 
     @classmethod
     def from_dicts(
@@ -76,6 +79,7 @@ class ModelConfig:
         raw: dict[str, Any],
         generation: dict[str, Any] | None = None,
         source: str = "config.json",
+        generation_source: str = "generation_config.json",
     ) -> ModelConfig:
         fields = _Fields(raw, source)
         architectures = fields.get("architectures", list)
@@ -112,10 +116,13 @@ class ModelConfig:
         if not isinstance(dtype, str):
             raise ValueError(f"{source}: field 'torch_dtype' must be a string, got {dtype!r}")
         generation = generation or {}
+        vocab_size = fields.positive_int("vocab_size")
+        for where, data in ((source, raw), (generation_source, generation)):
+            _check_special_ids(data, where, vocab_size)
         return cls(
             architecture=architecture,
             model_type=fields.get("model_type", str, default=""),
-            vocab_size=fields.positive_int("vocab_size"),
+            vocab_size=vocab_size,
             hidden_size=hidden_size,
             intermediate_size=fields.positive_int("intermediate_size"),
             num_hidden_layers=fields.positive_int("num_hidden_layers"),
@@ -131,7 +138,7 @@ class ModelConfig:
             rope=_rope_config(raw, source, max_positions),
             dtype=dtype.removeprefix("torch."),
             bos_token_id=_optional_int(raw, "bos_token_id", source),
-            eos_token_ids=_eos_token_ids(raw, generation, source),
+            eos_token_ids=_eos_token_ids(raw, generation, source, generation_source),
             generation_defaults=_generation_defaults(generation),
         )
 
@@ -221,9 +228,24 @@ def _optional_int(raw: dict[str, Any], name: str, source: str) -> int | None:
     return value
 
 
-def _eos_token_ids(raw: dict[str, Any], generation: dict[str, Any], source: str) -> tuple[int, ...]:
+def _check_special_ids(data: dict[str, Any], where: str, vocab_size: int) -> None:
+    """A special token id outside the vocabulary would index past the model's logits."""
+    for name in ("bos_token_id", "eos_token_id"):
+        value = data.get(name)
+        ids = value if isinstance(value, list) else [value]
+        bad = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"{where}: field '{name}' = {value!r}: token id {bad[0]} is outside the "
+                f"model's vocabulary (vocab_size {vocab_size})"
+            )
+
+
+def _eos_token_ids(
+    raw: dict[str, Any], generation: dict[str, Any], source: str, generation_source: str
+) -> tuple[int, ...]:
     # generation_config.json takes precedence, as in transformers.
-    for where, data in (("generation_config.json", generation), (source, raw)):
+    for where, data in ((generation_source, generation), (source, raw)):
         value = data.get("eos_token_id")
         if value is None:
             continue
