@@ -4,6 +4,15 @@ The thread owns the `LLMEngine` and is the only one that touches it. The asyncio
 it through a command queue (add, abort, call) and gets outputs back in one
 `call_soon_threadsafe` per step, so the event loop never waits on a step and a step never
 waits on the event loop. An abort is applied before the next step starts.
+
+Failures, two kinds:
+- A request the engine finished with finish_reason "error" (its step failed; the engine freed
+  its blocks and goes on) is delivered to its stream like any finished request: the caller
+  decides what to make of it. The loop keeps serving.
+- The loop dies when an exception escapes `step()` or the engine sets `dead_reason` (a failure
+  that leaves the device unusable). Then `failure` says why, every open stream and every later
+  `generate()` or `call()` raises `EngineDeadError`, and nothing is served again: the process
+  should exit so that its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ _Item = tuple[str | None, RequestOutput | BaseException]  # request id None: eve
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped: after a failed step, or after `stop()`."""
+    """The engine loop stopped: after a fatal failure, or after `stop()`."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +104,10 @@ class AsyncLLMEngine:
         self.engine = engine
         self.on_step = on_step  # called in the loop thread with each step's scheduled tokens
         self.stats = EngineStats.of(engine)
-        self.error: BaseException | None = None
+        self.failure: str | None = None  # why the loop died; None while it runs or after stop()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False  # the loop thread no longer takes calls (guarded by _lock)
+        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
         self._streams: dict[str, asyncio.Queue] = {}
@@ -119,7 +130,7 @@ class AsyncLLMEngine:
     @property
     def alive(self) -> bool:
         running = self._thread is not None and self._thread.is_alive()
-        return running and self.error is None and not self._stopping
+        return running and self.failure is None and not self._stopping
 
     @property
     def tokenizer(self):
@@ -141,7 +152,7 @@ class AsyncLLMEngine:
         request is aborted and the last delta has finish_reason "abort". Leaving the loop early
         aborts the request."""
         if not self.alive:
-            raise EngineDeadError("the engine loop is not running")
+            raise EngineDeadError(self.not_running())
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
@@ -176,8 +187,17 @@ class AsyncLLMEngine:
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Runs fn(engine) in the loop thread between two steps; returns its result."""
         future: Future = Future()
-        self._send(_Call(fn, future))
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError(self.not_running())
+            self._send(_Call(fn, future))
         return await asyncio.wrap_future(future)
+
+    def not_running(self) -> str:
+        """Why the loop is not running, for an error message."""
+        if self.failure is not None:
+            return f"the engine loop died: {self.failure}"
+        return "the engine loop is not running"
 
     def _send(self, command: _Add | _Abort | _Call) -> None:
         self._commands.put(command)
@@ -185,7 +205,7 @@ class AsyncLLMEngine:
 
     def _deliver(self, items: list[_Item]) -> None:
         for request_id, item in items:
-            if request_id is None:  # for every request
+            if request_id is None:  # the loop's end, for every request
                 for stream in self._streams.values():
                     stream.put_nowait(item)
                 continue
@@ -197,25 +217,35 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         try:
-            while not self._stopping:
-                if not self.engine.has_unfinished():
-                    self._wake.wait(IDLE_WAKE_S)
-                self._wake.clear()
-                items = self._apply_commands()
-                if self.engine.has_unfinished():
-                    items += [(out.request_id, out) for out in self.engine.step()]
-                    if self.on_step is not None:
-                        self.on_step(self.engine.last_step_num_tokens)
-                self.stats = EngineStats.of(self.engine)
-                if items:
-                    self._post(items)
-            end = EngineDeadError("the engine loop stopped")
+            while not self._stopping and self._dead_reason() is None:
+                self._turn()
+            self.failure = self._dead_reason()
+            if self.failure is not None:
+                logger.error("the engine is dead: %s", self.failure)
         except BaseException as error:
             logger.exception("the engine loop failed")
-            self.error = error
-            end = EngineDeadError(f"the engine loop failed: {error}")
-        self._post([(None, end)])
+            self.failure = f"{type(error).__name__}: {error}"
+        self._post([(None, EngineDeadError(self.not_running()))])
+        with self._lock:
+            self._closed = True
         self._fail_calls()
+
+    def _turn(self) -> None:
+        if not self.engine.has_unfinished():
+            self._wake.wait(IDLE_WAKE_S)
+        self._wake.clear()
+        items = self._apply_commands()
+        if self.engine.has_unfinished():
+            # A request whose step failed comes back finished with finish_reason "error".
+            items += [(out.request_id, out) for out in self.engine.step()]
+            if self.on_step is not None:
+                self.on_step(self.engine.last_step_num_tokens)
+        self.stats = EngineStats.of(self.engine)
+        if items:
+            self._post(items)
+
+    def _dead_reason(self) -> str | None:
+        return getattr(self.engine, "dead_reason", None)
 
     def _apply_commands(self) -> list[_Item]:
         items: list[_Item] = []
@@ -260,7 +290,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if isinstance(command, _Call):
-                command.future.set_exception(EngineDeadError("the engine loop stopped"))
+                command.future.set_exception(EngineDeadError(self.not_running()))
 
 
 async def _get(stream: asyncio.Queue, deadline: float | None):

@@ -48,7 +48,7 @@ class ServerContext:
                 503, "the model is still loading", code="starting", headers={"Retry-After": "5"}
             )
         elif not self.engine.alive:
-            error = ApiError(503, "the engine loop is not running", code="engine_dead")
+            error = ApiError(503, self.engine.not_running(), code="engine_dead")
         if error is None:
             assert self.engine is not None
             return self.engine
@@ -63,6 +63,11 @@ class ServerContext:
                 )
             )
         raise error
+
+    @property
+    def engine_failed(self) -> bool:
+        """The engine loop died of a failure: the server should exit non-zero and be restarted."""
+        return self.engine is not None and self.engine.failure is not None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and not self.config.knows_model(name):

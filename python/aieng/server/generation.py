@@ -2,11 +2,18 @@
 their merged deltas, timeouts, client disconnects, and the accounting when it ends.
 
 Choice `i * n + j` is completion `j` of prompt `i`, as in OpenAI's batched completions.
+
+A choice the engine finishes with finish_reason "error" (its step failed; the engine goes on)
+fails the whole request with a 500 `server_error` naming the request id and the cause: as the
+status of a response not yet started, else as an error event in the stream, which OpenAI's
+clients raise as an `APIError` (they retry a 500 status on their own). What else still runs
+of the request is aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -41,6 +48,11 @@ class Choice:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+# Request fields the engine checks against the model; its error names the one at fault (an
+# error naming none is about the prompt: too long, too large for the KV cache).
+ENGINE_CHECKED_FIELDS = re.compile(r"\b(prompt|stop_token_ids|max_tokens|min_tokens)\b")
 
 
 class ClientGone(Exception):
@@ -140,6 +152,9 @@ class Generation:
             if isinstance(item, Exception):
                 raise self._api_error(item)
             deltas = self._apply(index, item)
+            failed = next((d for d in deltas if d.finish_reason == "error"), None)
+            if failed is not None:
+                raise self._step_failed(index, self.choices[failed.index])
             if deltas:
                 yield deltas
 
@@ -227,12 +242,22 @@ class Generation:
         if isinstance(error, ApiError):
             return error
         if isinstance(error, InvalidArgumentError):
-            return ApiError(400, str(error), "prompt", "invalid_value")
+            named = ENGINE_CHECKED_FIELDS.search(str(error))
+            return ApiError(400, str(error), named[1] if named else "prompt", "invalid_value")
         if isinstance(error, EngineDeadError):
             return ApiError(503, str(error), code="engine_dead")
         if isinstance(error, AiengError):
             return ApiError(500, f"engine error: {error}", code="engine_error")
         return ApiError(500, f"internal error: {type(error).__name__}: {error}", code="internal")
+
+    def _step_failed(self, index: int, choice: Choice) -> ApiError:
+        cause = choice.stop_reason if isinstance(choice.stop_reason, str) else "see the server log"
+        return ApiError(
+            500,
+            f"request {self.request_id} failed in the engine (engine request "
+            f"{self.engine_ids[index]}): {cause}",
+            code="engine_error",
+        )
 
     def _aborted_error(self) -> ApiError:
         if self.ctx.admission.state is ServerState.DRAINING:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from aieng.async_engine import AsyncLLMEngine
 from aieng.server.admission import ServerState
 from aieng.server.chat import render_chat
 from aieng.server.context import context_of
@@ -42,17 +44,31 @@ async def health(request: Request) -> JSONResponse:
     engine = context_of(request).engine
     if engine is None:
         return JSONResponse({"status": "starting"}, 503)
-    age = time.monotonic() - engine.stats.heartbeat
-    if not engine.alive or age > HEARTBEAT_LIMIT_S:
-        return JSONResponse({"status": "dead", "last_heartbeat_s": round(age, 3)}, 503)
-    return JSONResponse({"status": "ok", "last_heartbeat_s": round(age, 3)})
+    body = _liveness(engine)
+    return JSONResponse(body, 200 if body["status"] == "ok" else 503)
 
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    """Readiness: the model is loaded and the server is not draining."""
-    state = context_of(request).admission.state
+    """Readiness: the model is loaded, the engine loop is alive (as /health says) and the
+    server is not draining."""
+    ctx = context_of(request)
+    state = ctx.admission.state
+    if state is ServerState.READY and ctx.engine is not None:
+        body = _liveness(ctx.engine)
+        if body["status"] != "ok":
+            return JSONResponse(body, 503)
     return JSONResponse({"status": state.value}, 200 if state is ServerState.READY else 503)
+
+
+def _liveness(engine: AsyncLLMEngine) -> dict[str, Any]:
+    age = time.monotonic() - engine.stats.heartbeat
+    body: dict[str, Any] = {"status": "ok", "last_heartbeat_s": round(age, 3)}
+    if not engine.alive or age > HEARTBEAT_LIMIT_S:
+        body["status"] = "dead"
+        if engine.failure is not None:
+            body["reason"] = engine.failure
+    return body
 
 
 @router.get("/metrics")

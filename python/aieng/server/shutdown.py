@@ -3,6 +3,9 @@ the shutdown timeout, abort the rest (finish_reason "abort"), then stop the HTTP
 
 uvicorn on its own would close the listener at once and re-raise the signal on exit; this
 server keeps answering 503 while it drains and exits with status 0.
+
+When the engine loop dies (`ctx.engine_failed`) the server stops at once, with nothing left to
+drain; `aieng serve` then exits non-zero so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.ctx.engine_failed and not self.should_exit:
+            logger.error("the engine loop died: stopping the server")
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is None or self._drain is not None:  # a second signal: stop now
