@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from aieng.engine import LLMEngine
+from aieng.engine import EngineDeadError, LLMEngine
 from aieng.outputs import RequestOutput
 from aieng.sampling import SamplingParams
 
@@ -35,10 +35,6 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAKE_S = 0.25  # an idle loop still beats this often, so liveness stays visible
 _Item = tuple[str | None, RequestOutput | BaseException]  # request id None: every request
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped: after a fatal failure, or after `stop()`."""
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,12 @@
 """The engine step loop: the Rust core plans, the model runner computes, the core updates.
 
-One step is a constant number of calls into the core whatever the batch size:
-`schedule()`, `SamplingTable.batch()`, `runner.execute()`, `update()`. The Python work
-after it is one pass over the requests that received a token, to build their outputs.
+One step is a constant number of calls into the core whatever the batch size: `schedule()`,
+one `RunnerStep` to the runner (the plan, plus the sampling rows added and finished since the
+last step), `update()`. The Python work after it is one pass over the tokens the step produced.
+
+A step that raises inside the runner finishes only its own requests (finish reason "error",
+logged with their ids) and leaves the engine serving; only a failure that leaves the device
+unusable is fatal (`dead_reason` says why, and every later call raises `EngineDeadError`).
 """
 
 from __future__ import annotations
@@ -18,29 +22,30 @@ from pathlib import Path
 import numpy as np
 
 from aieng._core import EngineCore, InvalidArgumentError, Tokenizer
+from aieng.config import ModelConfig
+from aieng.engine_args import EngineArgs
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from aieng.runner import ModelRunner
+from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, RunnerStep
 from aieng.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+EngineConfig = EngineArgs  # the old name, until every caller says EngineArgs
+
+# Failures after which the device cannot be trusted: the engine stops instead of serving garbage.
+FATAL_DEVICE_ERRORS = (
+    "CUDA error",
+    "device-side assert",
+    "illegal memory access",
+    "CUBLAS_STATUS",
+    "cuDNN error",
+    "NCCL error",
+)
 
 
-@dataclass
-class EngineConfig:
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    long_prefill_token_threshold: int = 0
+class EngineDeadError(RuntimeError):
+    """The engine stopped serving: a failure left its device unusable, or its loop ended."""
 
 
 @dataclass
@@ -54,7 +59,7 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # with logprobs only, as in vLLM
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_tokens: int = 0
@@ -108,54 +113,48 @@ class _Request:
 class LLMEngine:
     """Owns the tokenizer, the model runner and the Rust core; steps them together."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineArgs):
         self.config = config
+        if config.model is None:
+            raise ValueError("EngineArgs.model must name a checkpoint folder")
         model_dir = Path(config.model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder not found: {model_dir}")
         self.tokenizer = Tokenizer.from_dir(str(model_dir))
-        self.runner = ModelRunner(
-            model_dir,
-            device=None if config.device == "auto" else config.device,
-            dtype=_torch_dtype(config.dtype),
-            block_size=config.block_size,
-            kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            max_num_seqs=config.max_num_seqs,
-            seed=config.seed,
-        )
-        model_config = self.runner.config
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
-        if self.max_model_len > model_config.max_position_embeddings:
+        model_config = ModelConfig.from_pretrained(model_dir)
+        self.vocab_size = model_config.vocab_size
+        eos = set(self.tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
+        outside = sorted(t for t in eos if t >= self.vocab_size)
+        if outside:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {model_config.max_position_embeddings}"
+                f"{model_dir}: end-of-sequence token id {outside[0]} is outside the model's "
+                f"vocabulary of {self.vocab_size} (tokenizer.json or generation_config.json)"
             )
-        budget = config.max_num_batched_tokens or max(
-            DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs
-        )
+        self.eos_token_ids = sorted(eos)
+        self.max_model_len = config.effective_max_model_len(model_config.max_position_embeddings)
+        self.runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
         self.core = EngineCore(
             num_blocks=self.runner.num_blocks,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=budget,
+            max_num_batched_tokens=self.runner.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             tokenizer=self.tokenizer,
         )
-        self.eos_token_ids = sorted(
-            set(self.tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
-        )
-        self.sampling = self.runner.new_sampling_table(capacity=max(64, config.max_num_seqs))
         self.requests: dict[str, _Request] = {}
         self._by_core_id: dict[str, tuple[_Request, _Sequence]] = {}
-        self._unscheduled: set[str] = set()  # core ids not yet in any step
+        self._by_slot: dict[int, tuple[_Request, _Sequence]] = {}
+        self._unscheduled: set[int] = set()  # slots not yet in any step
+        # Sampling rows the runner learns of with the next step.
+        self._added: list[NewSamplingRow] = []
+        self._finished_slots: list[int] = []
         # Requests with n > 1 whose siblings wait for the first sequence's prefill, so that
         # they find the prompt's KV blocks in the prefix cache instead of computing them again.
         self._waiting_siblings: dict[str, _Request] = {}
         self.last_step_num_tokens = 0
+        self.dead_reason: str | None = None
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ requests
@@ -167,13 +166,23 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         ids = list(prompt)
-        vocab = self.runner.config.vocab_size
-        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+        bad = [
+            t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size
+        ]
         if bad:
             raise InvalidArgumentError(
-                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})"
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
             )
         return None, [int(t) for t in ids]
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Every token id a request brings must be in the model's vocabulary."""
+        for token in params.stop_token_ids or ():
+            if not 0 <= token < self.vocab_size:
+                raise InvalidArgumentError(
+                    f"stop_token_ids: token id {token} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
 
     def add_request(
         self,
@@ -184,8 +193,10 @@ class LLMEngine:
         stream: bool = False,
     ) -> None:
         """Queues a request; with `stream`, every step that changes it returns its delta."""
+        self._check_alive()
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
+        self.check_token_ids(params)
         text, ids = self.tokenize(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         request = _Request(request_id, text, ids, [], metrics, stream=stream)
@@ -197,6 +208,7 @@ class LLMEngine:
             seq = _Sequence(core_id, index, -1, seq_params)
             if params.logprobs is not None:
                 seq.logprobs = []
+                seq.cumulative_logprob = 0.0
             request.sequences.append(seq)
         share_prompt = params.n > 1 and self.config.enable_prefix_caching
         try:
@@ -205,10 +217,7 @@ class LLMEngine:
         except Exception:
             for seq in request.sequences:
                 if seq.slot >= 0:
-                    self.core.abort(seq.core_id)
-                    self.sampling.remove_request(seq.slot)
-                    self._by_core_id.pop(seq.core_id, None)
-                    self._unscheduled.discard(seq.core_id)
+                    self._drop_sequence(seq)
             raise
         if share_prompt:
             self._waiting_siblings[request_id] = request
@@ -230,26 +239,37 @@ class LLMEngine:
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
         )
-        self.sampling.add_request(
-            seq.slot, params, request.prompt_token_ids, eos_token_ids=self.eos_token_ids
-        )
+        self._added.append(NewSamplingRow(seq.slot, params, request.prompt_token_ids))
         self._by_core_id[seq.core_id] = (request, seq)
-        self._unscheduled.add(seq.core_id)
+        self._by_slot[seq.slot] = (request, seq)
+        self._unscheduled.add(seq.slot)
+
+    def _drop_sequence(self, seq: _Sequence) -> None:
+        """Takes a live sequence out of the core and the runner's sampling rows."""
+        self.core.abort(seq.core_id)
+        self._finished_slots.append(seq.slot)
+        self._by_core_id.pop(seq.core_id, None)
+        self._by_slot.pop(seq.slot, None)
+        self._unscheduled.discard(seq.slot)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request now; returns its last output (a delta when it streams), or None."""
+        return self._finish_request(request_id, "abort")
+
+    def _finish_request(
+        self, request_id: str, reason: str, cause: str | None = None
+    ) -> RequestOutput | None:
+        """cause: for an "error" finish, what went wrong (becomes the stop_reason)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         self._waiting_siblings.pop(request_id, None)
         for seq in request.sequences:
-            self._unscheduled.discard(seq.core_id)
             if seq.finish_reason is None:
-                seq.finish_reason = "abort"
-                if seq.slot >= 0:
-                    self.core.abort(seq.core_id)
-                    self.sampling.remove_request(seq.slot)
-            self._by_core_id.pop(seq.core_id, None)
+                seq.finish_reason = reason
+                seq.stop_reason = cause
+                if seq.core_id in self._by_core_id:
+                    self._drop_sequence(seq)
         request.metrics.finished_time = time.monotonic()
         return request.output(delta=request.stream)
 
@@ -261,50 +281,101 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one engine step. Returns the full output of every request that finished
         and the delta of every streaming request that changed."""
+        self._check_alive()
         plan = self.core.schedule()
         self.last_step_num_tokens = plan.num_tokens
+        step = RunnerStep(plan, self._added, self._finished_slots)
+        self._added, self._finished_slots = [], []
         if plan.num_tokens == 0:
+            self.runner.execute(step)  # keeps the runner's sampling rows current
+            self.core.update(np.zeros(0, np.int64))
             if self.core.has_unfinished():
                 raise RuntimeError("the scheduler produced an empty step with requests left")
             return []
+        slots = plan.slots
         if self._unscheduled:
-            now = time.monotonic()
-            for core_id in self._unscheduled.intersection(plan.request_ids):
-                self._unscheduled.discard(core_id)
-                request, _ = self._by_core_id[core_id]
-                if request.metrics.first_scheduled_time is None:
-                    request.metrics.first_scheduled_time = now
-                    request.num_cached_tokens = self.core.num_cached_tokens(core_id) or 0
-        batch = self.sampling.batch(plan)
-        tokens, logprobs = self.runner.execute(plan, batch)
-        self.sampling.append_tokens(batch, tokens)
-        out = self.core.update(tokens)
-        return self._process(plan, out, logprobs)
+            self._mark_scheduled(slots)
+        try:
+            result = self.runner.execute(step)
+        except Exception as error:
+            return self._fail_step(plan, error)
+        tokens = result.sampled_token_ids
+        failed: list[RequestOutput] = []
+        if len(tokens) and tokens.min() < 0:
+            failed = self._fail_rows(plan, result)
+            tokens = np.where(tokens < 0, 0, tokens)  # their requests are gone from the core
+        out = self.core.update(tokens, result.num_sampled)
+        return failed + self._process(plan, out, result)
 
-    def _process(self, plan, out, logprobs) -> list[RequestOutput]:
+    def _mark_scheduled(self, slots: np.ndarray) -> None:
         now = time.monotonic()
-        sample_of_row = np.full(plan.num_requests, -1, dtype=np.int64)
-        sample_of_row[plan.sample_request_rows] = np.arange(len(plan.sample_request_rows))
+        for slot in self._unscheduled.intersection(slots.tolist()):
+            self._unscheduled.discard(slot)
+            request, seq = self._by_slot[slot]
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+                request.num_cached_tokens = self.core.num_cached_tokens(seq.core_id) or 0
+
+    def _fail_step(self, plan, error: Exception) -> list[RequestOutput]:
+        """The runner raised: end this step's requests with an error, keep the engine."""
+        message = f"{type(error).__name__}: {error}"
+        if any(marker in message for marker in FATAL_DEVICE_ERRORS):
+            self.dead_reason = message
+            logger.error("engine step failed; the device is unusable: %s", message)
+            raise EngineDeadError(message) from error
+        request_ids = sorted({self._by_slot[s][0].request_id for s in plan.slots.tolist()})
+        logger.error(
+            "engine step failed, finishing its requests %s with an error: %s",
+            ", ".join(request_ids),
+            message,
+            exc_info=error,
+        )
+        outputs = [self._finish_request(rid, "error", message) for rid in request_ids]
+        self.core.update(np.zeros(len(plan.logits_indices), np.int64))  # closes the step
+        return [o for o in outputs if o is not None]
+
+    def _fail_rows(self, plan, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """Rows whose distribution had no valid token (NaN logits): their requests error out."""
+        rows = plan.sample_request_rows[result.sampled_token_ids < 0]
+        request_ids = sorted({self._by_slot[int(plan.slots[r])][0].request_id for r in rows})
+        logger.error(
+            "requests %s: the model produced no valid token (NaN or fully masked logits)",
+            ", ".join(request_ids),
+        )
+        cause = "the model produced no valid token (NaN or fully masked logits)"
+        outputs = [self._finish_request(rid, "error", cause) for rid in request_ids]
+        return [o for o in outputs if o is not None]
+
+    def _process(self, plan, out, result: ModelRunnerOutput) -> list[RequestOutput]:
+        now = time.monotonic()
+        logprobs = result.logprobs
+        logprob_of_row: dict[int, int] = {}
+        if len(logprobs.rows):
+            rows = plan.sample_request_rows[logprobs.rows].tolist()
+            logprob_of_row = {row: i for i, row in enumerate(rows)}
         changed: dict[str, _Request] = {}
-        for row, token, text in zip(
-            out.rows.tolist(), out.token_ids.tolist(), out.texts, strict=True
+        last_row = -1
+        for row, slot, token, text in zip(
+            out.rows.tolist(), out.slots.tolist(), out.token_ids.tolist(), out.texts, strict=True
         ):
-            request, seq = self._by_core_id[plan.request_ids[row]]
+            entry = self._by_slot.get(slot)
+            if entry is None:
+                continue
+            request, seq = entry
             seq.token_ids.append(token)
             if text:
                 seq.text.append(text)
-            s = int(sample_of_row[row])
-            seq.cumulative_logprob += float(logprobs.chosen[s])
+            first_of_row, last_row = row != last_row, row
             if seq.logprobs is not None:
-                k = int(logprobs.num_top[s])
-                top = dict(
-                    zip(
-                        logprobs.top_ids[s, :k].tolist(),
-                        logprobs.top_logprobs[s, :k].tolist(),
-                        strict=True,
-                    )
-                )
-                top[token] = float(logprobs.chosen[s])
+                i = logprob_of_row.get(row, -1) if first_of_row else -1
+                top: dict[int, float] = {}
+                if i >= 0:
+                    k = int(logprobs.num_top[i])
+                    ids, values = logprobs.top_ids[i, :k].tolist(), logprobs.top_logprobs[i, :k]
+                    top = dict(zip(ids, values.tolist(), strict=True))
+                    chosen = float(logprobs.chosen[i])
+                    top[token] = chosen
+                    seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + chosen
                 seq.logprobs.append(top)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
@@ -313,10 +384,14 @@ class LLMEngine:
         if self._waiting_siblings:
             self._add_waiting_siblings(changed)
         for done in out.finished:
-            request, seq = self._by_core_id.pop(done.request_id)
+            entry = self._by_core_id.pop(done.request_id, None)
+            if entry is None:
+                continue
+            request, seq = entry
+            self._by_slot.pop(seq.slot, None)
+            self._finished_slots.append(seq.slot)
             seq.finish_reason = done.finish_reason
             seq.stop_reason = done.stop_reason
-            self.sampling.remove_request(seq.slot)
             changed[request.request_id] = request
         results = []
         for request in changed.values():
@@ -334,20 +409,13 @@ class LLMEngine:
             for seq in request.sequences[1:]:
                 self._add_sequence(request, seq, request.priority)
 
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
+
     def check_pool_whole(self) -> None:
         """Raises unless every KV block is free or evictable and the invariants hold."""
         self.core.check_invariants()
         stats = self.core.stats()["pool"]
         if self.requests or stats["num_free_blocks"] != stats["num_blocks"]:
             raise AssertionError(f"engine not idle: {len(self.requests)} requests, {stats}")
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    if name == "auto":
-        return None
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if name not in table:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(table)}, got {name!r}")
-    return table[name]
