@@ -1,0 +1,355 @@
+"""`EngineArgs`: the one definition of every engine option, with vLLM's names.
+
+`LLM(...)`, `aieng serve`, `aieng generate` and the other commands take their options, defaults,
+validation and help text from the fields below; the CLI flags are generated from them
+(`add_cli_args`), and so is README's options table (`markdown_table`). Derived values (the
+context length, the token budget of a step) are computed here and nowhere else.
+
+Importing this module does not import torch, so `aieng --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import re
+import typing
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# A dtype name as config.json and the --dtype flag spell it -> the torch attribute.
+DTYPES = {
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+MAX_BLOCK_SIZE = 1 << 16  # the Rust core's limit (BlockPool::new)
+ATTENTION_BACKENDS = ("auto", "torch")
+
+Check = Callable[[Any], str | None]  # -> why the value is refused, or None
+
+
+def torch_dtype(name: str):
+    """The torch dtype `name` stands for (a key of DTYPES; KeyError otherwise)."""
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def at_least(minimum: float) -> Check:
+    return lambda value: None if value >= minimum else f"must be at least {minimum}"
+
+
+def in_range(low: int, high: int) -> Check:
+    return lambda value: None if low <= value <= high else f"must be in [{low}, {high}]"
+
+
+def fraction(value: float) -> str | None:
+    return None if 0 < value <= 1 else "must be in (0, 1]"
+
+
+def _block_size(value: int) -> str | None:
+    if 1 <= value <= MAX_BLOCK_SIZE and value & (value - 1) == 0:
+        return None
+    return f"must be a power of two in [1, {MAX_BLOCK_SIZE}]"
+
+
+def _device(value: str) -> str | None:
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        return None
+    return "must be 'auto', 'cpu', 'cuda' or 'cuda:N'"
+
+
+def _seed(value: int) -> str | None:
+    return None if 0 <= value < 2**64 else "must be in [0, 2**64)"
+
+
+def cli_type(kind: type, check: Check | None = None) -> Callable[[str], Any]:
+    """An argparse `type`: parses the text as `kind`, then applies `check`; a refused value
+    becomes argparse's one-line error naming the flag."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        reason = check(value) if check else None
+        if reason is None and isinstance(value, float) and not math.isfinite(value):
+            reason = "must be a finite number"
+        if reason:
+            raise argparse.ArgumentTypeError(f"{reason}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    default_text: str | None = None,
+    check: Check | None = None,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+) -> Any:
+    """A field of EngineArgs: its default (`default_text` says what a None default means),
+    help text and validation."""
+    meta = {
+        "help": help,
+        "default_text": default_text,
+        "check": check,
+        "choices": choices,
+        "metavar": metavar,
+    }
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineArgs:
+    """Every option of the engine. Invalid values raise ValueError naming the field."""
+
+    model: str | None = option(
+        None,
+        "a Hugging Face checkpoint folder",
+        default_text="the bundled default model",
+        metavar="PATH",
+    )
+    dtype: str = option(
+        "auto",
+        "dtype of the weights and the KV cache; auto: the checkpoint's (float32 on CPU)",
+        choices=("auto", *DTYPES),
+    )
+    device: str = option(
+        "auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N", check=_device
+    )
+    max_model_len: int | None = option(
+        None,
+        "most tokens of one sequence, prompt and output",
+        default_text="the model's context (max_position_embeddings)",
+        check=at_least(2),
+        metavar="N",
+    )
+    max_num_seqs: int = option(256, "most sequences in one step", check=at_least(1), metavar="N")
+    max_num_batched_tokens: int | None = option(
+        None,
+        "most tokens in one step, and the size of the profiling step that measures the GPU "
+        "memory left for the KV cache",
+        default_text=f"max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, max_num_seqs), at most "
+        "max_num_seqs * max_model_len",
+        check=at_least(1),
+        metavar="N",
+    )
+    block_size: int = option(
+        16, "tokens per KV cache block, a power of two", check=_block_size, metavar="N"
+    )
+    kv_cache_memory: int | None = option(
+        None,
+        "bytes for the KV cache",
+        default_text="on CUDA what gpu_memory_utilization leaves after the profiling step, on "
+        "CPU 20% of the available RAM; at most what max_num_seqs full-length sequences use",
+        check=at_least(1),
+        metavar="BYTES",
+    )
+    gpu_memory_utilization: float = option(
+        0.9,
+        "fraction of the GPU's memory the engine may use, in (0, 1]",
+        check=fraction,
+        metavar="F",
+    )
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV blocks of a prompt prefix computed before"
+    )
+    seed: int = option(
+        0,
+        "seed of the sampling of the requests that bring no seed of their own",
+        check=_seed,
+        metavar="N",
+    )
+    long_prefill_token_threshold: int = option(
+        0,
+        "largest prefill chunk of one request in a step; 0: no limit but the step's",
+        check=at_least(0),
+        metavar="N",
+    )
+    attention_backend: str = option(
+        "auto",
+        "attention implementation; auto: the best for the device; torch: the paged reference, "
+        "on any device",
+        choices=ATTENTION_BACKENDS,
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        kinds = _field_kinds()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind, optional = kinds[f.name]
+            if value is None and optional:
+                continue
+            if not _is_instance(value, kind):
+                raise ValueError(f"{f.name} must be {_KIND_NAMES[kind]}, got {value!r}")
+            reason = _refusal(f, value)
+            if reason:
+                raise ValueError(f"{f.name} {reason}, got {value!r}")
+        if (
+            self.max_num_batched_tokens is not None
+            and self.max_num_batched_tokens < self.max_num_seqs
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens must be at least max_num_seqs ({self.max_num_seqs}), so "
+                f"every running sequence can decode in a step, got {self.max_num_batched_tokens}"
+            )
+
+    # ------------------------------------------------------------------ derived values
+
+    def effective_max_model_len(self, model_context: int) -> int:
+        """max_model_len, or the model's context (its max_position_embeddings) when not given."""
+        if self.max_model_len is None:
+            return model_context
+        if self.max_model_len > model_context:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context "
+                f"(max_position_embeddings) of {model_context}"
+            )
+        return self.max_model_len
+
+    def effective_max_num_batched_tokens(self, max_model_len: int) -> int:
+        """The token budget of one step, which the core schedules and the runner profiles:
+        max_num_batched_tokens, or vLLM's default with chunked prefill, max(2048,
+        max_num_seqs), never more than max_num_seqs full-length sequences."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        default = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+        return min(default, self.max_num_seqs * max_model_len)
+
+    # ------------------------------------------------------------------ the CLI and the docs
+
+    @classmethod
+    def add_cli_args(
+        cls,
+        parser: argparse.ArgumentParser,
+        defaults: Mapping[str, Any] | None = None,
+        only: Collection[str] | None = None,
+    ) -> argparse._ArgumentGroup:
+        """Adds a flag per field (`--max-num-seqs`, ...) in an "engine options" group.
+        `defaults` replaces some fields' defaults for one command; `only` keeps some fields,
+        for a command that uses no more of the engine."""
+        defaults = defaults or {}
+        unknown = (set(defaults) | set(only or ())) - set(cls.field_names())
+        if unknown:
+            raise ValueError(f"not engine options: {sorted(unknown)}")
+        kinds = _field_kinds()
+        group = parser.add_argument_group("engine options")
+        for f in dataclasses.fields(cls):
+            if only is not None and f.name not in only:
+                continue
+            flag = _flag(f.name)
+            default = defaults.get(f.name, f.default)
+            given_text = f.metadata["default_text"]
+            if f.name in defaults or given_text is None:
+                default_text = "%(default)s"
+            else:
+                default_text = given_text.replace("%", "%%")
+            help_text = f"{f.metadata['help'].replace('%', '%%')} (default: {default_text})"
+            kind, _ = kinds[f.name]
+            if kind is bool:
+                action = group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=default
+                )
+                action.help = help_text  # some Pythons append the default themselves
+                continue
+            group.add_argument(
+                flag,
+                type=cli_type(kind, f.metadata["check"]),
+                default=default,
+                choices=f.metadata["choices"],
+                metavar=f.metadata["metavar"],
+                help=help_text,
+            )
+        return group
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """EngineArgs from the parsed flags (fields without a flag keep their defaults)."""
+        given = {name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)}
+        return cls(**given)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def docstring(cls) -> str:
+        """One paragraph per option, for the docstrings of the functions that take them."""
+        kinds = _field_kinds()
+        return "\n".join(
+            f"{f.name} ({_KIND_NAMES[kinds[f.name][0]]}; default: {_default_text(f)}): "
+            f"{_meaning(f)}."
+            for f in dataclasses.fields(cls)
+        )
+
+    @classmethod
+    def markdown_table(cls) -> str:
+        """README's table of the options: the `LLM(...)` keyword, the flag, default, meaning."""
+        rows = ["| `LLM(...)` keyword | flag | default | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            flag = f"`{_flag(f.name)}`"
+            if _field_kinds()[f.name][0] is bool:
+                flag += f", `--no-{_flag(f.name)[2:]}`"
+            default = f.metadata["default_text"] or f"`{f.default!r}`"
+            rows.append(f"| `{f.name}` | {flag} | {default} | {_meaning(f)} |")
+        return "\n".join(rows)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    return f.metadata["default_text"] or repr(f.default)
+
+
+def _meaning(f: dataclasses.Field) -> str:
+    choices = f.metadata["choices"]
+    return f"{f.metadata['help']} (one of {', '.join(choices)})" if choices else f.metadata["help"]
+
+
+_KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "True or False"}
+
+
+@functools.cache
+def _field_kinds() -> dict[str, tuple[type, bool]]:
+    """field name -> (its type without None, whether None is allowed)."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(EngineArgs).items():
+        args = typing.get_args(hint)
+        optional = type(None) in args
+        kinds[name] = (next(a for a in args if a is not type(None)) if optional else hint, optional)
+    return kinds
+
+
+def _is_instance(value: Any, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, kind)
+
+
+def _refusal(f: dataclasses.Field, value: Any) -> str | None:
+    choices = f.metadata["choices"]
+    if choices and value not in choices:
+        return f"must be one of {', '.join(choices)}"
+    check = f.metadata["check"]
+    return check(value) if check else None
