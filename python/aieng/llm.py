@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from aieng._core import InvalidArgumentError
-from aieng.engine import EngineConfig, LLMEngine
+from aieng.engine import LLMEngine
+from aieng.engine_args import EngineArgs
 from aieng.models.default import default_model_path
 from aieng.outputs import RequestOutput
 from aieng.sampling import SamplingParams
@@ -22,42 +24,18 @@ class LLM:
     prompt, `chat` renders conversations with the model's chat template first.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        long_prefill_token_threshold: int = 0,
-    ):
-        if model is None:  # the bundled default model (aieng.models.default)
-            model = str(default_model_path())
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=str(model),
-                dtype=dtype,
-                device=device,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                block_size=block_size,
-                kv_cache_memory=kv_cache_memory,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-                seed=seed,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-            )
-        )
+    def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any):
+        unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}")
+        args = EngineArgs(model=model, **kwargs)
+        if args.model is None:  # the bundled default model (aieng.models.default)
+            args.model = str(default_model_path())
+        self.engine = LLMEngine(args)
         defaults = self.engine.runner.config.generation_defaults
         self.default_sampling_params = SamplingParams(**defaults)
+
+    __init__.__doc__ = "The engine options (`EngineArgs`), by keyword:\n\n" + EngineArgs.docstring()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -9,6 +9,7 @@ request's latency is from the start of the run to its last token (HF: the end of
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import time
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from aieng.engine_args import EngineArgs
 
 HF_BATCH = 32
 
@@ -56,24 +59,20 @@ def workload(
 
 
 def run_aieng(
-    folder: str | Path,
+    engine: str | Path | EngineArgs,
     prompts: list[list[int]],
     output_lens: list[int],
     *,
-    kv_cache_memory: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    max_num_seqs: int = 64,
     reps: int = 1,
+    **engine_options,
 ) -> EngineRun:
+    """`engine`: the EngineArgs, or a checkpoint folder run with `engine_options` and no prefix
+    caching (random prompts share no prefix)."""
     from aieng import LLM, SamplingParams
 
-    llm = LLM(
-        str(folder),
-        kv_cache_memory=kv_cache_memory,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=False,
-    )
+    if not isinstance(engine, EngineArgs):
+        engine = EngineArgs(model=str(engine), **{"enable_prefix_caching": False, **engine_options})
+    llm = LLM(**dataclasses.asdict(engine))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     walls: list[float] = []
