@@ -85,9 +85,11 @@ def test_generate_greedy_matches_hf(hf_default):
 
 
 def test_generate_sampling_is_seeded():
-    args = ("generate", "And God said", "--max-tokens", "12", "--seed", "7", "--no-echo")
-    first, second = aieng(*args), aieng(*args)
+    # --seed is the engine's seed (EngineArgs.seed): it seeds the sampling of this request.
+    args = ("generate", "And God said", "--max-tokens", "12", "--no-echo", "--seed")
+    first, second, other = aieng(*args, "7"), aieng(*args, "7"), aieng(*args, "8")
     assert first.returncode == 0 and first.stdout == second.stdout
+    assert other.returncode == 0 and other.stdout != first.stdout
 
 
 def test_library_default_model_matches_hf(hf_default):

@@ -6,8 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from aieng.cli.common import model_folder, positive_int
+from aieng.cli.common import engine_args, positive_int
+from aieng.engine_args import EngineArgs
+
+# aieng's side of the workload: every request at once (as many as --requests' default), and no
+# prefix caching, which random prompts cannot use.
+ENGINE_DEFAULTS = {"max_num_seqs": 64, "enable_prefix_caching": False}
 
 
 def add_bench(commands) -> None:
@@ -22,9 +28,6 @@ def add_bench(commands) -> None:
         "pass its options after --serve, e.g. `aieng bench --serve --url http://127.0.0.1:8000 "
         "--rate 2 --duration 60`.",
     )
-    p.add_argument(
-        "--model", metavar="PATH", help="checkpoint folder (default: the bundled default model)"
-    )
     p.add_argument("--requests", type=positive_int, default=64, metavar="N", help="(64)")
     p.add_argument(
         "--max-len", type=positive_int, default=256, metavar="N",
@@ -37,6 +40,7 @@ def add_bench(commands) -> None:
     p.add_argument(
         "--serve", nargs=argparse.REMAINDER, metavar="...", help="run the server load test"
     )
+    EngineArgs.add_cli_args(p, ENGINE_DEFAULTS)
     p.set_defaults(run=run_bench)
 
 
@@ -53,12 +57,13 @@ def run_bench(args: argparse.Namespace) -> int:
     from aieng.config import ModelConfig
 
     torch.set_num_threads(args.threads)
-    folder = model_folder(args)
+    engine = engine_args(args)
+    folder = Path(engine.model)
     config = ModelConfig.from_pretrained(folder)
     max_len = min(args.max_len, config.max_position_embeddings // 2)
     prompts, output_lens = offline.workload(args.requests, config.vocab_size, max_len)
     print(f"aieng bench: {args.requests} requests on {folder}", file=sys.stderr)
-    runs = [offline.run_aieng(folder, prompts, output_lens, max_num_seqs=args.requests)]
+    runs = [offline.run_aieng(engine, prompts, output_lens)]
     if not args.skip_hf:
         try:
             import transformers  # noqa: F401

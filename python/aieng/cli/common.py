@@ -1,24 +1,12 @@
-"""Options shared by the subcommands that load a model."""
+"""Options shared by the subcommands: the engine's (generated from EngineArgs) and number types."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
-
-def add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        metavar="PATH",
-        help="a Hugging Face checkpoint folder (default: the bundled default model)",
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
-    parser.add_argument(
-        "--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)"
-    )
-    parser.add_argument(
-        "--max-model-len", type=positive_int, metavar="N", help="cap on prompt + output tokens"
-    )
+from aieng.engine_args import EngineArgs, at_least, cli_type, fraction, in_range
 
 
 def model_folder(args: argparse.Namespace) -> Path:
@@ -32,34 +20,18 @@ def model_folder(args: argparse.Namespace) -> Path:
     return folder
 
 
-def load_llm(args: argparse.Namespace, **engine_options):
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine options given on the command line, with the model folder resolved."""
+    return dataclasses.replace(EngineArgs.from_cli_args(args), model=str(model_folder(args)))
+
+
+def load_llm(args: argparse.Namespace):
     from aieng import LLM
 
-    return LLM(
-        str(model_folder(args)),
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        **engine_options,
-    )
+    return LLM(**dataclasses.asdict(engine_args(args)))
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
-
-def probability(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+positive_int = cli_type(int, at_least(1))
+non_negative_float = cli_type(float, at_least(0))
+probability = cli_type(float, fraction)
+port_number = cli_type(int, in_range(1, 65535))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from aieng.cli.common import model_folder, positive_int
+from aieng.cli.common import engine_args, positive_int
+from aieng.engine_args import EngineArgs
 
 
 def add_eval(commands) -> None:
@@ -17,28 +19,26 @@ def add_eval(commands) -> None:
         "forward pass.",
     )
     p.add_argument("text", metavar="FILE", help="the text to score")
-    p.add_argument(
-        "--model", metavar="PATH", help="checkpoint folder (default: the bundled default model)"
-    )
     p.add_argument("--window", type=positive_int, metavar="N", help="default: the model context")
     p.add_argument("--stride", type=positive_int, metavar="N", help="default: half the window")
     p.add_argument("--max-tokens", type=positive_int, metavar="N", help="score only the start")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    EngineArgs.add_cli_args(p, only=("model", "device"))
     p.set_defaults(run=run_eval)
 
 
 def run_eval(args: argparse.Namespace) -> int:
     from aieng.evaluate import perplexity
 
-    folder = model_folder(args)
+    engine = engine_args(args)
+    folder = Path(engine.model)
     result = perplexity(
         folder,
         args.text,
         window=args.window,
         stride=args.stride,
         max_tokens=args.max_tokens,
-        device=args.device,
+        device=None if engine.device == "auto" else engine.device,
     )
     if args.json:
         print(json.dumps({"model": str(folder), "file": args.text, **result.as_dict()}))

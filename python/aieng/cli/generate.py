@@ -8,13 +8,11 @@ import sys
 import time
 from typing import Any
 
-from aieng.cli.common import (
-    add_model_options,
-    load_llm,
-    non_negative_float,
-    positive_int,
-    probability,
-)
+from aieng.cli.common import load_llm, non_negative_float, positive_int, probability
+from aieng.engine_args import EngineArgs
+
+# One prompt at a time: a larger max_num_seqs would only reserve KV cache memory for nothing.
+ENGINE_DEFAULTS = {"max_num_seqs": 1}
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -30,7 +28,6 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> No
         "--top-p", type=probability, metavar="P", help="nucleus sampling mass (default: model's)"
     )
     parser.add_argument("--top-k", type=int, metavar="K", help="keep the K likeliest tokens")
-    parser.add_argument("--seed", type=int, metavar="S", help="makes sampling reproducible")
     parser.add_argument(
         "--stop", action="append", metavar="TEXT", help="stop at this string (repeatable)"
     )
@@ -43,13 +40,13 @@ def add_generate(commands) -> None:
         description="Generate a continuation of PROMPT and print it.",
     )
     p.add_argument("prompt", metavar="PROMPT", help="the text to continue")
-    add_model_options(p)
     add_sampling_options(p, max_tokens=128)
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument(
         "--no-echo", action="store_true", help="print only the continuation, not the prompt"
     )
     p.add_argument("--stats", action="store_true", help="print token count and speed to stderr")
+    EngineArgs.add_cli_args(p, ENGINE_DEFAULTS)
     p.set_defaults(run=run_generate)
 
 
@@ -60,16 +57,17 @@ def add_chat(commands) -> None:
         description="Chat with the model: type a message and press Enter. Commands: /reset "
         "starts over, /exit (or end of input) leaves.",
     )
-    add_model_options(p)
     add_sampling_options(p, max_tokens=256)
     p.add_argument("--system", metavar="TEXT", help="a system message to start with")
+    EngineArgs.add_cli_args(p, ENGINE_DEFAULTS)
     p.set_defaults(run=run_chat)
 
 
 def sampling_params(llm, args: argparse.Namespace):
-    """The model's defaults, overridden by the options given."""
+    """The model's defaults, overridden by the options given (--seed is the engine's: it
+    seeds every request that brings no seed of its own, as here)."""
     overrides: dict[str, Any] = {"max_tokens": args.max_tokens}
-    for name in ("temperature", "top_p", "top_k", "seed", "stop"):
+    for name in ("temperature", "top_p", "top_k", "stop"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
@@ -77,7 +75,7 @@ def sampling_params(llm, args: argparse.Namespace):
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    llm = load_llm(args, max_num_seqs=1)
+    llm = load_llm(args)
     params = sampling_params(llm, args)
     out = sys.stdout
     if not args.no_echo:
@@ -105,7 +103,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    llm = load_llm(args, max_num_seqs=1)
+    llm = load_llm(args)
     params = sampling_params(llm, args)
     tokenizer = llm.get_tokenizer()
     interactive = sys.stdin.isatty()
