@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import build_checkpoint
 
-from aieng.engine import EngineConfig, LLMEngine
+from aieng.engine import LLMEngine
+from aieng.engine_args import EngineArgs
 from aieng.server.app import build_app
 from aieng.server.config import ServerConfig
 
@@ -72,7 +73,7 @@ class ThreadServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = ServerConfig(served_model_name=MODEL_NAME, model_path=str(model), **server)
-        engine_config = EngineConfig(model=str(model), **{**ENGINE_DEFAULTS, **(engine or {})})
+        engine_config = EngineArgs(model=str(model), **{**ENGINE_DEFAULTS, **(engine or {})})
 
         def load() -> LLMEngine:
             if loading_gate is not None:

@@ -9,7 +9,8 @@ import pytest
 from server_fixtures import ENGINE_DEFAULTS, ThreadServer, make_model_dir
 
 from aieng.async_engine import AsyncLLMEngine
-from aieng.engine import EngineConfig, LLMEngine
+from aieng.engine import LLMEngine
+from aieng.engine_args import EngineArgs
 from aieng.sampling import SamplingParams
 
 MAX_TOKENS = 1800
@@ -22,7 +23,7 @@ def model(tmp_path_factory):
 
 def test_leaving_a_stream_aborts_before_the_next_step(model):
     async def scenario():
-        engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=str(model), **ENGINE_DEFAULTS)))
+        engine = AsyncLLMEngine(LLMEngine(EngineArgs(model=str(model), **ENGINE_DEFAULTS)))
         engine.start()
         try:
             params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)

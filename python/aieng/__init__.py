@@ -15,6 +15,7 @@ from aieng.errors import (
 
 __all__ = [  # noqa: RUF022
     "LLM",
+    "EngineArgs",
     "CompletionOutput",
     "RequestOutput",
     "SamplingParams",
@@ -32,6 +33,7 @@ __all__ = [  # noqa: RUF022
 
 _LAZY = {
     "LLM": "aieng.llm",
+    "EngineArgs": "aieng.engine_args",
     "SamplingParams": "aieng.sampling",
     "RequestOutput": "aieng.outputs",
     "CompletionOutput": "aieng.outputs",

@@ -31,7 +31,6 @@ from aieng.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-EngineConfig = EngineArgs  # the old name, until every caller says EngineArgs
 
 # Failures after which the device cannot be trusted: the engine stops instead of serving garbage.
 FATAL_DEVICE_ERRORS = (

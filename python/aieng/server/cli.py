@@ -145,6 +145,6 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     server = DrainingServer(uvicorn_config, app.state.context, config.shutdown_timeout)
     server.run()
-    if failures:
+    if failures or app.state.context.engine_failed:
         return 1
     return 0 if server.started else 1

@@ -1,4 +1,4 @@
-"""What `aieng serve` is configured with, beside the engine's own `EngineConfig`."""
+"""What `aieng serve` is configured with, beside the engine's own `EngineArgs`."""
 
 from __future__ import annotations
 
