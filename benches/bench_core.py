@@ -2,9 +2,11 @@
 
 256 requests with prompt and output lengths uniform in [100, 1024] (seed 0,
 ignore_eos), prefix caching on, block sizes 16 and 256. Each step calls
-schedule(), reads the plan arrays a model runner needs, and calls update() with
-random sampled tokens. Peer in the same run: the same step in plain Python
-(benches/python_scheduler.py, nano-vllm style).
+schedule(), reads the plan arrays a model runner reads (the core's new blocks for
+its persistent block table; the peer's dense block table), and calls update() with
+random sampled tokens. The workload runs --repeats times and the timings are pooled.
+Peer in the same run: the same step in plain Python (benches/python_scheduler.py,
+nano-vllm style).
 
     .venv/bin/python benches/bench_core.py [--requests 256] [--out benches/results]
 """
@@ -25,7 +27,19 @@ try:
 except ImportError:  # run as a module from the repo root
     from benches.python_scheduler import PyScheduler
 
-PLAN_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens")
+RUNNER_FIELDS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "query_start_loc",
+    "num_computed_tokens",
+    "seq_lens",
+    "logits_indices",
+    "sample_request_rows",
+    "slots",
+)
+CORE_FIELDS = (*RUNNER_FIELDS, "new_block_slots", "new_block_indices", "new_block_ids")
+PEER_FIELDS = (*RUNNER_FIELDS, "block_tables")
 
 
 def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -38,34 +52,39 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     ]
 
 
-def drive(engine, sampled_pool: np.ndarray, max_num_seqs: int) -> dict[str, float]:
-    """Runs to completion; returns per-step timings at full load and overall."""
+def drive(engine, sampled_pool: np.ndarray, max_num_seqs: int) -> tuple[list, list, int]:
+    """Runs to completion; returns the step times (ns) at full load, of every step, and
+    the number of tokens generated."""
     full_load, every = [], []
-    generated, offset, steps = 0, 0, 0
+    generated, offset = 0, 0
+    logits = RUNNER_FIELDS.index("logits_indices")
     while engine.has_unfinished():
         start = time.perf_counter_ns()
         plan = engine.schedule()
         if isinstance(plan, dict):
-            arrays = [plan[f] for f in PLAN_FIELDS] + [plan["block_tables"]]
-            n_samples = len(plan["logits_indices"])
+            arrays = [plan[f] for f in PEER_FIELDS]
         else:
-            arrays = [getattr(plan, f) for f in PLAN_FIELDS] + [plan.block_tables]
-            n_samples = len(plan.logits_indices)
+            arrays = [getattr(plan, f) for f in CORE_FIELDS]
+        n_samples = len(arrays[logits])
         tokens = sampled_pool[offset : offset + n_samples]
         engine.update(tokens)
         elapsed = time.perf_counter_ns() - start
         offset = (offset + n_samples) % (len(sampled_pool) - 4096)
         generated += n_samples
-        steps += 1
         every.append(elapsed)
         if engine.num_running == max_num_seqs or (
             len(arrays[0]) == max_num_seqs and n_samples == max_num_seqs
         ):
             full_load.append(elapsed)
+    return full_load, every, generated
+
+
+def summary(full_load: list, every: list, generated: int, runs: int) -> dict[str, float]:
     every_us = np.array(every) / 1e3
     full_us = np.array(full_load) / 1e3 if full_load else np.array([np.nan])
     return {
-        "steps": steps,
+        "runs": runs,
+        "steps": len(every) // runs,
         "full_load_steps": len(full_load),
         "us_per_step_full_load_mean": float(full_us.mean()),
         "us_per_step_full_load_p50": float(np.median(full_us)),
@@ -76,10 +95,26 @@ def drive(engine, sampled_pool: np.ndarray, max_num_seqs: int) -> dict[str, floa
     }
 
 
-def run(requests: int, block_size: int, engine_name: str, budget: int) -> dict:
+def run(requests: int, block_size: int, engine_name: str, budget: int, repeats: int) -> dict:
     work = workload(requests)
-    num_blocks = sum(-(-(len(p) + o) // block_size) for p, o in work) + 16
     sampled_pool = np.random.default_rng(1).integers(3, 32000, size=1 << 20, dtype=np.int64)
+    full_load, every, generated = [], [], 0
+    for _ in range(repeats):
+        engine = build(work, requests, block_size, engine_name, budget)
+        full, all_steps, tokens = drive(engine, sampled_pool, requests)
+        full_load += full
+        every += all_steps
+        generated += tokens
+        if engine_name == "aieng (Rust core)":
+            engine.check_invariants()
+            stats = engine.stats()["pool"]
+            assert stats["num_free_blocks"] == stats["num_blocks"]
+    result = summary(full_load, every, generated, repeats)
+    return {"engine": engine_name, "block_size": block_size, **result}
+
+
+def build(work: list, requests: int, block_size: int, engine_name: str, budget: int):
+    num_blocks = sum(-(-(len(p) + o) // block_size) for p, o in work) + 16
     if engine_name == "aieng (Rust core)":
         engine = EngineCore(
             num_blocks=num_blocks,
@@ -95,12 +130,7 @@ def run(requests: int, block_size: int, engine_name: str, budget: int) -> dict:
         engine = PyScheduler(num_blocks, block_size, requests, budget)
         for i, (prompt, out) in enumerate(work):
             engine.add(f"r{i}", prompt, out)
-    result = drive(engine, sampled_pool, requests)
-    if engine_name == "aieng (Rust core)":
-        engine.check_invariants()
-        stats = engine.stats()["pool"]
-        assert stats["num_free_blocks"] == stats["num_blocks"]
-    return {"engine": engine_name, "block_size": block_size, **result}
+    return engine
 
 
 def table(rows: list[dict]) -> str:
@@ -122,6 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=5, help="runs of the workload, pooled")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--no-peer", action="store_true", help="skip the plain-Python peer")
     args = ap.parse_args()
@@ -129,21 +160,39 @@ def main() -> None:
     for block_size in (16, 256):
         engines = ["aieng (Rust core)"] + ([] if args.no_peer else ["plain Python peer"])
         for name in engines:
-            rows.append(run(args.requests, block_size, name, args.max_num_batched_tokens))
+            rows.append(
+                run(args.requests, block_size, name, args.max_num_batched_tokens, args.repeats)
+            )
             print(f"  done: {name}, block size {block_size}", flush=True)
     md = table(rows)
     print(md)
     args.out.mkdir(parents=True, exist_ok=True)
-    machine = f"{platform.machine()} ({os.cpu_count()} cores), python {platform.python_version()}"
+    machine = (
+        f"{cpu_model()}, {platform.machine()} ({os.cpu_count()} cores), "
+        f"python {platform.python_version()}"
+    )
     note = (
         f"# bench_core\n\n{args.requests} requests, prompt/output lengths uniform in [100, 1024], "
         f"seed 0, ignore_eos, prefix caching on, max_num_batched_tokens "
         f"{args.max_num_batched_tokens}, max_num_seqs {args.requests}. A step = schedule() + "
-        f"reading the plan arrays + update(). Full load: {args.requests} requests running.\n\n"
-        f"Machine: {machine}.\n\n{md}"
+        f"reading the arrays a model runner reads ({', '.join(RUNNER_FIELDS)}; the core's "
+        f"new_block_slots/indices/ids, the peer's dense block_tables) + update(). Full load: "
+        f"{args.requests} requests running. {args.repeats} runs of the workload, pooled; steps "
+        f"are per run.\n\nMachine: {machine}.\n\n{md}"
     )
     (args.out / "bench_core.md").write_text(note)
     (args.out / "bench_core.json").write_text(json.dumps(rows, indent=2))
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

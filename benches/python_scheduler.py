@@ -1,7 +1,8 @@
 """The peer of bench_core.py: the same step written in plain Python, nano-vllm style.
 
 A block manager with hashed full blocks and ref counts, a FCFS scheduler with a
-token budget, and a plan built as Python lists turned into numpy arrays. It exists
+token budget, and a plan built as Python lists turned into numpy arrays. It rebuilds a dense
+block table every step where the core hands over only the blocks that changed. It exists
 only to measure what the Rust core saves per step; the engine never uses it.
 """
 
@@ -54,8 +55,8 @@ class PyBlockManager:
 
 
 class PySeq:
-    def __init__(self, rid: str, tokens: list[int], max_tokens: int):
-        self.rid, self.tokens, self.max_tokens = rid, list(tokens), max_tokens
+    def __init__(self, rid: str, slot: int, tokens: list[int], max_tokens: int):
+        self.rid, self.slot, self.tokens, self.max_tokens = rid, slot, list(tokens), max_tokens
         self.prompt_len = len(tokens)
         self.blocks: list[int] = []
         self.computed = 0
@@ -71,7 +72,7 @@ class PyScheduler:
         self.last: list[tuple[PySeq, int]] = []
 
     def add(self, rid: str, tokens: list[int], max_tokens: int) -> None:
-        self.waiting.append(PySeq(rid, tokens, max_tokens))
+        self.waiting.append(PySeq(rid, len(self.waiting) + len(self.running), tokens, max_tokens))
 
     def schedule(self) -> dict[str, np.ndarray]:
         budget, step = self.budget, []
@@ -92,7 +93,7 @@ class PyScheduler:
             step.append((seq, n))
             budget -= n
         bs = self.bm.block_size
-        ids, pos, slots, qsl, lens, logits = [], [], [], [0], [], []
+        ids, pos, slots, qsl, computed, lens, logits, sample_rows = [], [], [], [0], [], [], [], []
         width = max((len(s.blocks) for s, _ in step), default=0)
         tables = np.zeros((len(step), width), dtype=np.int32)
         for row, (seq, n) in enumerate(step):
@@ -102,19 +103,24 @@ class PyScheduler:
                 pos.append(p)
                 slots.append(seq.blocks[p // bs] * bs + p % bs)
             qsl.append(len(ids))
+            computed.append(start)
             lens.append(start + n)
             tables[row, : len(seq.blocks)] = seq.blocks
             if start + n == len(seq.tokens):
                 logits.append(len(ids) - 1)
+                sample_rows.append(row)
         self.last = step
         return {
             "input_ids": np.array(ids, dtype=np.int32),
             "positions": np.array(pos, dtype=np.int32),
             "slot_mapping": np.array(slots, dtype=np.int32),
             "query_start_loc": np.array(qsl, dtype=np.int32),
+            "num_computed_tokens": np.array(computed, dtype=np.int32),
             "seq_lens": np.array(lens, dtype=np.int32),
             "block_tables": tables,
             "logits_indices": np.array(logits, dtype=np.int32),
+            "sample_request_rows": np.array(sample_rows, dtype=np.int32),
+            "slots": np.array([seq.slot for seq, _ in step], dtype=np.int32),
         }
 
     def update(self, sampled: np.ndarray) -> list[str]:

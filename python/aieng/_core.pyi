@@ -11,6 +11,7 @@ __version__: str
 
 _Tokens = Sequence[int] | npt.NDArray[np.integer[Any]]
 _I32 = npt.NDArray[np.int32]
+_I64 = npt.NDArray[np.int64]
 
 class AiengError(Exception): ...
 class InvalidArgumentError(AiengError, ValueError): ...
@@ -98,32 +99,66 @@ class BlockTable:
 
 @final
 class StepPlan:
+    """The work of one step as flat int32 arrays. Rows are requests (R of them), tokens are
+    laid out request after request (T), S rows sample a token.
+
+    Block tables are handed over as changes: a runner keeps one persistent table per slot,
+    (number of slots, ceil(max_model_len / block_size)), and applies
+    `table[new_block_slots, new_block_indices] = new_block_ids` each step. Every block of a
+    freshly opened table (admission, readmission after preemption, prefix-cache hits
+    included) is reported from index 0, and a block added as a request grows is reported
+    once; the first ceil(seq_lens[r] / block_size) entries of `table[slots[r]]` are then row
+    r's block ids. Waiting requests hold slots too, so slot numbers can exceed max_num_seqs.
+    """
+
     @property
-    def num_requests(self) -> int: ...
+    def num_requests(self) -> int:
+        """R."""
     @property
-    def num_tokens(self) -> int: ...
+    def num_tokens(self) -> int:
+        """T."""
     @property
-    def input_ids(self) -> _I32: ...
+    def input_ids(self) -> _I32:
+        """(T,) the tokens to run."""
     @property
-    def positions(self) -> _I32: ...
+    def positions(self) -> _I32:
+        """(T,) their positions in their sequences."""
     @property
-    def slot_mapping(self) -> _I32: ...
+    def slot_mapping(self) -> _I32:
+        """(T,) the KV cache slot of each token: block id * block_size + offset."""
     @property
-    def query_start_loc(self) -> _I32: ...
+    def query_start_loc(self) -> _I32:
+        """(R + 1,) row r's tokens are input_ids[query_start_loc[r]:query_start_loc[r + 1]]."""
     @property
-    def num_computed_tokens(self) -> _I32: ...
+    def num_computed_tokens(self) -> _I32:
+        """(R,) tokens of each row already in the cache before this step."""
     @property
-    def seq_lens(self) -> _I32: ...
+    def seq_lens(self) -> _I32:
+        """(R,) context length of each row after this step."""
     @property
-    def block_tables(self) -> _I32: ...
+    def logits_indices(self) -> _I32:
+        """(S,) the token rows whose logits are sampled."""
     @property
-    def logits_indices(self) -> _I32: ...
+    def sample_request_rows(self) -> _I32:
+        """(S,) the request row of each sample."""
     @property
-    def sample_request_rows(self) -> _I32: ...
+    def slots(self) -> _I32:
+        """(R,) each row's persistent slot, stable while its request lives (then reused)."""
     @property
-    def slots(self) -> _I32: ...
+    def new_block_slots(self) -> _I32:
+        """(N,) the slot of each block new to that slot's table since it was last reported."""
     @property
-    def request_ids(self) -> list[str]: ...
+    def new_block_indices(self) -> _I32:
+        """(N,) its position in that slot's block table."""
+    @property
+    def new_block_ids(self) -> _I32:
+        """(N,) its block id."""
+    @property
+    def block_tables(self) -> _I32:
+        """(R, most blocks of a row) each row's block ids, padded with 0; built when read."""
+    @property
+    def request_ids(self) -> list[str]:
+        """(R,) each row's request id; built when read."""
     def __len__(self) -> int: ...
 
 @final
@@ -141,16 +176,24 @@ class FinishedRequest:
 
 @final
 class StepOutputs:
+    """What update() changed: one entry per token appended, in plan order (a row that took
+    several tokens repeats). Each field is built when first read."""
+
     @property
-    def rows(self) -> _I32: ...
+    def rows(self) -> _I32:
+        """The plan row of each appended token."""
     @property
-    def slots(self) -> _I32: ...
+    def slots(self) -> _I32:
+        """Its slot."""
     @property
-    def token_ids(self) -> _I32: ...
+    def token_ids(self) -> _I64:
+        """The tokens, as appended."""
     @property
-    def texts(self) -> list[str]: ...
+    def texts(self) -> list[str]:
+        """The text each token adds (after stop-string hold-back); empty without a tokenizer."""
     @property
-    def finished(self) -> list[FinishedRequest]: ...
+    def finished(self) -> list[FinishedRequest]:
+        """Requests that finished in this update, in plan order."""
 
 @final
 class EngineCore:
@@ -182,7 +225,11 @@ class EngineCore:
     ) -> int: ...
     def abort(self, request_id: str) -> FinishedRequest: ...
     def schedule(self) -> StepPlan: ...
-    def update(self, sampled: _Tokens) -> StepOutputs: ...
+    def update(self, sampled: _Tokens, num_sampled: _Tokens | None = None) -> StepOutputs:
+        """Applies the step in flight. `sampled` is the flat array of accepted tokens;
+        `num_sampled[i]` (>= 1, default 1 each) of them belong to the i-th sampling row, in
+        order. Each token goes through every stop check; once a request stops, the rest of
+        its tokens are dropped. Tokens past a row's first are computed in the next step."""
     def has_unfinished(self) -> bool: ...
     @property
     def num_running(self) -> int: ...

@@ -8,7 +8,9 @@
 //! Freed cached blocks stay in the index until they are evicted, least recently
 //! freed first; uncached freed blocks are handed out before any cached one.
 //!
-//! An allocation is a [`BlockTable`]: an owned value whose `Drop` returns its blocks.
+//! An allocation is a [`TableLease`]: an owned value whose `Drop` returns its
+//! blocks. The pool keeps no tokens of a table: its holder does, and passes them
+//! to `commit`. A [`BlockTable`] is a lease with its tokens, for use alone.
 
 use std::sync::Arc;
 
@@ -32,7 +34,6 @@ struct CachedBlock {
 #[derive(Debug, Clone)]
 pub(crate) struct TableState {
     pub(crate) blocks: Vec<u32>,
-    pub(crate) tokens: Vec<u32>,
     /// Leading blocks already hashed (registered in the index or found there).
     hashed_blocks: usize,
     /// Chain hash of the last hashed block (ROOT_HASH when none).
@@ -84,11 +85,18 @@ pub struct BlockPool {
     inner: Arc<Mutex<PoolInner>>,
 }
 
-/// Blocks held for one token sequence; dropping it returns them to the pool.
-pub struct BlockTable {
+/// Blocks held for a token sequence that the holder keeps; dropping it returns
+/// them to the pool.
+pub(crate) struct TableLease {
     id: u32,
     pool: Arc<Mutex<PoolInner>>,
     live: bool,
+}
+
+/// Blocks held for one token sequence; dropping it returns them to the pool.
+pub struct BlockTable {
+    lease: TableLease,
+    tokens: Vec<u32>,
 }
 
 impl BlockPool {
@@ -171,29 +179,26 @@ impl BlockPool {
     /// is reused (at most `len - 1` tokens, so one is always left to compute),
     /// and new blocks are taken for the rest. All or nothing.
     pub fn allocate(&self, tokens: &[u32]) -> Result<BlockTable> {
-        let table = self.open(tokens);
         let mut inner = self.inner.lock();
-        match inner.reserve(table.id, tokens.len()) {
+        let lease = self.wrap(inner.open_table(tokens));
+        match inner.reserve(lease.id, tokens.len()) {
             Ok(()) => {
                 inner.debug_check();
-                Ok(table)
+                Ok(BlockTable {
+                    lease,
+                    tokens: tokens.to_vec(),
+                })
             }
             Err(e) => {
-                table.release_in(&mut inner);
+                lease.release_in(&mut inner);
                 Err(e)
             }
         }
     }
 
-    /// A table holding only the cached prefix of `tokens` (no new blocks yet).
-    pub(crate) fn open(&self, tokens: &[u32]) -> BlockTable {
-        let id = self.inner.lock().open_table(tokens);
-        self.wrap(id)
-    }
-
-    /// The handle of a table opened under the lock.
-    pub(crate) fn wrap(&self, id: u32) -> BlockTable {
-        BlockTable {
+    /// The lease of a table opened under the lock.
+    pub(crate) fn wrap(&self, id: u32) -> TableLease {
+        TableLease {
             id,
             pool: Arc::clone(&self.inner),
             live: true,
@@ -202,35 +207,42 @@ impl BlockPool {
 }
 
 impl BlockTable {
-    pub(crate) fn id(&self) -> u32 {
-        self.id
-    }
-
     /// Extends the sequence by `tokens`, taking new blocks as needed; all or nothing.
     pub fn append(&mut self, tokens: &[u32]) -> Result<()> {
-        let mut inner = self.pool.lock();
-        let total = inner.table(self.id).tokens.len() + tokens.len();
-        inner.reserve(self.id, total)?;
-        inner.push_tokens(self.id, tokens);
+        let mut inner = self.lease.pool.lock();
+        inner.reserve(self.lease.id, self.tokens.len() + tokens.len())?;
+        self.tokens.extend_from_slice(tokens);
         Ok(())
     }
 
     /// Marks the first `num_computed` tokens as holding valid KV: their full
     /// blocks become findable by later allocations.
     pub fn commit(&mut self, num_computed: usize) {
-        self.pool.lock().commit(self.id, num_computed);
+        let mut inner = self.lease.pool.lock();
+        inner.commit(self.lease.id, &self.tokens, num_computed);
+        inner.debug_check_table(self.lease.id, &self.tokens);
     }
 
     pub fn block_ids(&self) -> Vec<u32> {
-        self.pool.lock().table(self.id).blocks.clone()
+        self.lease.pool.lock().table(self.lease.id).blocks.clone()
     }
 
     pub fn num_tokens(&self) -> usize {
-        self.pool.lock().table(self.id).tokens.len()
+        self.tokens.len()
     }
 
     pub fn num_cached_tokens(&self) -> usize {
-        self.pool.lock().table(self.id).num_cached_tokens
+        self.lease
+            .pool
+            .lock()
+            .table(self.lease.id)
+            .num_cached_tokens
+    }
+}
+
+impl TableLease {
+    pub(crate) fn id(&self) -> u32 {
+        self.id
     }
 
     /// Frees the table under a lock the caller already holds.
@@ -244,7 +256,7 @@ impl BlockTable {
     }
 }
 
-impl Drop for BlockTable {
+impl Drop for TableLease {
     fn drop(&mut self) {
         if self.live {
             let mut inner = self.pool.lock();
@@ -272,16 +284,16 @@ impl PoolInner {
         &self.block_tokens[start..start + self.block_size]
     }
 
+    /// A table holding the cached prefix of `tokens` (no new blocks yet).
     pub(crate) fn open_table(&mut self, tokens: &[u32]) -> u32 {
         let mut state = TableState {
             blocks: Vec::with_capacity(tokens.len().div_ceil(self.block_size)),
-            tokens: tokens.to_vec(),
             hashed_blocks: 0,
             last_hash: ROOT_HASH,
             num_cached_tokens: 0,
         };
         if self.prefix_caching && !tokens.is_empty() {
-            self.take_cached_prefix(&mut state);
+            self.take_cached_prefix(&mut state, tokens);
         }
         match self.free_table_ids.pop() {
             Some(id) => {
@@ -295,11 +307,11 @@ impl PoolInner {
         }
     }
 
-    fn take_cached_prefix(&mut self, state: &mut TableState) {
+    fn take_cached_prefix(&mut self, state: &mut TableState, tokens: &[u32]) {
         let bs = self.block_size;
-        let max_blocks = (state.tokens.len() - 1) / bs;
+        let max_blocks = (tokens.len() - 1) / bs;
         let mut parent: Option<BlockIdentity> = None;
-        for chunk in state.tokens.chunks_exact(bs).take(max_blocks) {
+        for chunk in tokens.chunks_exact(bs).take(max_blocks) {
             let hash = (self.hash_fn)(state.last_hash, chunk);
             let Some(&block) = self.index.get(&hash) else {
                 break;
@@ -320,7 +332,7 @@ impl PoolInner {
         }
         state.hashed_blocks = state.blocks.len();
         state.num_cached_tokens = state.blocks.len() * bs;
-        self.prefix_cache_queries += state.tokens.len() as u64;
+        self.prefix_cache_queries += tokens.len() as u64;
         self.prefix_cache_hits += state.num_cached_tokens as u64;
     }
 
@@ -333,6 +345,9 @@ impl PoolInner {
 
     /// Grows table `id` to hold `num_slots` tokens; all or nothing.
     pub(crate) fn reserve(&mut self, id: u32, num_slots: usize) -> Result<()> {
+        if num_slots <= self.table(id).blocks.len() * self.block_size {
+            return Ok(());
+        }
         let need = self.blocks_needed(id, num_slots);
         if need > self.free.len() {
             return Err(CoreError::OutOfBlocks(format!(
@@ -358,22 +373,17 @@ impl PoolInner {
         block
     }
 
-    pub(crate) fn push_tokens(&mut self, id: u32, tokens: &[u32]) {
-        self.table_mut(id).tokens.extend_from_slice(tokens);
-    }
-
-    pub(crate) fn commit(&mut self, id: u32, num_computed: usize) {
-        if !self.prefix_caching {
+    /// Marks the first `num_computed` of `tokens`, the sequence of table `id`, as
+    /// holding valid KV: its full blocks become findable.
+    pub(crate) fn commit(&mut self, id: u32, tokens: &[u32], num_computed: usize) {
+        let bs = self.block_size;
+        if !self.prefix_caching || num_computed < (self.table(id).hashed_blocks + 1) * bs {
             return;
         }
-        let bs = self.block_size;
         let mut state = self.tables[id as usize].take().expect("live table");
-        let full = num_computed
-            .min(state.tokens.len())
-            .min(state.blocks.len() * bs)
-            / bs;
+        let full = num_computed.min(tokens.len()).min(state.blocks.len() * bs) / bs;
         for i in state.hashed_blocks..full {
-            let chunk = &state.tokens[i * bs..(i + 1) * bs];
+            let chunk = &tokens[i * bs..(i + 1) * bs];
             let hash = (self.hash_fn)(state.last_hash, chunk);
             let block = state.blocks[i];
             if self.cached[block as usize].is_none() && !self.index.contains_key(&hash) {
@@ -436,24 +446,38 @@ impl PoolInner {
         }
     }
 
-    pub(crate) fn check_invariants(&self) -> std::result::Result<(), String> {
+    /// In debug builds, panics if table `id` disagrees with its sequence `tokens`.
+    pub(crate) fn debug_check_table(&self, id: u32, tokens: &[u32]) {
+        #[cfg(debug_assertions)]
+        if let Err(e) = self.check_table(id, tokens) {
+            panic!("block table invariant violated: {e}");
+        }
+        let _ = (id, tokens);
+    }
+
+    /// Table `id` holds its cached tokens, and each cached block of it holds the
+    /// tokens of `tokens` it stands for.
+    pub(crate) fn check_table(&self, id: u32, tokens: &[u32]) -> std::result::Result<(), String> {
         let bs = self.block_size;
+        let state = self.table(id);
+        if state.blocks.len() * bs < state.num_cached_tokens {
+            return Err("a table holds fewer slots than its cached tokens".into());
+        }
+        for (block, chunk) in state.blocks.iter().zip(tokens.chunks_exact(bs)) {
+            if self.cached[*block as usize].is_some() && self.cached_tokens(*block) != chunk {
+                return Err(format!(
+                    "cached block {block} holds other tokens than its table"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_invariants(&self) -> std::result::Result<(), String> {
         let mut holders = vec![0u32; self.num_blocks];
         for state in self.tables.iter().flatten() {
-            if state.blocks.len() * bs < state.num_cached_tokens {
-                return Err("a table holds fewer slots than its cached tokens".into());
-            }
-            for (i, &block) in state.blocks.iter().enumerate() {
+            for &block in &state.blocks {
                 holders[block as usize] += 1;
-                let in_range = (i + 1) * bs <= state.tokens.len();
-                if self.cached[block as usize].is_some()
-                    && in_range
-                    && self.cached_tokens(block) != &state.tokens[i * bs..(i + 1) * bs]
-                {
-                    return Err(format!(
-                        "cached block {block} holds other tokens than its table"
-                    ));
-                }
             }
         }
         let mut in_use = 0;

@@ -1,7 +1,7 @@
 //! The Python bindings: `aieng._core`. The one place where Rust meets Python;
 //! the logic lives in the plain-Rust modules.
 
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -149,8 +149,16 @@ fn pool_stats_dict<'py>(py: Python<'py>, s: &PoolStats) -> PyResult<Bound<'py, P
     Ok(d)
 }
 
-/// Token ids from a numpy integer array or any sequence of ints.
-fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+/// Integers from a numpy integer array or any sequence of ints.
+fn ints(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
+    // A contiguous int64 array is copied without the borrow bookkeeping of a readonly view.
+    if let Some(v) = obj
+        .cast::<PyArray1<i64>>()
+        .ok()
+        .and_then(|a| a.to_vec().ok())
+    {
+        return Ok(v);
+    }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         return Ok(a.as_array().to_vec());
     }
@@ -158,13 +166,13 @@ fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         return Ok(a.as_array().iter().map(|&t| t as i64).collect());
     }
     obj.extract::<Vec<i64>>().map_err(|_| {
-        CoreError::InvalidArgument("token ids must be a sequence of ints or an int array".into())
+        CoreError::InvalidArgument(format!("{what} must be a sequence of ints or an int array"))
             .into()
     })
 }
 
 fn u32_tokens(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
-    token_ids(obj)?
+    ints(obj, what)?
         .into_iter()
         .map(|t| {
             u32::try_from(t).map_err(|_| {
@@ -174,8 +182,19 @@ fn u32_tokens(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
         .collect()
 }
 
-fn array<'py>(py: Python<'py>, v: Vec<i32>) -> Py<PyArray1<i32>> {
-    PyArray1::from_vec(py, v).unbind()
+/// A numpy copy: one object whose data numpy owns, cheaper than a view of the Vec.
+fn array<T: numpy::Element + Copy>(py: Python<'_>, v: &[T]) -> Py<PyArray1<T>> {
+    PyArray1::from_slice(py, v).unbind()
+}
+
+/// The value of `cell`, built by `init` on first use.
+fn once<'py, T>(
+    py: Python<'py>,
+    cell: &PyOnceLock<Py<T>>,
+    init: impl FnOnce() -> PyResult<Bound<'py, T>>,
+) -> PyResult<Bound<'py, T>> {
+    let value = cell.get_or_try_init(py, || init().map(Bound::unbind))?;
+    Ok(value.bind(py).clone())
 }
 
 // ---------------------------------------------------------------- BlockPool
@@ -335,48 +354,92 @@ impl PyBlockTable {
 
 // ---------------------------------------------------------------- EngineCore
 
-/// The arrays of one engine step (see `aieng.core` docs for their meaning).
-#[pyclass(name = "StepPlan", module = "aieng._core", frozen, get_all)]
+/// The arrays of one engine step (see `_core.pyi` for their meaning). The
+/// dense `block_tables` and the `request_ids` list are built when first read.
+#[pyclass(name = "StepPlan", module = "aieng._core", frozen)]
 struct PyStepPlan {
+    #[pyo3(get)]
     num_requests: usize,
+    #[pyo3(get)]
     num_tokens: usize,
+    #[pyo3(get)]
     input_ids: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     positions: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     slot_mapping: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     query_start_loc: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     num_computed_tokens: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     seq_lens: Py<PyArray1<i32>>,
-    block_tables: Py<PyAny>,
+    #[pyo3(get)]
     logits_indices: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     sample_request_rows: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     slots: Py<PyArray1<i32>>,
-    request_ids: Py<PyList>,
+    #[pyo3(get)]
+    new_block_slots: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    new_block_indices: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    new_block_ids: Py<PyArray1<i32>>,
+    /// What `block_tables` is built from: seq_lens, row_blocks, block_size.
+    rows: StepPlan,
+    ids: Vec<Py<PyString>>,
+    dense_tables: PyOnceLock<Py<PyArray2<i32>>>,
+    id_list: PyOnceLock<Py<PyList>>,
 }
 
 impl PyStepPlan {
-    fn new(py: Python<'_>, plan: StepPlan) -> PyResult<Self> {
-        let (rows, width) = (plan.num_requests(), plan.block_table_width);
-        let block_tables = PyArray1::from_vec(py, plan.block_tables).reshape([rows, width])?;
-        Ok(PyStepPlan {
-            num_requests: rows,
+    fn new(py: Python<'_>, plan: StepPlan, ids: Vec<Py<PyString>>) -> Self {
+        let rows = StepPlan {
+            seq_lens: plan.seq_lens.clone(),
+            row_blocks: plan.row_blocks,
+            block_size: plan.block_size,
+            ..StepPlan::default()
+        };
+        PyStepPlan {
+            num_requests: plan.seq_lens.len(),
             num_tokens: plan.input_ids.len(),
-            input_ids: array(py, plan.input_ids),
-            positions: array(py, plan.positions),
-            slot_mapping: array(py, plan.slot_mapping),
-            query_start_loc: array(py, plan.query_start_loc),
-            num_computed_tokens: array(py, plan.num_computed_tokens),
-            seq_lens: array(py, plan.seq_lens),
-            block_tables: block_tables.into_any().unbind(),
-            logits_indices: array(py, plan.logits_indices),
-            sample_request_rows: array(py, plan.sample_request_rows),
-            slots: array(py, plan.slots),
-            request_ids: PyList::new(py, plan.request_ids)?.unbind(),
-        })
+            input_ids: array(py, &plan.input_ids),
+            positions: array(py, &plan.positions),
+            slot_mapping: array(py, &plan.slot_mapping),
+            query_start_loc: array(py, &plan.query_start_loc),
+            num_computed_tokens: array(py, &plan.num_computed_tokens),
+            seq_lens: array(py, &plan.seq_lens),
+            logits_indices: array(py, &plan.logits_indices),
+            sample_request_rows: array(py, &plan.sample_request_rows),
+            slots: array(py, &plan.slots),
+            new_block_slots: array(py, &plan.new_block_slots),
+            new_block_indices: array(py, &plan.new_block_indices),
+            new_block_ids: array(py, &plan.new_block_ids),
+            rows,
+            ids,
+            dense_tables: PyOnceLock::new(),
+            id_list: PyOnceLock::new(),
+        }
     }
 }
 
 #[pymethods]
 impl PyStepPlan {
+    /// Block ids of each row, (R, most blocks of a row), padded with 0.
+    #[getter]
+    fn block_tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        once(py, &self.dense_tables, || {
+            let (tables, width) = self.rows.block_tables();
+            PyArray1::from_vec(py, tables).reshape([self.num_requests, width])
+        })
+    }
+
+    #[getter]
+    fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        once(py, &self.id_list, || PyList::new(py, &self.ids))
+    }
+
     fn __len__(&self) -> usize {
         self.num_tokens
     }
@@ -426,30 +489,87 @@ impl PyFinishedRequest {
     }
 }
 
-/// What update() changed: the new token of every sampling row still alive.
-#[pyclass(name = "StepOutputs", module = "aieng._core", frozen, get_all)]
+/// What update() changed: one entry per token appended, in plan order. Each
+/// field is built on first read.
+#[pyclass(name = "StepOutputs", module = "aieng._core", frozen)]
 struct PyStepOutputs {
-    rows: Py<PyArray1<i32>>,
-    slots: Py<PyArray1<i32>>,
-    token_ids: Py<PyArray1<i32>>,
-    texts: Py<PyList>,
-    finished: Py<PyList>,
+    update: StepUpdate,
+    rows: PyOnceLock<Py<PyArray1<i32>>>,
+    slots: PyOnceLock<Py<PyArray1<i32>>>,
+    token_ids: PyOnceLock<Py<PyArray1<i64>>>,
+    texts: PyOnceLock<Py<PyList>>,
+    finished: PyOnceLock<Py<PyList>>,
 }
 
 impl PyStepOutputs {
-    fn new(py: Python<'_>, u: StepUpdate) -> PyResult<Self> {
-        let to_i32 = |v: Vec<u32>| v.into_iter().map(|x| x as i32).collect::<Vec<_>>();
-        let finished = u
-            .finished
-            .into_iter()
-            .map(|f| PyFinishedRequest::new(py, f))
-            .collect::<PyResult<Vec<_>>>()?;
-        Ok(PyStepOutputs {
-            rows: array(py, to_i32(u.rows)),
-            slots: array(py, to_i32(u.slots)),
-            token_ids: array(py, to_i32(u.token_ids)),
-            texts: PyList::new(py, u.texts)?.unbind(),
-            finished: PyList::new(py, finished)?.unbind(),
+    fn new(update: StepUpdate) -> Self {
+        PyStepOutputs {
+            update,
+            rows: PyOnceLock::new(),
+            slots: PyOnceLock::new(),
+            token_ids: PyOnceLock::new(),
+            texts: PyOnceLock::new(),
+            finished: PyOnceLock::new(),
+        }
+    }
+}
+
+#[pymethods]
+impl PyStepOutputs {
+    #[getter]
+    fn rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        once(py, &self.rows, || {
+            Ok(PyArray1::from_iter(
+                py,
+                self.update.rows.iter().map(|&r| r as i32),
+            ))
+        })
+    }
+
+    #[getter]
+    fn slots<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        once(py, &self.slots, || {
+            Ok(PyArray1::from_iter(
+                py,
+                self.update.slots.iter().map(|&s| s as i32),
+            ))
+        })
+    }
+
+    #[getter]
+    fn token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        once(py, &self.token_ids, || {
+            Ok(PyArray1::from_iter(
+                py,
+                self.update.token_ids.iter().map(|&t| i64::from(t)),
+            ))
+        })
+    }
+
+    #[getter]
+    fn texts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        once(py, &self.texts, || {
+            let empty = PyString::intern(py, "");
+            PyList::new(
+                py,
+                self.update.texts.iter().map(|t| match t.is_empty() {
+                    true => empty.clone(),
+                    false => PyString::new(py, t),
+                }),
+            )
+        })
+    }
+
+    #[getter]
+    fn finished<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        once(py, &self.finished, || {
+            let finished = self
+                .update
+                .finished
+                .iter()
+                .map(|f| PyFinishedRequest::new(py, f.clone()))
+                .collect::<PyResult<Vec<_>>>()?;
+            PyList::new(py, finished)
         })
     }
 }
@@ -459,6 +579,8 @@ impl PyStepOutputs {
 #[pyclass(name = "EngineCore", module = "aieng._core")]
 struct PyEngineCore {
     core: EngineCore,
+    /// The id of the request in each slot, as the caller's str (for request_ids).
+    ids: Vec<Option<Py<PyString>>>,
 }
 
 #[pymethods]
@@ -492,6 +614,7 @@ impl PyEngineCore {
         let tokenizer = tokenizer.map(|t| Arc::clone(&t.inner));
         Ok(PyEngineCore {
             core: EngineCore::with_tokenizer(config, tokenizer)?,
+            ids: Vec::new(),
         })
     }
 
@@ -504,7 +627,7 @@ impl PyEngineCore {
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
-        request_id: &str,
+        request_id: &Bound<'_, PyString>,
         prompt_token_ids: &Bound<'_, PyAny>,
         max_tokens: i64,
         min_tokens: i64,
@@ -539,12 +662,18 @@ impl PyEngineCore {
             skip_special_tokens,
         };
         let prompt = u32_tokens(prompt_token_ids, "prompt_token_ids")?;
-        Ok(self.core.add_request(request_id, &prompt, params)?)
+        let slot = self.core.add_request(&utf8(request_id)?, &prompt, params)? as usize;
+        if self.ids.len() <= slot {
+            self.ids.resize_with(slot + 1, || None);
+        }
+        self.ids[slot] = Some(request_id.clone().unbind());
+        Ok(slot as u32)
     }
 
     /// Ends a request now and frees its blocks.
     fn abort(&mut self, py: Python<'_>, request_id: &str) -> PyResult<PyFinishedRequest> {
         let finished = self.core.abort(request_id)?;
+        self.ids[finished.slot as usize] = None;
         PyFinishedRequest::new(py, finished)
     }
 
@@ -552,15 +681,39 @@ impl PyEngineCore {
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
         let core = &mut self.core;
         let plan = py.detach(|| core.schedule())?;
-        PyStepPlan::new(py, plan)
+        let ids = plan
+            .slots
+            .iter()
+            .map(|&s| {
+                self.ids[s as usize]
+                    .as_ref()
+                    .expect("live slot")
+                    .clone_ref(py)
+            })
+            .collect();
+        Ok(PyStepPlan::new(py, plan, ids))
     }
 
-    /// Applies the sampled tokens of the last plan, one per sampling row.
-    fn update(&mut self, py: Python<'_>, sampled: &Bound<'_, PyAny>) -> PyResult<PyStepOutputs> {
-        let tokens = token_ids(sampled)?;
+    /// Applies the tokens sampled for the last plan: one per sampling row, or
+    /// `num_sampled[i]` for the i-th.
+    #[pyo3(signature = (sampled, num_sampled = None))]
+    fn update(
+        &mut self,
+        py: Python<'_>,
+        sampled: &Bound<'_, PyAny>,
+        num_sampled: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyStepOutputs> {
+        let tokens = ints(sampled, "sampled")?;
+        let counts = num_sampled.map(|c| ints(c, "num_sampled")).transpose()?;
         let core = &mut self.core;
-        let update = py.detach(|| core.update(&tokens))?;
-        PyStepOutputs::new(py, update)
+        let update = py.detach(|| match &counts {
+            Some(counts) => core.update_with_counts(&tokens, counts),
+            None => core.update(&tokens),
+        })?;
+        for f in &update.finished {
+            self.ids[f.slot as usize] = None;
+        }
+        Ok(PyStepOutputs::new(update))
     }
 
     fn has_unfinished(&self) -> bool {

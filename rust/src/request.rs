@@ -101,7 +101,9 @@ pub(crate) struct Request {
     pub(crate) num_cached_tokens: Option<usize>,
     pub(crate) num_preemptions: u32,
     pub(crate) status: Status,
-    pub(crate) table: Option<crate::block_pool::BlockTable>,
+    pub(crate) table: Option<crate::block_pool::TableLease>,
+    /// Leading blocks of `table` already handed to the runner in a plan.
+    pub(crate) reported_blocks: usize,
     /// Streaming text state, when the core has a tokenizer.
     pub(crate) text: Option<TextState>,
 }

@@ -7,6 +7,9 @@
 //! decodes behind it. When blocks run out the lowest-priority, latest-arrived
 //! running request is preempted by recompute: it frees its blocks and waits again
 //! with its generated tokens kept.
+//!
+//! An update may append several tokens to a row; those past the first are
+//! scheduled in the next step like the rest of a prefill.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -71,12 +74,13 @@ pub struct FinishedRequest {
     pub num_output_tokens: usize,
 }
 
-/// What an update changed: one new token per sampling row still alive.
+/// What an update changed: one entry per token appended, in plan order (a row
+/// that took several tokens repeats).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepUpdate {
-    /// Plan rows that received a token.
+    /// Plan row of each appended token.
     pub rows: Vec<u32>,
-    /// Their slots.
+    /// Its slot.
     pub slots: Vec<u32>,
     /// The tokens, as appended.
     pub token_ids: Vec<u32>,
@@ -98,6 +102,8 @@ pub struct SchedulerStats {
 struct Scheduled {
     slot: u32,
     arrival: u64,
+    /// Tokens of the request in the cache before this step.
+    start: usize,
     num_new: usize,
     samples: bool,
 }
@@ -255,6 +261,7 @@ impl EngineCore {
             num_preemptions: 0,
             status: Status::Waiting,
             table: None,
+            reported_blocks: 0,
             text,
         });
         self.slot_of.insert(id.to_string(), slot);
@@ -298,6 +305,14 @@ impl EngineCore {
         };
         drop(r.table);
         finished
+    }
+
+    /// The id of the request in `slot`, if one lives there.
+    pub fn request_id(&self, slot: u32) -> Option<&str> {
+        self.requests
+            .get(slot as usize)
+            .and_then(|r| r.as_ref())
+            .map(|r| r.id.as_str())
     }
 
     /// Number of prefix-cache hits of a request's first admission (None before it).
@@ -402,6 +417,7 @@ impl EngineCore {
         Scheduled {
             slot,
             arrival: r.arrival,
+            start: r.num_computed,
             num_new,
             samples: r.num_computed + num_new == r.tokens.len(),
         }
@@ -463,6 +479,7 @@ impl EngineCore {
         r.num_computed = cached;
         r.num_cached_tokens.get_or_insert(cached);
         r.table = Some(table);
+        r.reported_blocks = 0;
     }
 
     /// Preempts the lowest-priority running request if it ranks strictly below
@@ -502,15 +519,13 @@ impl EngineCore {
         self.waiting.insert(key);
     }
 
-    fn build_plan(&self, pool: &PoolInner, entries: &[Scheduled]) -> StepPlan {
+    /// The plan of `entries`; marks every block of theirs as reported.
+    fn build_plan(&mut self, pool: &PoolInner, entries: &[Scheduled]) -> StepPlan {
         let bs = pool.block_size();
-        let num_tokens: usize = entries.iter().map(|e| e.num_new).sum();
-        let width = entries
-            .iter()
-            .map(|e| (self.req(e.slot).num_computed + e.num_new).div_ceil(bs))
-            .max()
-            .unwrap_or(0);
         let rows = entries.len();
+        let (num_tokens, num_blocks) = entries.iter().fold((0, 0), |(t, b), e| {
+            (t + e.num_new, b + (e.start + e.num_new).div_ceil(bs))
+        });
         let mut plan = StepPlan {
             input_ids: Vec::with_capacity(num_tokens),
             positions: Vec::with_capacity(num_tokens),
@@ -518,41 +533,47 @@ impl EngineCore {
             query_start_loc: Vec::with_capacity(rows + 1),
             num_computed_tokens: Vec::with_capacity(rows),
             seq_lens: Vec::with_capacity(rows),
-            block_tables: vec![0; rows * width],
-            block_table_width: width,
             logits_indices: Vec::with_capacity(rows),
             sample_request_rows: Vec::with_capacity(rows),
             slots: Vec::with_capacity(rows),
-            request_ids: Vec::with_capacity(rows),
+            new_block_slots: Vec::new(),
+            new_block_indices: Vec::new(),
+            new_block_ids: Vec::new(),
+            row_blocks: Vec::with_capacity(num_blocks),
+            block_size: bs,
         };
         plan.query_start_loc.push(0);
         for (row, e) in entries.iter().enumerate() {
-            let r = self.req(e.slot);
+            let r = self.requests[e.slot as usize].as_mut().expect("live slot");
             let blocks = &pool.table(r.table.as_ref().expect("scheduled").id()).blocks;
-            let (start, end) = (r.num_computed, r.num_computed + e.num_new);
+            let (start, end) = (e.start, e.start + e.num_new);
             plan.input_ids
                 .extend(r.tokens[start..end].iter().map(|&t| t as i32));
-            for pos in start..end {
-                plan.positions.push(pos as i32);
+            plan.positions.extend((start..end).map(|p| p as i32));
+            let mut pos = start;
+            while pos < end {
+                let first = blocks[pos / bs] as usize * bs + pos % bs;
+                let run = (bs - pos % bs).min(end - pos);
                 plan.slot_mapping
-                    .push((blocks[pos / bs] as usize * bs + pos % bs) as i32);
+                    .extend((first..first + run).map(|s| s as i32));
+                pos += run;
             }
             plan.query_start_loc.push(plan.input_ids.len() as i32);
             plan.num_computed_tokens.push(start as i32);
             plan.seq_lens.push(end as i32);
-            let used = end.div_ceil(bs);
-            for (dst, &b) in plan.block_tables[row * width..row * width + used]
-                .iter_mut()
-                .zip(blocks)
-            {
-                *dst = b as i32;
-            }
             if e.samples {
                 plan.logits_indices.push(plan.input_ids.len() as i32 - 1);
                 plan.sample_request_rows.push(row as i32);
             }
             plan.slots.push(e.slot as i32);
-            plan.request_ids.push(r.id.clone());
+            plan.row_blocks
+                .extend(blocks[..end.div_ceil(bs)].iter().map(|&b| b as i32));
+            for (index, &block) in blocks.iter().enumerate().skip(r.reported_blocks) {
+                plan.new_block_slots.push(e.slot as i32);
+                plan.new_block_indices.push(index as i32);
+                plan.new_block_ids.push(block as i32);
+            }
+            r.reported_blocks = blocks.len();
         }
         plan
     }
@@ -560,34 +581,56 @@ impl EngineCore {
     /// Applies the step in flight: `sampled[i]` is the token of the i-th sampling
     /// row of the last plan. Appends tokens, checks stops, frees finished requests.
     pub fn update(&mut self, sampled: &[i64]) -> Result<StepUpdate> {
+        self.apply(sampled, None)
+    }
+
+    /// Applies the step in flight when a sampling row may take several tokens:
+    /// the i-th sampling row takes the next `num_sampled[i]` (at least 1) of
+    /// `sampled`. Each token goes through every stop check in turn; once a
+    /// request stops, the rest of its tokens are dropped. Tokens past the first
+    /// are not in the cache yet: the next step schedules them.
+    pub fn update_with_counts(
+        &mut self,
+        sampled: &[i64],
+        num_sampled: &[i64],
+    ) -> Result<StepUpdate> {
+        self.apply(sampled, Some(num_sampled))
+    }
+
+    fn apply(&mut self, sampled: &[i64], num_sampled: Option<&[i64]>) -> Result<StepUpdate> {
         let Some(entries) = self.in_flight.take() else {
             return Err(CoreError::State(
                 "update() was called without a scheduled step".into(),
             ));
         };
-        let expected = entries.iter().filter(|e| e.samples).count();
-        let bad = sampled.iter().find(|&&t| t < 0 || t > u32::MAX as i64);
-        if sampled.len() != expected || bad.is_some() {
-            let message = match bad {
-                Some(t) => format!("sampled token id {t} is out of range"),
-                None => format!("expected {expected} sampled tokens, got {}", sampled.len()),
-            };
+        let sampling_rows = entries.iter().filter(|e| e.samples).count();
+        if let Some(message) = check_sampled(sampled, num_sampled, sampling_rows) {
             self.in_flight = Some(entries);
             return Err(CoreError::InvalidArgument(message));
         }
-        let mut out = StepUpdate::default();
+        let mut out = StepUpdate {
+            rows: Vec::with_capacity(sampled.len()),
+            slots: Vec::with_capacity(sampled.len()),
+            token_ids: Vec::with_capacity(sampled.len()),
+            texts: Vec::with_capacity(sampled.len()),
+            finished: Vec::new(),
+        };
         let mut finished_slots = Vec::new();
-        let mut next_sample = sampled.iter();
+        let mut counts = num_sampled.map(|c| c.iter());
+        let mut rest = sampled;
         let tokenizer = self.tokenizer.clone();
         let max_model_len = self.config.max_model_len;
+        let bs = self.config.block_size;
         let pool = self.pool.clone();
         let mut guard = pool.lock();
         for (row, e) in entries.iter().enumerate() {
-            let token = if e.samples {
-                next_sample.next().map(|&t| t as u32)
-            } else {
-                None
-            };
+            let mut tokens: &[i64] = &[];
+            if e.samples {
+                let k = counts
+                    .as_mut()
+                    .map_or(1, |c| *c.next().expect("counted") as usize);
+                (tokens, rest) = rest.split_at(k);
+            }
             let alive =
                 matches!(&self.requests[e.slot as usize], Some(r) if r.arrival == e.arrival);
             if !alive {
@@ -596,9 +639,9 @@ impl EngineCore {
             let r = self.req_mut(e.slot);
             r.num_computed += e.num_new;
             let table_id = r.table.as_ref().expect("scheduled").id();
-            if let Some(token) = token {
+            for &token in tokens {
+                let token = token as u32;
                 r.tokens.push(token);
-                guard.push_tokens(table_id, &[token]);
                 let (text, stop) = Self::append_text(r, tokenizer.as_deref(), token, max_model_len);
                 out.rows.push(row as u32);
                 out.slots.push(e.slot);
@@ -606,9 +649,13 @@ impl EngineCore {
                 out.texts.push(text);
                 if let Some(stop) = stop {
                     finished_slots.push((e.slot, stop));
+                    break;
                 }
             }
-            guard.commit(table_id, r.num_computed);
+            if e.start % bs + e.num_new >= bs {
+                // A block filled up: it becomes findable by later requests.
+                guard.commit(table_id, &r.tokens, r.num_computed);
+            }
         }
         for (slot, (reason, stop_reason)) in finished_slots {
             self.running.retain(|&s| s != slot);
@@ -691,8 +738,11 @@ impl EngineCore {
             let Some(table) = &r.table else {
                 return fail(format!("{:?} holds no blocks", r.id));
             };
-            if pool.table(table.id()).tokens != r.tokens {
-                return fail(format!("{:?}: its table holds other tokens", r.id));
+            if let Err(e) = pool.check_table(table.id(), &r.tokens) {
+                return fail(format!("{:?}: {e}", r.id));
+            }
+            if r.reported_blocks > pool.table(table.id()).blocks.len() {
+                return fail(format!("{:?}: more blocks reported than held", r.id));
             }
             if last_key.is_some_and(|k| k > r.order_key()) {
                 return fail("running requests are out of order".into());
@@ -707,6 +757,44 @@ impl EngineCore {
         }
         Ok(())
     }
+}
+
+/// Why `sampled` (and `num_sampled`) cannot be the tokens of a step with
+/// `sampling_rows` sampling rows, if they cannot.
+fn check_sampled(
+    sampled: &[i64],
+    num_sampled: Option<&[i64]>,
+    sampling_rows: usize,
+) -> Option<String> {
+    if let Some(t) = sampled.iter().find(|&&t| t < 0 || t > u32::MAX as i64) {
+        return Some(format!("sampled token id {t} is out of range"));
+    }
+    let Some(counts) = num_sampled else {
+        return (sampled.len() != sampling_rows).then(|| {
+            format!(
+                "expected {sampling_rows} sampled tokens, got {}",
+                sampled.len()
+            )
+        });
+    };
+    if counts.len() != sampling_rows {
+        return Some(format!(
+            "num_sampled has {} entries but the step has {sampling_rows} sampling rows",
+            counts.len()
+        ));
+    }
+    if let Some((i, n)) = counts.iter().enumerate().find(|(_, &n)| n < 1) {
+        return Some(format!(
+            "num_sampled[{i}] is {n}: every sampling row takes at least 1 token"
+        ));
+    }
+    let total = counts.iter().map(|&n| n as i128).sum::<i128>();
+    (total != sampled.len() as i128).then(|| {
+        format!(
+            "num_sampled adds up to {total} tokens but sampled has {}",
+            sampled.len()
+        )
+    })
 }
 
 #[cfg(test)]

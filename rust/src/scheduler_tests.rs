@@ -1,5 +1,6 @@
 use super::*;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -34,12 +35,87 @@ fn fake_model(tokens: &[u32]) -> i64 {
 fn sample(core: &EngineCore, plan: &StepPlan) -> Vec<i64> {
     plan.sample_request_rows
         .iter()
-        .map(|&row| {
-            let id = &plan.request_ids[row as usize];
-            let (tokens, _) = core.request_tokens(id).unwrap();
-            fake_model(tokens)
-        })
+        .map(|&row| fake_model(&core.req(plan.slots[row as usize] as u32).tokens))
         .collect()
+}
+
+/// The request id of each row of a plan just scheduled.
+fn ids(core: &EngineCore, plan: &StepPlan) -> Vec<String> {
+    plan.slots
+        .iter()
+        .map(|&s| core.request_id(s as u32).unwrap().to_string())
+        .collect()
+}
+
+/// A model runner's persistent block tables, one row per slot, kept only by
+/// applying each plan's new blocks. Rows of slots not running are poisoned, so a
+/// table reopened in a slot must be reported again from its first block.
+#[derive(Default)]
+struct Runner {
+    tables: Vec<Vec<i32>>,
+}
+
+impl Runner {
+    /// The tables a runner holds after the plans `core` has made so far.
+    fn after(core: &EngineCore) -> Self {
+        let pool = core.pool.lock();
+        let mut runner = Runner::default();
+        for &slot in &core.running {
+            let r = core.req(slot);
+            let blocks = &pool.table(r.table.as_ref().unwrap().id()).blocks;
+            let row = blocks[..r.reported_blocks].iter().map(|&b| b as i32);
+            let slot = slot as usize;
+            runner
+                .tables
+                .resize(runner.tables.len().max(slot + 1), Vec::new());
+            runner.tables[slot] = row.collect();
+        }
+        runner
+    }
+
+    /// Applies the plan's new blocks and checks every row against the core.
+    fn apply(&mut self, core: &EngineCore, plan: &StepPlan) {
+        let new = plan
+            .new_block_slots
+            .iter()
+            .zip(&plan.new_block_indices)
+            .zip(&plan.new_block_ids);
+        for ((&slot, &index), &block) in new {
+            let (slot, index) = (slot as usize, index as usize);
+            if self.tables.len() <= slot {
+                self.tables.resize(slot + 1, Vec::new());
+            }
+            let row = &mut self.tables[slot];
+            if row.len() <= index {
+                row.resize(index + 1, -1);
+            }
+            row[index] = block;
+        }
+        let (dense, width) = plan.block_tables();
+        let pool = core.pool.lock();
+        for (r, (&slot, &len)) in plan.slots.iter().zip(&plan.seq_lens).enumerate() {
+            let used = (len as usize).div_ceil(plan.block_size);
+            let table = core.req(slot as u32).table.as_ref().unwrap().id();
+            let held: Vec<i32> = pool.table(table).blocks[..used]
+                .iter()
+                .map(|&b| b as i32)
+                .collect();
+            assert_eq!(self.tables[slot as usize][..used], held[..], "row {r}");
+            assert_eq!(dense[r * width..r * width + used], held[..], "row {r}");
+            assert!(dense[r * width + used..(r + 1) * width]
+                .iter()
+                .all(|&b| b == 0));
+        }
+    }
+
+    /// Forgets the tables of slots whose request is not running.
+    fn poison(&mut self, core: &EngineCore) {
+        for (slot, row) in self.tables.iter_mut().enumerate() {
+            if !core.running.contains(&(slot as u32)) {
+                row.fill(-1);
+            }
+        }
+    }
 }
 
 /// Runs until every request ends; returns each request's output and reason.
@@ -51,16 +127,20 @@ fn run(core: &mut EngineCore) -> HashMap<String, (Vec<u32>, FinishReason)> {
         .map(|r| (r.id.clone(), r.tokens[r.prompt_len..].to_vec()))
         .collect();
     let mut done = HashMap::new();
+    let mut runner = Runner::after(core);
     for _ in 0..10_000 {
         if !core.has_unfinished() {
             break;
         }
+        runner.poison(core);
         let plan = core.schedule().unwrap();
+        runner.apply(core, &plan);
+        let row_ids = ids(core, &plan);
         let tokens = sample(core, &plan);
         let update = core.update(&tokens).unwrap();
         for (&row, &tok) in update.rows.iter().zip(&update.token_ids) {
             outputs
-                .entry(plan.request_ids[row as usize].clone())
+                .entry(row_ids[row as usize].clone())
                 .or_default()
                 .push(tok);
         }
@@ -105,8 +185,9 @@ fn prefill_then_decode_until_max_tokens() {
     assert_eq!(plan.seq_lens, vec![5, 9]);
     assert_eq!(plan.logits_indices, vec![4, 13]);
     assert_eq!(plan.positions[5..], (0..9).collect::<Vec<i32>>()[..]);
-    let blocks_b = &plan.block_tables[plan.block_table_width..];
-    assert_eq!(plan.slot_mapping[5 + 8], blocks_b[2] * 4);
+    let (tables, width) = plan.block_tables();
+    assert_eq!(width, 3);
+    assert_eq!(plan.slot_mapping[5 + 8], tables[width + 2] * 4);
     core.update(&[10, 20]).unwrap();
     let plan = core.schedule().unwrap();
     assert_eq!(plan.input_ids, vec![10, 20]);
@@ -139,7 +220,8 @@ fn long_prompt_is_chunked_and_decodes_keep_running() {
     for _ in 0..3 {
         let plan = core.schedule().unwrap();
         assert_eq!(
-            plan.request_ids[0], "short",
+            ids(&core, &plan)[0],
+            "short",
             "the decode is never crowded out"
         );
         assert_eq!(plan.query_start_loc[1], 1);
@@ -199,13 +281,17 @@ fn the_latest_arrival_is_preempted_first_step_by_step() {
     core.add_request("a", &[1, 2, 3], params(3)).unwrap();
     core.add_request("b", &[4, 5, 6], params(8)).unwrap();
     let plan = core.schedule().unwrap();
-    assert_eq!(plan.request_ids, vec!["a", "b"]);
+    assert_eq!(ids(&core, &plan), vec!["a", "b"]);
     core.update(&[7, 8]).unwrap(); // 4 tokens each: 2 blocks each, 1 free
     let plan = core.schedule().unwrap(); // decode slot 4: both fit in their blocks
-    assert_eq!(plan.request_ids, vec!["a", "b"]);
+    assert_eq!(ids(&core, &plan), vec!["a", "b"]);
     core.update(&[9, 10]).unwrap(); // 5 tokens each: decoding slot 5 needs a 3rd block each
     let plan = core.schedule().unwrap();
-    assert_eq!(plan.request_ids, vec!["a"], "b was preempted to let a grow");
+    assert_eq!(
+        ids(&core, &plan),
+        vec!["a"],
+        "b was preempted to let a grow"
+    );
     assert_eq!(core.stats().num_preemptions, 1);
     assert_eq!(core.stats().num_waiting, 1);
     core.update(&[11]).unwrap();
@@ -215,15 +301,24 @@ fn the_latest_arrival_is_preempted_first_step_by_step() {
     let mut resumed = false;
     for _ in 0..20 {
         let plan = core.schedule().unwrap();
-        if plan.request_ids.contains(&"b".to_string()) {
+        let row_ids = ids(&core, &plan);
+        if row_ids.contains(&"b".to_string()) {
             resumed = true;
-            let row = plan.request_ids.iter().position(|r| r == "b").unwrap();
+            let row = row_ids.iter().position(|r| r == "b").unwrap();
             let qs = &plan.query_start_loc;
             let n = (qs[row + 1] - qs[row]) as usize;
             assert!(n >= 1);
             assert_eq!(
                 plan.num_computed_tokens[row], 4,
                 "b's committed prefix [4,5][6,8] hit"
+            );
+            let slot = plan.slots[row];
+            let used = (plan.seq_lens[row] as usize).div_ceil(2) as i32;
+            let reported: Vec<i32> = new_blocks(&plan, slot).iter().map(|b| b.0).collect();
+            assert_eq!(
+                reported,
+                (0..used).collect::<Vec<_>>(),
+                "a readmitted table is reported whole, its prefix hits included"
             );
             break;
         }
@@ -255,12 +350,10 @@ fn higher_priority_waits_less_and_preempts_lower() {
     core.add_request("chat", &prompt(4, 4), interactive)
         .unwrap();
     let plan = core.schedule().unwrap();
-    assert!(plan.request_ids.contains(&"chat".to_string()));
-    assert!(!plan.request_ids.contains(&"batch3".to_string()));
-    assert!(
-        !plan.request_ids.contains(&"batch2".to_string()),
-        "batch2 made room"
-    );
+    let row_ids = ids(&core, &plan);
+    assert!(row_ids.contains(&"chat".to_string()));
+    assert!(!row_ids.contains(&"batch3".to_string()));
+    assert!(!row_ids.contains(&"batch2".to_string()), "batch2 made room");
     assert_eq!(core.stats().num_preemptions, 1);
     core.update(&sample(&core, &plan)).unwrap();
     let out = run(&mut core);
@@ -278,7 +371,7 @@ fn fcfs_within_a_priority_class() {
     let mut order = Vec::new();
     while core.has_unfinished() {
         let plan = core.schedule().unwrap();
-        order.extend(plan.request_ids.clone());
+        order.extend(ids(&core, &plan));
         core.update(&sample(&core, &plan)).unwrap();
     }
     assert_eq!(order, vec!["x", "y", "z"]);
@@ -435,6 +528,18 @@ fn prefix_hits_skip_cached_tokens() {
     let plan = core.schedule().unwrap();
     assert_eq!(plan.num_computed_tokens, vec![12, 8]);
     assert_eq!(plan.query_start_loc, vec![0, 3, 7]);
+    let indices = |row: usize| -> Vec<i32> {
+        new_blocks(&plan, plan.slots[row])
+            .iter()
+            .map(|b| b.0)
+            .collect()
+    };
+    assert_eq!(
+        indices(0),
+        vec![0, 1, 2, 3],
+        "cached blocks are reported too"
+    );
+    assert_eq!(indices(1), vec![0, 1, 2]);
     assert_eq!(core.num_cached_tokens("second"), Some(12));
     core.update(&sample(&core, &plan)).unwrap();
     run(&mut core);
@@ -460,4 +565,239 @@ fn many_requests_finish_with_the_right_lengths_under_pressure() {
     for i in 0..30u32 {
         assert_eq!(out[&format!("r{i}")].0.len(), 1 + (i as usize * 7) % 13);
     }
+}
+
+/// The (index, block id) pairs a plan reports for `slot`.
+fn new_blocks(plan: &StepPlan, slot: i32) -> Vec<(i32, i32)> {
+    (0..plan.new_block_slots.len())
+        .filter(|&i| plan.new_block_slots[i] == slot)
+        .map(|i| (plan.new_block_indices[i], plan.new_block_ids[i]))
+        .collect()
+}
+
+#[test]
+fn a_growing_table_reports_each_new_block_once() {
+    let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
+    let a = core.add_request("a", &prompt(1, 9), params(8)).unwrap() as i32;
+    let mut runner = Runner::default();
+    let plan = core.schedule().unwrap();
+    runner.apply(&core, &plan);
+    assert_eq!(new_blocks(&plan, a).len(), 3, "9 tokens of 4 per block");
+    assert_eq!(plan.new_block_indices, vec![0, 1, 2]);
+    assert_eq!(plan.new_block_ids, plan.block_tables().0);
+    core.update(&[5]).unwrap();
+    let mut reported = Vec::new();
+    while core.has_unfinished() {
+        let plan = core.schedule().unwrap();
+        runner.apply(&core, &plan);
+        let new = new_blocks(&plan, a);
+        let grows = plan.seq_lens[0] == 13;
+        assert_eq!(
+            new.len(),
+            usize::from(grows),
+            "a block is new at position 12 only"
+        );
+        reported.extend(new);
+        core.update(&[5]).unwrap();
+    }
+    assert_eq!(reported.iter().map(|b| b.0).collect::<Vec<_>>(), vec![3]);
+}
+
+#[test]
+fn a_reused_slot_reports_its_new_table_from_the_first_block() {
+    let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
+    let a = core.add_request("a", &prompt(1, 6), params(1)).unwrap();
+    core.add_request("b", &prompt(2, 6), params(4)).unwrap();
+    let mut runner = Runner::default();
+    let plan = core.schedule().unwrap();
+    runner.apply(&core, &plan);
+    let u = core.update(&[5, 6]).unwrap();
+    assert_eq!(u.finished[0].request_id, "a");
+    runner.poison(&core);
+    let c = core.add_request("c", &prompt(3, 10), params(2)).unwrap();
+    assert_eq!(c, a, "c takes a's slot");
+    let plan = core.schedule().unwrap();
+    runner.apply(&core, &plan);
+    let indices: Vec<i32> = new_blocks(&plan, c as i32).iter().map(|b| b.0).collect();
+    assert_eq!(indices, vec![0, 1, 2]);
+    core.update(&[7, 8]).unwrap();
+    run(&mut core);
+}
+
+#[test]
+fn several_tokens_per_row_are_scheduled_in_the_next_step() {
+    // Block size 4: a's 3-token prompt takes 4 accepted tokens, growing into block 1.
+    let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
+    let a = core.add_request("a", &[1, 2, 3], params(10)).unwrap();
+    let b = core.add_request("b", &[4, 5, 6, 7, 8], params(10)).unwrap();
+    let mut runner = Runner::default();
+    let plan = core.schedule().unwrap();
+    runner.apply(&core, &plan);
+    let u = core
+        .update_with_counts(&[10, 11, 12, 13, 20], &[4, 1])
+        .unwrap();
+    assert_eq!(u.rows, vec![0, 0, 0, 0, 1]);
+    assert_eq!(u.slots, vec![a, a, a, a, b]);
+    assert_eq!(u.token_ids, vec![10, 11, 12, 13, 20]);
+    assert_eq!(
+        core.request_tokens("a").unwrap().0,
+        &[1, 2, 3, 10, 11, 12, 13]
+    );
+    let plan = core.schedule().unwrap();
+    runner.apply(&core, &plan);
+    assert_eq!(plan.input_ids, vec![10, 11, 12, 13, 20]);
+    assert_eq!(plan.positions, vec![3, 4, 5, 6, 5]);
+    assert_eq!(plan.query_start_loc, vec![0, 4, 5]);
+    assert_eq!(plan.num_computed_tokens, vec![3, 5]);
+    assert_eq!(plan.seq_lens, vec![7, 6]);
+    assert_eq!(plan.logits_indices, vec![3, 4]);
+    let grown: Vec<i32> = new_blocks(&plan, a as i32).iter().map(|b| b.0).collect();
+    assert_eq!(grown, vec![1]);
+    assert!(new_blocks(&plan, b as i32).is_empty());
+    core.update(&[14, 21]).unwrap();
+    let out = run(&mut core);
+    assert_eq!(out["a"].0.len(), 10);
+    assert_eq!(out["a"].0[..5], [10, 11, 12, 13, 14]);
+    assert_eq!(out["b"].0.len(), 10);
+}
+
+#[test]
+fn pending_tokens_never_crowd_out_decodes() {
+    let mut cfg = config(64, 4, 3);
+    cfg.max_num_seqs = 2;
+    let mut core = EngineCore::new(cfg).unwrap();
+    core.add_request("a", &[1], params(10)).unwrap();
+    core.add_request("b", &[2], params(10)).unwrap();
+    core.schedule().unwrap();
+    core.update_with_counts(&[3, 4, 5, 6, 7], &[4, 1]).unwrap();
+    // a has 4 tokens to compute, b one decode: a takes what b leaves, 2 tokens.
+    let plan = core.schedule().unwrap();
+    assert_eq!(plan.query_start_loc, vec![0, 2, 3]);
+    assert_eq!(
+        plan.sample_request_rows,
+        vec![1],
+        "a's chunk does not sample"
+    );
+    core.update(&[8]).unwrap();
+    let plan = core.schedule().unwrap();
+    assert_eq!(plan.query_start_loc, vec![0, 2, 3]);
+    assert_eq!(plan.sample_request_rows, vec![0, 1]);
+    core.update(&[9, 10]).unwrap();
+    assert_eq!(core.request_tokens("a").unwrap().0, &[1, 3, 4, 5, 6, 9]);
+    run(&mut core);
+}
+
+#[test]
+fn a_stop_among_the_tokens_of_a_row_drops_the_rest() {
+    let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
+    let eos = RequestParams {
+        max_tokens: 10,
+        eos_token_ids: vec![2],
+        ..RequestParams::default()
+    };
+    core.add_request("eos", &[5, 6], eos.clone()).unwrap();
+    core.add_request("len", &[5, 6], params(3)).unwrap();
+    core.add_request(
+        "min",
+        &[5, 6],
+        RequestParams {
+            min_tokens: 3,
+            ..eos
+        },
+    )
+    .unwrap();
+    core.schedule().unwrap();
+    let u = core
+        .update_with_counts(&[7, 2, 9, 7, 2, 9, 9, 2, 2, 2, 2], &[3, 4, 4])
+        .unwrap();
+    assert_eq!(u.rows, vec![0, 0, 1, 1, 1, 2, 2, 2]);
+    assert_eq!(u.token_ids, vec![7, 2, 7, 2, 9, 2, 2, 2]);
+    let ends: Vec<_> = u
+        .finished
+        .iter()
+        .map(|f| (f.request_id.as_str(), f.reason, f.num_output_tokens))
+        .collect();
+    assert_eq!(
+        ends,
+        vec![
+            ("eos", FinishReason::Stop, 2),
+            ("len", FinishReason::Length, 3),
+            ("min", FinishReason::Stop, 3)
+        ]
+    );
+    assert_empty(&core);
+}
+
+#[test]
+fn max_model_len_ends_a_row_mid_way() {
+    let mut cfg = config(64, 4, 64);
+    cfg.max_model_len = 5;
+    let mut core = EngineCore::new(cfg).unwrap();
+    core.add_request("a", &[1, 2], params(100)).unwrap();
+    core.schedule().unwrap();
+    let u = core.update_with_counts(&[3, 4, 5, 6, 7], &[5]).unwrap();
+    assert_eq!(u.token_ids, vec![3, 4, 5]);
+    assert_eq!(u.finished[0].reason, FinishReason::Length);
+    assert_empty(&core);
+}
+
+/// A tokenizer of one-letter words joined without spaces: "a" "b" "c" "d" are 1..=4.
+fn letters() -> Arc<Tokenizer> {
+    let json = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+        "decoder": {"type": "Fuse"},
+        "model": {"type": "WordLevel", "unk_token": "<unk>",
+                  "vocab": {"<unk>": 0, "a": 1, "b": 2, "c": 3, "d": 4}}}"#;
+    let path = std::env::temp_dir().join(format!("aieng-letters-{}.json", std::process::id()));
+    std::fs::write(&path, json).unwrap();
+    Arc::new(Tokenizer::from_file(&path).unwrap())
+}
+
+#[test]
+fn a_stop_string_across_two_tokens_of_a_row_ends_it() {
+    let mut core = EngineCore::with_tokenizer(config(64, 4, 64), Some(letters())).unwrap();
+    let stop = RequestParams {
+        max_tokens: 10,
+        stop: vec!["bc".into()],
+        ..RequestParams::default()
+    };
+    core.add_request("a", &[1], stop).unwrap();
+    core.schedule().unwrap();
+    let u = core.update_with_counts(&[1, 2, 3, 4], &[4]).unwrap();
+    assert_eq!(u.token_ids, vec![1, 2, 3], "d comes after the stop");
+    assert_eq!(u.texts.concat(), "a");
+    assert_eq!(
+        u.finished[0].stop_reason,
+        Some(StopReason::Text("bc".into()))
+    );
+    assert_eq!(u.finished[0].num_output_tokens, 3);
+    assert_empty(&core);
+}
+
+#[test]
+fn bad_token_counts_are_refused_and_the_step_stays_in_flight() {
+    let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
+    core.add_request("a", &[1, 2], params(5)).unwrap();
+    core.add_request("b", &[3, 4], params(5)).unwrap();
+    core.schedule().unwrap();
+    let refused = |r: Result<StepUpdate>, what: &str| match r {
+        Err(CoreError::InvalidArgument(m)) => assert!(m.contains(what), "{m}"),
+        other => panic!("{other:?}"),
+    };
+    refused(
+        core.update_with_counts(&[5, 6, 7], &[2]),
+        "1 entries but the step has 2",
+    );
+    refused(
+        core.update_with_counts(&[5, 6], &[2, 0]),
+        "num_sampled[1] is 0",
+    );
+    refused(
+        core.update_with_counts(&[5, 6, 7], &[1, 1]),
+        "adds up to 2 tokens but sampled has 3",
+    );
+    refused(core.update_with_counts(&[5, -6], &[1, 1]), "token id -6");
+    let u = core.update_with_counts(&[5, 6, 7], &[1, 2]).unwrap();
+    assert_eq!(u.rows, vec![0, 1, 1]);
+    run(&mut core);
 }

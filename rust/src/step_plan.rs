@@ -1,4 +1,12 @@
 //! What one engine step runs: flat arrays the model runner turns into tensors.
+//!
+//! Block tables are handed over as changes: a runner keeps one persistent table
+//! per request slot, (max slots, ceil(max_model_len / block_size)), and applies
+//! `table[new_block_slots, new_block_indices] = new_block_ids` each step. Every
+//! block of a freshly opened table (admission, readmission after preemption,
+//! prefix-cache hits included) is reported from index 0; a block added as a
+//! request grows is reported once. Row r's first ceil(seq_lens[r] / block_size)
+//! entries of `table[slots[r]]` are then its block ids.
 
 /// The work of one step. Rows are requests, in the order the arrays list them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -15,17 +23,23 @@ pub struct StepPlan {
     pub num_computed_tokens: Vec<i32>,
     /// Context length of each request after this step. (R,)
     pub seq_lens: Vec<i32>,
-    /// Block ids of each request, row-major (R, block_table_width), padded with 0.
-    pub block_tables: Vec<i32>,
-    pub block_table_width: usize,
     /// Flat token rows whose logits are sampled. (S,)
     pub logits_indices: Vec<i32>,
     /// The request row each sample belongs to. (S,)
     pub sample_request_rows: Vec<i32>,
-    /// Persistent per-request slots, stable while a request lives. (R,)
+    /// Persistent per-request slots, stable while a request lives; a finished
+    /// request's slot is reused by a later one. (R,)
     pub slots: Vec<i32>,
-    /// Request ids. (R,)
-    pub request_ids: Vec<String>,
+    /// Slot of each block new to that slot's table since it was last reported. (N,)
+    pub new_block_slots: Vec<i32>,
+    /// Its position in that slot's block table. (N,)
+    pub new_block_indices: Vec<i32>,
+    /// Its block id. (N,)
+    pub new_block_ids: Vec<i32>,
+    /// The block ids of every row, row after row: row r's first
+    /// ceil(seq_lens[r] / block_size). What [`StepPlan::block_tables`] pads.
+    pub row_blocks: Vec<i32>,
+    pub block_size: usize,
 }
 
 impl StepPlan {
@@ -39,5 +53,26 @@ impl StepPlan {
 
     pub fn is_empty(&self) -> bool {
         self.input_ids.is_empty()
+    }
+
+    /// Blocks row r uses: ceil(seq_lens[r] / block_size).
+    fn row_num_blocks(&self) -> impl Iterator<Item = usize> + '_ {
+        self.seq_lens
+            .iter()
+            .map(|&len| (len as usize).div_ceil(self.block_size))
+    }
+
+    /// The dense block tables, row-major (R, width), padded with 0; and width,
+    /// the most blocks any row uses.
+    pub fn block_tables(&self) -> (Vec<i32>, usize) {
+        let width = self.row_num_blocks().max().unwrap_or(0);
+        let mut tables = vec![0; self.num_requests() * width];
+        let mut rest = self.row_blocks.as_slice();
+        for (row, used) in self.row_num_blocks().enumerate() {
+            let (blocks, tail) = rest.split_at(used);
+            tables[row * width..row * width + used].copy_from_slice(blocks);
+            rest = tail;
+        }
+        (tables, width)
     }
 }
