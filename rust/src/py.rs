@@ -8,6 +8,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 use crate::block_pool::{BlockPool, BlockTable, PoolStats};
+use crate::block_tables::BlockTables;
 use crate::error::CoreError;
 use crate::request::{RequestParams, StopReason};
 use crate::scheduler::{EngineCore, FinishedRequest, SchedulerConfig, StepUpdate};
@@ -386,21 +387,24 @@ struct PyStepPlan {
     new_block_indices: Py<PyArray1<i32>>,
     #[pyo3(get)]
     new_block_ids: Py<PyArray1<i32>>,
-    /// What `block_tables` is built from: seq_lens, row_blocks, block_size.
-    rows: StepPlan,
+    /// What `block_tables` is built from: the core's tables as of plan `number`.
+    tables: Arc<parking_lot::Mutex<BlockTables>>,
+    number: u64,
+    row_slots: Vec<i32>,
+    row_seq_lens: Vec<i32>,
     ids: Vec<Py<PyString>>,
     dense_tables: PyOnceLock<Py<PyArray2<i32>>>,
     id_list: PyOnceLock<Py<PyList>>,
 }
 
 impl PyStepPlan {
-    fn new(py: Python<'_>, plan: StepPlan, ids: Vec<Py<PyString>>) -> Self {
-        let rows = StepPlan {
-            seq_lens: plan.seq_lens.clone(),
-            row_blocks: plan.row_blocks,
-            block_size: plan.block_size,
-            ..StepPlan::default()
-        };
+    fn new(
+        py: Python<'_>,
+        plan: StepPlan,
+        ids: Vec<Py<PyString>>,
+        tables: &Arc<parking_lot::Mutex<BlockTables>>,
+    ) -> Self {
+        let number = tables.lock().apply(&plan);
         PyStepPlan {
             num_requests: plan.seq_lens.len(),
             num_tokens: plan.input_ids.len(),
@@ -416,11 +420,20 @@ impl PyStepPlan {
             new_block_slots: array(py, &plan.new_block_slots),
             new_block_indices: array(py, &plan.new_block_indices),
             new_block_ids: array(py, &plan.new_block_ids),
-            rows,
+            tables: Arc::clone(tables),
+            number,
+            row_slots: plan.slots,
+            row_seq_lens: plan.seq_lens,
             ids,
             dense_tables: PyOnceLock::new(),
             id_list: PyOnceLock::new(),
         }
+    }
+}
+
+impl Drop for PyStepPlan {
+    fn drop(&mut self) {
+        self.tables.lock().release(self.number);
     }
 }
 
@@ -430,7 +443,10 @@ impl PyStepPlan {
     #[getter]
     fn block_tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         once(py, &self.dense_tables, || {
-            let (tables, width) = self.rows.block_tables();
+            let (tables, width) =
+                self.tables
+                    .lock()
+                    .dense(self.number, &self.row_slots, &self.row_seq_lens);
             PyArray1::from_vec(py, tables).reshape([self.num_requests, width])
         })
     }
@@ -581,6 +597,8 @@ struct PyEngineCore {
     core: EngineCore,
     /// The id of the request in each slot, as the caller's str (for request_ids).
     ids: Vec<Option<Py<PyString>>>,
+    /// A runner's view of the block tables, for the plans' dense block_tables.
+    tables: Arc<parking_lot::Mutex<BlockTables>>,
 }
 
 #[pymethods]
@@ -615,6 +633,7 @@ impl PyEngineCore {
         Ok(PyEngineCore {
             core: EngineCore::with_tokenizer(config, tokenizer)?,
             ids: Vec::new(),
+            tables: Arc::new(parking_lot::Mutex::new(BlockTables::new(block_size))),
         })
     }
 
@@ -691,7 +710,7 @@ impl PyEngineCore {
                     .clone_ref(py)
             })
             .collect();
-        Ok(PyStepPlan::new(py, plan, ids))
+        Ok(PyStepPlan::new(py, plan, ids, &self.tables))
     }
 
     /// Applies the tokens sampled for the last plan: one per sampling row, or

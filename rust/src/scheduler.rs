@@ -523,9 +523,7 @@ impl EngineCore {
     fn build_plan(&mut self, pool: &PoolInner, entries: &[Scheduled]) -> StepPlan {
         let bs = pool.block_size();
         let rows = entries.len();
-        let (num_tokens, num_blocks) = entries.iter().fold((0, 0), |(t, b), e| {
-            (t + e.num_new, b + (e.start + e.num_new).div_ceil(bs))
-        });
+        let num_tokens = entries.iter().map(|e| e.num_new).sum();
         let mut plan = StepPlan {
             input_ids: Vec::with_capacity(num_tokens),
             positions: Vec::with_capacity(num_tokens),
@@ -539,8 +537,6 @@ impl EngineCore {
             new_block_slots: Vec::new(),
             new_block_indices: Vec::new(),
             new_block_ids: Vec::new(),
-            row_blocks: Vec::with_capacity(num_blocks),
-            block_size: bs,
         };
         plan.query_start_loc.push(0);
         for (row, e) in entries.iter().enumerate() {
@@ -566,8 +562,6 @@ impl EngineCore {
                 plan.sample_request_rows.push(row as i32);
             }
             plan.slots.push(e.slot as i32);
-            plan.row_blocks
-                .extend(blocks[..end.div_ceil(bs)].iter().map(|&b| b as i32));
             for (index, &block) in blocks.iter().enumerate().skip(r.reported_blocks) {
                 plan.new_block_slots.push(e.slot as i32);
                 plan.new_block_indices.push(index as i32);

@@ -1,5 +1,7 @@
 use super::*;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+
+use crate::block_tables::BlockTables;
 use std::sync::Arc;
 
 fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfig {
@@ -49,32 +51,53 @@ fn ids(core: &EngineCore, plan: &StepPlan) -> Vec<String> {
 
 /// A model runner's persistent block tables, one row per slot, kept only by
 /// applying each plan's new blocks. Rows of slots not running are poisoned, so a
-/// table reopened in a slot must be reported again from its first block.
-#[derive(Default)]
+/// table reopened in a slot must be reported again from its first block. Beside
+/// them, `BlockTables` rebuilds each plan's dense tables, checked again while the
+/// next two plans are made.
 struct Runner {
     tables: Vec<Vec<i32>>,
+    history: BlockTables,
+    held: VecDeque<HeldPlan>,
+}
+
+/// A plan still held by the runner, with the dense tables it had when made.
+struct HeldPlan {
+    number: u64,
+    slots: Vec<i32>,
+    seq_lens: Vec<i32>,
+    dense: Vec<i32>,
 }
 
 impl Runner {
-    /// The tables a runner holds after the plans `core` has made so far.
+    fn new(core: &EngineCore) -> Self {
+        Runner {
+            tables: Vec::new(),
+            history: BlockTables::new(core.config.block_size),
+            held: VecDeque::new(),
+        }
+    }
+
+    /// The runner after the plans `core` has made so far.
     fn after(core: &EngineCore) -> Self {
+        let mut runner = Runner::new(core);
+        let mut so_far = StepPlan::default();
         let pool = core.pool.lock();
-        let mut runner = Runner::default();
         for &slot in &core.running {
             let r = core.req(slot);
             let blocks = &pool.table(r.table.as_ref().unwrap().id()).blocks;
-            let row = blocks[..r.reported_blocks].iter().map(|&b| b as i32);
-            let slot = slot as usize;
-            runner
-                .tables
-                .resize(runner.tables.len().max(slot + 1), Vec::new());
-            runner.tables[slot] = row.collect();
+            for (index, &block) in blocks[..r.reported_blocks].iter().enumerate() {
+                so_far.new_block_slots.push(slot as i32);
+                so_far.new_block_indices.push(index as i32);
+                so_far.new_block_ids.push(block as i32);
+            }
         }
+        runner.take(&so_far);
+        let number = runner.history.apply(&so_far);
+        runner.history.release(number);
         runner
     }
 
-    /// Applies the plan's new blocks and checks every row against the core.
-    fn apply(&mut self, core: &EngineCore, plan: &StepPlan) {
+    fn take(&mut self, plan: &StepPlan) {
         let new = plan
             .new_block_slots
             .iter()
@@ -91,20 +114,49 @@ impl Runner {
             }
             row[index] = block;
         }
-        let (dense, width) = plan.block_tables();
+    }
+
+    /// Applies the plan's new blocks and checks every row against the core.
+    fn apply(&mut self, core: &EngineCore, plan: &StepPlan) {
+        self.take(plan);
+        let bs = core.config.block_size;
+        let width = plan
+            .seq_lens
+            .iter()
+            .map(|&len| (len as usize).div_ceil(bs))
+            .max()
+            .unwrap_or(0);
+        let mut expected = vec![0; plan.num_requests() * width];
         let pool = core.pool.lock();
         for (r, (&slot, &len)) in plan.slots.iter().zip(&plan.seq_lens).enumerate() {
-            let used = (len as usize).div_ceil(plan.block_size);
+            let used = (len as usize).div_ceil(bs);
             let table = core.req(slot as u32).table.as_ref().unwrap().id();
-            let held: Vec<i32> = pool.table(table).blocks[..used]
-                .iter()
-                .map(|&b| b as i32)
-                .collect();
-            assert_eq!(self.tables[slot as usize][..used], held[..], "row {r}");
-            assert_eq!(dense[r * width..r * width + used], held[..], "row {r}");
-            assert!(dense[r * width + used..(r + 1) * width]
-                .iter()
-                .all(|&b| b == 0));
+            for (dst, &block) in expected[r * width..]
+                .iter_mut()
+                .zip(&pool.table(table).blocks[..used])
+            {
+                *dst = block as i32;
+            }
+            assert_eq!(
+                self.tables[slot as usize][..used],
+                expected[r * width..r * width + used],
+                "row {r}"
+            );
+        }
+        let number = self.history.apply(plan);
+        let dense = self.history.dense(number, &plan.slots, &plan.seq_lens);
+        assert_eq!(dense, (expected.clone(), width));
+        self.held.push_back(HeldPlan {
+            number,
+            slots: plan.slots.clone(),
+            seq_lens: plan.seq_lens.clone(),
+            dense: expected,
+        });
+        while self.held.len() > 2 {
+            let old = self.held.pop_front().unwrap();
+            let dense = self.history.dense(old.number, &old.slots, &old.seq_lens).0;
+            assert_eq!(dense, old.dense, "plan {}, read later", old.number);
+            self.history.release(old.number);
         }
     }
 
@@ -185,9 +237,9 @@ fn prefill_then_decode_until_max_tokens() {
     assert_eq!(plan.seq_lens, vec![5, 9]);
     assert_eq!(plan.logits_indices, vec![4, 13]);
     assert_eq!(plan.positions[5..], (0..9).collect::<Vec<i32>>()[..]);
-    let (tables, width) = plan.block_tables();
-    assert_eq!(width, 3);
-    assert_eq!(plan.slot_mapping[5 + 8], tables[width + 2] * 4);
+    let blocks_b = &plan.new_block_ids[2..];
+    assert_eq!(plan.new_block_indices, vec![0, 1, 0, 1, 2]);
+    assert_eq!(plan.slot_mapping[5 + 8], blocks_b[2] * 4);
     core.update(&[10, 20]).unwrap();
     let plan = core.schedule().unwrap();
     assert_eq!(plan.input_ids, vec![10, 20]);
@@ -579,12 +631,12 @@ fn new_blocks(plan: &StepPlan, slot: i32) -> Vec<(i32, i32)> {
 fn a_growing_table_reports_each_new_block_once() {
     let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
     let a = core.add_request("a", &prompt(1, 9), params(8)).unwrap() as i32;
-    let mut runner = Runner::default();
+    let mut runner = Runner::new(&core);
     let plan = core.schedule().unwrap();
     runner.apply(&core, &plan);
     assert_eq!(new_blocks(&plan, a).len(), 3, "9 tokens of 4 per block");
     assert_eq!(plan.new_block_indices, vec![0, 1, 2]);
-    assert_eq!(plan.new_block_ids, plan.block_tables().0);
+    assert_eq!(plan.slot_mapping[8], plan.new_block_ids[2] * 4);
     core.update(&[5]).unwrap();
     let mut reported = Vec::new();
     while core.has_unfinished() {
@@ -608,7 +660,7 @@ fn a_reused_slot_reports_its_new_table_from_the_first_block() {
     let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
     let a = core.add_request("a", &prompt(1, 6), params(1)).unwrap();
     core.add_request("b", &prompt(2, 6), params(4)).unwrap();
-    let mut runner = Runner::default();
+    let mut runner = Runner::new(&core);
     let plan = core.schedule().unwrap();
     runner.apply(&core, &plan);
     let u = core.update(&[5, 6]).unwrap();
@@ -630,7 +682,7 @@ fn several_tokens_per_row_are_scheduled_in_the_next_step() {
     let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
     let a = core.add_request("a", &[1, 2, 3], params(10)).unwrap();
     let b = core.add_request("b", &[4, 5, 6, 7, 8], params(10)).unwrap();
-    let mut runner = Runner::default();
+    let mut runner = Runner::new(&core);
     let plan = core.schedule().unwrap();
     runner.apply(&core, &plan);
     let u = core

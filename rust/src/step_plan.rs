@@ -6,7 +6,8 @@
 //! block of a freshly opened table (admission, readmission after preemption,
 //! prefix-cache hits included) is reported from index 0; a block added as a
 //! request grows is reported once. Row r's first ceil(seq_lens[r] / block_size)
-//! entries of `table[slots[r]]` are then its block ids.
+//! entries of `table[slots[r]]` are then its block ids. [`crate::block_tables`]
+//! keeps such tables and rebuilds a plan's dense block tables from them.
 
 /// The work of one step. Rows are requests, in the order the arrays list them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -36,10 +37,6 @@ pub struct StepPlan {
     pub new_block_indices: Vec<i32>,
     /// Its block id. (N,)
     pub new_block_ids: Vec<i32>,
-    /// The block ids of every row, row after row: row r's first
-    /// ceil(seq_lens[r] / block_size). What [`StepPlan::block_tables`] pads.
-    pub row_blocks: Vec<i32>,
-    pub block_size: usize,
 }
 
 impl StepPlan {
@@ -53,26 +50,5 @@ impl StepPlan {
 
     pub fn is_empty(&self) -> bool {
         self.input_ids.is_empty()
-    }
-
-    /// Blocks row r uses: ceil(seq_lens[r] / block_size).
-    fn row_num_blocks(&self) -> impl Iterator<Item = usize> + '_ {
-        self.seq_lens
-            .iter()
-            .map(|&len| (len as usize).div_ceil(self.block_size))
-    }
-
-    /// The dense block tables, row-major (R, width), padded with 0; and width,
-    /// the most blocks any row uses.
-    pub fn block_tables(&self) -> (Vec<i32>, usize) {
-        let width = self.row_num_blocks().max().unwrap_or(0);
-        let mut tables = vec![0; self.num_requests() * width];
-        let mut rest = self.row_blocks.as_slice();
-        for (row, used) in self.row_num_blocks().enumerate() {
-            let (blocks, tail) = rest.split_at(used);
-            tables[row * width..row * width + used].copy_from_slice(blocks);
-            rest = tail;
-        }
-        (tables, width)
     }
 }
