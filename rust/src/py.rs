@@ -387,24 +387,25 @@ struct PyStepPlan {
     new_block_indices: Py<PyArray1<i32>>,
     #[pyo3(get)]
     new_block_ids: Py<PyArray1<i32>>,
-    /// What `block_tables` is built from: the core's tables as of plan `number`.
+    /// What `block_tables` and `request_ids` are built from: the core's tables as
+    /// of plan `number`.
     tables: Arc<parking_lot::Mutex<BlockTables>>,
     number: u64,
     row_slots: Vec<i32>,
     row_seq_lens: Vec<i32>,
-    ids: Vec<Py<PyString>>,
     dense_tables: PyOnceLock<Py<PyArray2<i32>>>,
     id_list: PyOnceLock<Py<PyList>>,
 }
 
 impl PyStepPlan {
-    fn new(
-        py: Python<'_>,
-        plan: StepPlan,
-        ids: Vec<Py<PyString>>,
-        tables: &Arc<parking_lot::Mutex<BlockTables>>,
-    ) -> Self {
-        let number = tables.lock().apply(&plan);
+    fn new(py: Python<'_>, plan: StepPlan, core: &PyEngineCore) -> Self {
+        let tables = &core.tables;
+        let number = tables.lock().apply(&plan, |slot| {
+            core.core
+                .request_id(slot)
+                .expect("a scheduled slot holds a request")
+                .to_string()
+        });
         PyStepPlan {
             num_requests: plan.seq_lens.len(),
             num_tokens: plan.input_ids.len(),
@@ -424,7 +425,6 @@ impl PyStepPlan {
             number,
             row_slots: plan.slots,
             row_seq_lens: plan.seq_lens,
-            ids,
             dense_tables: PyOnceLock::new(),
             id_list: PyOnceLock::new(),
         }
@@ -453,7 +453,12 @@ impl PyStepPlan {
 
     #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        once(py, &self.id_list, || PyList::new(py, &self.ids))
+        once(py, &self.id_list, || {
+            PyList::new(
+                py,
+                self.tables.lock().request_ids(self.number, &self.row_slots),
+            )
+        })
     }
 
     fn __len__(&self) -> usize {
@@ -562,15 +567,17 @@ impl PyStepOutputs {
         })
     }
 
+    /// Without a tokenizer every text is "".
     #[getter]
     fn texts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         once(py, &self.texts, || {
             let empty = PyString::intern(py, "");
+            let texts = &self.update.texts;
             PyList::new(
                 py,
-                self.update.texts.iter().map(|t| match t.is_empty() {
-                    true => empty.clone(),
-                    false => PyString::new(py, t),
+                (0..self.update.token_ids.len()).map(|i| match texts.get(i) {
+                    Some(t) if !t.is_empty() => PyString::new(py, t),
+                    _ => empty.clone(),
                 }),
             )
         })
@@ -595,8 +602,6 @@ impl PyStepOutputs {
 #[pyclass(name = "EngineCore", module = "aieng._core")]
 struct PyEngineCore {
     core: EngineCore,
-    /// The id of the request in each slot, as the caller's str (for request_ids).
-    ids: Vec<Option<Py<PyString>>>,
     /// A runner's view of the block tables, for the plans' dense block_tables.
     tables: Arc<parking_lot::Mutex<BlockTables>>,
 }
@@ -632,7 +637,6 @@ impl PyEngineCore {
         let tokenizer = tokenizer.map(|t| Arc::clone(&t.inner));
         Ok(PyEngineCore {
             core: EngineCore::with_tokenizer(config, tokenizer)?,
-            ids: Vec::new(),
             tables: Arc::new(parking_lot::Mutex::new(BlockTables::new(block_size))),
         })
     }
@@ -646,7 +650,7 @@ impl PyEngineCore {
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
-        request_id: &Bound<'_, PyString>,
+        request_id: &str,
         prompt_token_ids: &Bound<'_, PyAny>,
         max_tokens: i64,
         min_tokens: i64,
@@ -681,18 +685,12 @@ impl PyEngineCore {
             skip_special_tokens,
         };
         let prompt = u32_tokens(prompt_token_ids, "prompt_token_ids")?;
-        let slot = self.core.add_request(&utf8(request_id)?, &prompt, params)? as usize;
-        if self.ids.len() <= slot {
-            self.ids.resize_with(slot + 1, || None);
-        }
-        self.ids[slot] = Some(request_id.clone().unbind());
-        Ok(slot as u32)
+        Ok(self.core.add_request(request_id, &prompt, params)?)
     }
 
     /// Ends a request now and frees its blocks.
     fn abort(&mut self, py: Python<'_>, request_id: &str) -> PyResult<PyFinishedRequest> {
         let finished = self.core.abort(request_id)?;
-        self.ids[finished.slot as usize] = None;
         PyFinishedRequest::new(py, finished)
     }
 
@@ -700,17 +698,7 @@ impl PyEngineCore {
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
         let core = &mut self.core;
         let plan = py.detach(|| core.schedule())?;
-        let ids = plan
-            .slots
-            .iter()
-            .map(|&s| {
-                self.ids[s as usize]
-                    .as_ref()
-                    .expect("live slot")
-                    .clone_ref(py)
-            })
-            .collect();
-        Ok(PyStepPlan::new(py, plan, ids, &self.tables))
+        Ok(PyStepPlan::new(py, plan, self))
     }
 
     /// Applies the tokens sampled for the last plan: one per sampling row, or
@@ -729,9 +717,6 @@ impl PyEngineCore {
             Some(counts) => core.update_with_counts(&tokens, counts),
             None => core.update(&tokens),
         })?;
-        for f in &update.finished {
-            self.ids[f.slot as usize] = None;
-        }
         Ok(PyStepOutputs::new(update))
     }
 

@@ -87,25 +87,54 @@ pub(crate) enum Status {
     Running,
 }
 
-/// The scheduler's record of a live request.
+/// The scheduler's record of a live request. `repr(C)` keeps the fields a step
+/// reads together at the front: a step touches few cache lines per request.
+#[repr(C)]
 pub(crate) struct Request {
-    pub(crate) id: String,
-    pub(crate) arrival: u64,
-    pub(crate) params: RequestParams,
     /// Prompt followed by the generated tokens.
     pub(crate) tokens: Vec<u32>,
-    pub(crate) prompt_len: usize,
     /// Tokens whose KV is in the cache.
     pub(crate) num_computed: usize,
+    pub(crate) arrival: u64,
+    pub(crate) table: Option<crate::block_pool::TableLease>,
+    /// Leading blocks of `table` already handed to the runner in a plan.
+    pub(crate) reported_blocks: usize,
+    pub(crate) prompt_len: usize,
+    pub(crate) stops: Stops,
+    pub(crate) id: String,
+    pub(crate) params: RequestParams,
     /// Prefix-cache hits at the first admission.
     pub(crate) num_cached_tokens: Option<usize>,
     pub(crate) num_preemptions: u32,
     pub(crate) status: Status,
-    pub(crate) table: Option<crate::block_pool::TableLease>,
-    /// Leading blocks of `table` already handed to the runner in a plan.
-    pub(crate) reported_blocks: usize,
     /// Streaming text state, when the core has a tokenizer.
-    pub(crate) text: Option<TextState>,
+    pub(crate) text: Option<Box<TextState>>,
+}
+
+/// When a request ends, as lengths of its whole sequence, from its params.
+pub(crate) struct Stops {
+    /// From this length on (min_tokens out), a stop id ends it.
+    pub(crate) min_len: usize,
+    /// At this length it ends: max_tokens out, or max_model_len reached.
+    pub(crate) max_len: usize,
+    /// The EOS ids (unless ignore_eos), then the stop ids.
+    pub(crate) ids: Vec<u32>,
+}
+
+impl Stops {
+    fn new(params: &RequestParams, prompt_len: usize, max_model_len: usize) -> Self {
+        let eos = (!params.ignore_eos).then_some(&params.eos_token_ids);
+        Stops {
+            min_len: prompt_len + params.min_tokens,
+            max_len: (prompt_len + params.max_tokens).min(max_model_len),
+            ids: eos
+                .into_iter()
+                .flatten()
+                .chain(&params.stop_token_ids)
+                .copied()
+                .collect(),
+        }
+    }
 }
 
 /// A request's incremental detokenizer and stop-string matcher.
@@ -148,6 +177,36 @@ impl TextState {
 }
 
 impl Request {
+    /// A waiting request; `text` when the core has a tokenizer.
+    pub(crate) fn new(
+        id: &str,
+        arrival: u64,
+        prompt: &[u32],
+        params: RequestParams,
+        max_model_len: usize,
+        text: Option<Box<TextState>>,
+    ) -> Self {
+        let stops = Stops::new(&params, prompt.len(), max_model_len);
+        // Room for every token it may reach, so appending never reallocates.
+        let mut tokens = Vec::with_capacity(stops.max_len);
+        tokens.extend_from_slice(prompt);
+        Request {
+            tokens,
+            num_computed: 0,
+            arrival,
+            table: None,
+            reported_blocks: 0,
+            prompt_len: prompt.len(),
+            stops,
+            id: id.to_string(),
+            params,
+            num_cached_tokens: None,
+            num_preemptions: 0,
+            status: Status::Waiting,
+            text,
+        }
+    }
+
     pub(crate) fn num_output_tokens(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
@@ -157,24 +216,19 @@ impl Request {
         (self.params.priority, self.arrival)
     }
 
-    /// Checks the stop conditions after `token` was appended.
-    pub(crate) fn check_stop(
-        &self,
-        max_model_len: usize,
-    ) -> Option<(FinishReason, Option<StopReason>)> {
+    /// Whether min_tokens are out, so a stop id or string may end it.
+    pub(crate) fn may_stop(&self) -> bool {
+        self.tokens.len() >= self.stops.min_len
+    }
+
+    /// Checks the stop conditions after a token was appended: the stop ids, then
+    /// the lengths.
+    #[inline]
+    pub(crate) fn check_stop(&self) -> Option<(FinishReason, Option<StopReason>)> {
         let token = *self.tokens.last().expect("a generated token");
-        let produced = self.num_output_tokens();
-        if produced >= self.params.min_tokens {
-            if !self.params.ignore_eos && self.params.eos_token_ids.contains(&token) {
-                return Some((FinishReason::Stop, Some(StopReason::Token(token))));
-            }
-            if self.params.stop_token_ids.contains(&token) {
-                return Some((FinishReason::Stop, Some(StopReason::Token(token))));
-            }
+        if self.may_stop() && self.stops.ids.contains(&token) {
+            return Some((FinishReason::Stop, Some(StopReason::Token(token))));
         }
-        if produced >= self.params.max_tokens || self.tokens.len() >= max_model_len {
-            return Some((FinishReason::Length, None));
-        }
-        None
+        (self.tokens.len() >= self.stops.max_len).then_some((FinishReason::Length, None))
     }
 }

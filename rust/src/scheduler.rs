@@ -84,7 +84,8 @@ pub struct StepUpdate {
     pub slots: Vec<u32>,
     /// The tokens, as appended.
     pub token_ids: Vec<u32>,
-    /// The text each token adds (after stop-string hold-back); empty without a tokenizer.
+    /// The text each token adds (after stop-string hold-back), when the core has
+    /// a tokenizer; without one, no texts at all.
     pub texts: Vec<String>,
     /// Requests that finished, in plan order.
     pub finished: Vec<FinishedRequest>,
@@ -235,7 +236,7 @@ impl EngineCore {
             )));
         }
         let text = match &self.tokenizer {
-            Some(_) => Some(TextState::new(&params)?),
+            Some(_) => Some(Box::new(TextState::new(&params)?)),
             None if !params.stop.is_empty() => {
                 return Err(CoreError::InvalidArgument(
                     "stop strings need a core with a tokenizer".into(),
@@ -250,20 +251,8 @@ impl EngineCore {
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         self.waiting.insert((params.priority, arrival, slot));
-        self.requests[slot as usize] = Some(Request {
-            id: id.to_string(),
-            arrival,
-            params,
-            tokens: prompt.to_vec(),
-            prompt_len: prompt.len(),
-            num_computed: 0,
-            num_cached_tokens: None,
-            num_preemptions: 0,
-            status: Status::Waiting,
-            table: None,
-            reported_blocks: 0,
-            text,
-        });
+        self.requests[slot as usize] =
+            Some(Request::new(id, arrival, prompt, params, max_len, text));
         self.slot_of.insert(id.to_string(), slot);
         Ok(slot)
     }
@@ -606,14 +595,13 @@ impl EngineCore {
             rows: Vec::with_capacity(sampled.len()),
             slots: Vec::with_capacity(sampled.len()),
             token_ids: Vec::with_capacity(sampled.len()),
-            texts: Vec::with_capacity(sampled.len()),
+            texts: Vec::new(),
             finished: Vec::new(),
         };
         let mut finished_slots = Vec::new();
         let mut counts = num_sampled.map(|c| c.iter());
         let mut rest = sampled;
         let tokenizer = self.tokenizer.clone();
-        let max_model_len = self.config.max_model_len;
         let bs = self.config.block_size;
         let pool = self.pool.clone();
         let mut guard = pool.lock();
@@ -636,11 +624,17 @@ impl EngineCore {
             for &token in tokens {
                 let token = token as u32;
                 r.tokens.push(token);
-                let (text, stop) = Self::append_text(r, tokenizer.as_deref(), token, max_model_len);
                 out.rows.push(row as u32);
                 out.slots.push(e.slot);
                 out.token_ids.push(token);
-                out.texts.push(text);
+                let stop = match tokenizer.as_deref() {
+                    Some(tok) => {
+                        let (text, stop) = Self::append_text(r, tok, token);
+                        out.texts.push(text);
+                        stop
+                    }
+                    None => r.check_stop(),
+                };
                 if let Some(stop) = stop {
                     finished_slots.push((e.slot, stop));
                     break;
@@ -671,14 +665,14 @@ impl EngineCore {
     /// text is released with its last token.
     fn append_text(
         r: &mut Request,
-        tokenizer: Option<&Tokenizer>,
+        tok: &Tokenizer,
         token: u32,
-        max_model_len: usize,
     ) -> (String, Option<(FinishReason, Option<StopReason>)>) {
-        let (Some(tok), Some(text)) = (tokenizer, r.text.as_mut()) else {
-            return (String::new(), r.check_stop(max_model_len));
-        };
-        let may_stop = r.tokens.len() - r.prompt_len >= r.params.min_tokens;
+        let may_stop = r.may_stop();
+        let text = r
+            .text
+            .as_mut()
+            .expect("a core with a tokenizer keeps text state");
         let step = text.push(tok, token, may_stop);
         if let Some(stop) = step.stopped {
             return (
@@ -687,7 +681,7 @@ impl EngineCore {
             );
         }
         let mut emitted = step.emit;
-        let Some(mut stop) = r.check_stop(max_model_len) else {
+        let Some(mut stop) = r.check_stop() else {
             return (emitted, None);
         };
         let tail = r.text.as_mut().expect("text state").finish(tok);

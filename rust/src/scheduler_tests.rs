@@ -66,6 +66,7 @@ struct HeldPlan {
     slots: Vec<i32>,
     seq_lens: Vec<i32>,
     dense: Vec<i32>,
+    ids: Vec<String>,
 }
 
 impl Runner {
@@ -92,7 +93,9 @@ impl Runner {
             }
         }
         runner.take(&so_far);
-        let number = runner.history.apply(&so_far);
+        let number = runner
+            .history
+            .apply(&so_far, |slot| core.req(slot).id.clone());
         runner.history.release(number);
         runner
     }
@@ -143,19 +146,26 @@ impl Runner {
                 "row {r}"
             );
         }
-        let number = self.history.apply(plan);
+        let number = self.history.apply(plan, |slot| core.req(slot).id.clone());
         let dense = self.history.dense(number, &plan.slots, &plan.seq_lens);
         assert_eq!(dense, (expected.clone(), width));
+        assert_eq!(
+            self.history.request_ids(number, &plan.slots),
+            ids(core, plan)
+        );
         self.held.push_back(HeldPlan {
             number,
             slots: plan.slots.clone(),
             seq_lens: plan.seq_lens.clone(),
             dense: expected,
+            ids: ids(core, plan),
         });
         while self.held.len() > 2 {
             let old = self.held.pop_front().unwrap();
             let dense = self.history.dense(old.number, &old.slots, &old.seq_lens).0;
             assert_eq!(dense, old.dense, "plan {}, read later", old.number);
+            let old_ids = self.history.request_ids(old.number, &old.slots);
+            assert_eq!(old_ids, old.ids, "plan {}, read later", old.number);
             self.history.release(old.number);
         }
     }
