@@ -12,6 +12,7 @@ lengths uniform in [16, 256] (seed 0), greedy, ignore_eos, fp32, torch.set_num_t
 
     .venv/bin/python benches/bench_offline.py [--models small,base] [--requests 64] [--quick]
         [--configs 512:64,1024:64,2048:64] [--label after] [--out benches/results]
+        [--previous SITE]   # also an earlier design installed in SITE, in the same run
 
 `--configs` lists aieng settings max_num_batched_tokens:max_num_seqs; every one is measured on
 the first model and the best (highest tokens/s) is used on the others.
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -91,6 +94,18 @@ def build_checkpoint(name: str, folder: Path) -> tuple[Path, int]:
     return folder, sum(p.numel() for p in model.parameters())
 
 
+def run_previous(
+    site: str, folder: Path, requests: int, kv_bytes: int, setting: tuple[int, int], reps: int
+) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = site + os.pathsep + env.get("PYTHONPATH", "")
+    worker = Path(__file__).parent / "previous_design_worker.py"
+    command = [sys.executable, str(worker), str(folder), str(requests), str(kv_bytes)]
+    command += [str(setting[0]), str(setting[1]), str(reps)]
+    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def kv_budget(config: dict, num_requests: int) -> int:
     per_token = 2 * config["num_hidden_layers"] * config["hidden_size"] * 4  # K+V, fp32
     return int(num_requests * (256 + 256 + 32) * per_token * 1.1)
@@ -104,6 +119,13 @@ def main() -> None:
     ap.add_argument("--configs", default="2048:64", help="max_num_batched_tokens:max_num_seqs,...")
     ap.add_argument("--reps", type=int, default=1, help="timed repetitions per engine (best kept)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--previous",
+        metavar="SITE",
+        help="also run an earlier aieng design installed in this site folder (same workload, "
+        "same checkpoint, same settings), in a subprocess",
+    )
+    ap.add_argument("--previous-name", default="previous design")
     ap.add_argument("--label", default="", help="names this run in the results (e.g. before)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
@@ -148,6 +170,20 @@ def main() -> None:
                     "max_num_seqs": chosen[1],
                 },
             }
+            if args.previous:
+                prev = run_previous(
+                    args.previous, folder, num_requests, kv_bytes, chosen, args.reps
+                )
+                row["previous"] = {
+                    "name": args.previous_name,
+                    "tokens": prev["tokens"],
+                    "wall_s": prev["wall_s"],
+                    "tokens_per_s": prev["tokens"] / prev["wall_s"],
+                    "greedy_identical_requests": sum(
+                        a == b for a, b in zip(prev["token_ids"], best[4].token_ids, strict=True)
+                    ),
+                }
+                print(f"  {args.previous_name} {name}: {row['previous']['tokens_per_s']:.1f} tok/s")
             if not args.skip_hf:
                 hf = run_hf(folder, prompts, output_lens, args.reps)
                 tokens, wall, walls = hf.tokens, hf.wall_s, hf.walls_s
@@ -189,6 +225,14 @@ def main() -> None:
             f"| {r['model']} | {r['params'] / 1e6:.1f}M | aieng | {setting} | "
             f"{a['tokens_per_s']:.1f} | {a['wall_s']:.2f} | {ratio} |"
         )
+        if "previous" in r:
+            p = r["previous"]
+            lines.append(
+                f"| {r['model']} | {r['params'] / 1e6:.1f}M | aieng, {p['name']} | same | "
+                f"{p['tokens_per_s']:.1f} | {p['wall_s']:.2f} | "
+                f"(greedy identical to this design: {p['greedy_identical_requests']}"
+                f"/{r['requests']}) |"
+            )
         if "hf" in r:
             h = r["hf"]
             lines.append(
