@@ -91,6 +91,9 @@ pub(crate) enum Status {
 /// reads together at the front: a step touches few cache lines per request.
 #[repr(C)]
 pub(crate) struct Request {
+    /// Prefix-cache hits at the first admission. First because `Option<Request>`
+    /// keeps its tag in this field's, so telling a live slot reads the front line.
+    pub(crate) num_cached_tokens: Option<usize>,
     /// Prompt followed by the generated tokens.
     pub(crate) tokens: Vec<u32>,
     /// Tokens whose KV is in the cache.
@@ -103,8 +106,6 @@ pub(crate) struct Request {
     pub(crate) stops: Stops,
     pub(crate) id: String,
     pub(crate) params: RequestParams,
-    /// Prefix-cache hits at the first admission.
-    pub(crate) num_cached_tokens: Option<usize>,
     pub(crate) num_preemptions: u32,
     pub(crate) status: Status,
     /// Streaming text state, when the core has a tokenizer.
@@ -191,6 +192,7 @@ impl Request {
         let mut tokens = Vec::with_capacity(stops.max_len);
         tokens.extend_from_slice(prompt);
         Request {
+            num_cached_tokens: None,
             tokens,
             num_computed: 0,
             arrival,
@@ -200,7 +202,6 @@ impl Request {
             stops,
             id: id.to_string(),
             params,
-            num_cached_tokens: None,
             num_preemptions: 0,
             status: Status::Waiting,
             text,

@@ -376,14 +376,17 @@ impl EngineCore {
                 i += 1;
                 continue;
             }
-            let (table_id, start) = {
+            let (table_id, start, reported) = {
                 let r = self.req(slot);
                 (
                     r.table.as_ref().expect("running request has blocks").id(),
                     r.num_computed,
+                    r.reported_blocks,
                 )
             };
-            while pool.reserve(table_id, start + n).is_err() {
+            // Blocks already reported are held: when they suffice the pool is not asked.
+            let held = reported * self.config.block_size;
+            while start + n > held && pool.reserve(table_id, start + n).is_err() {
                 let victim = *self.running.last().expect("running is not empty");
                 if self.remaining(victim) == 1 && victim != slot {
                     decodes_left -= 1;
