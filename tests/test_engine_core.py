@@ -68,3 +68,100 @@ def test_block_pool_view_shares_the_core_pool():
     assert core.block_pool.num_free_blocks == 13
     core.abort("a")
     assert core.block_pool.num_free_blocks == 16
+
+
+def test_token_ids_beyond_int32_come_back_whole():
+    core = EngineCore(num_blocks=8, block_size=4)
+    core.add_request("a", [1, 2], max_tokens=3, ignore_eos=True)
+    core.schedule()
+    out = core.update(np.array([2**31 + 5], dtype=np.int64))
+    assert out.token_ids.dtype == np.int64
+    assert out.token_ids.tolist() == [2**31 + 5]
+    assert core.request_token_ids("a") == [1, 2, 2**31 + 5]
+    core.schedule()
+    with pytest.raises(aieng.InvalidArgumentError, match="out of range"):
+        core.update([2**32])
+
+
+def test_update_takes_several_tokens_per_row():
+    core = EngineCore(num_blocks=16, block_size=4, max_num_seqs=4)
+    core.add_request("a", [1, 2, 3], max_tokens=10, ignore_eos=True)
+    core.add_request("b", [4, 5], max_tokens=2, ignore_eos=True)
+    core.schedule()
+    out = core.update([7, 8, 9, 10, 11, 12], num_sampled=np.array([3, 3]))
+    assert out.rows.tolist() == [0, 0, 0, 1, 1]
+    assert out.token_ids.tolist() == [7, 8, 9, 10, 11], "b ends at max_tokens: 12 is dropped"
+    assert out.texts == [""] * 5
+    assert [(f.request_id, f.finish_reason) for f in out.finished] == [("b", "length")]
+    plan = core.schedule()
+    np.testing.assert_array_equal(plan.input_ids, [7, 8, 9])
+    np.testing.assert_array_equal(plan.positions, [3, 4, 5])
+    np.testing.assert_array_equal(plan.logits_indices, [2])
+    np.testing.assert_array_equal(plan.new_block_indices, [1], "position 4 opens a's block 1")
+    with pytest.raises(aieng.InvalidArgumentError, match=r"num_sampled\[0\] is 0"):
+        core.update([1], num_sampled=[0])
+    with pytest.raises(aieng.InvalidArgumentError, match="adds up to 2 tokens but sampled has 1"):
+        core.update([1], num_sampled=[2])
+    with pytest.raises(aieng.InvalidArgumentError, match="2 entries but the step has 1"):
+        core.update([1, 2], num_sampled=[1, 1])
+    with pytest.raises(aieng.InvalidArgumentError, match="num_sampled must be"):
+        core.update([1], num_sampled="x")
+    out = core.update([13], num_sampled=[1])  # the step stayed in flight
+    assert core.request_token_ids("a") == [1, 2, 3, 7, 8, 9, 13]
+
+
+def test_new_blocks_keep_a_runner_table_equal_to_block_tables():
+    """A runner's persistent table, kept only from each plan's new blocks, holds every
+    scheduled row's blocks over a long run with preemptions, prefix hits, aborts, slot reuse
+    and several tokens per row; a plan's block_tables and request_ids read after later steps
+    are still its own."""
+    rng = np.random.default_rng(0)
+    block_size, max_model_len = 4, 48
+    core = EngineCore(
+        num_blocks=14,
+        block_size=block_size,
+        max_num_seqs=6,
+        max_num_batched_tokens=20,
+        max_model_len=max_model_len,
+    )
+    table = np.full((64, max_model_len // block_size), -1, dtype=np.int32)
+    ids_of_slot: dict[int, str] = {}
+    shared = rng.integers(3, 1000, size=12).tolist()
+    held = None  # a plan read again after the next step: (plan, its rows as the runner saw them)
+    for i in range(800):
+        if len(ids_of_slot) < 10 and rng.random() < 0.6:
+            prompt = shared[: rng.integers(0, 12)] + rng.integers(3, 1000, size=3).tolist()
+            rid = f"r{i}"
+            ids_of_slot[core.add_request(rid, prompt, max_tokens=int(rng.integers(1, 30)))] = rid
+        plan = core.schedule()
+        if len(plan.new_block_slots):
+            table[plan.new_block_slots, plan.new_block_indices] = plan.new_block_ids
+        used = -(-plan.seq_lens // block_size)
+        rows = [table[slot, :n].copy() for slot, n in zip(plan.slots, used, strict=True)]
+        ids = [ids_of_slot[slot] for slot in plan.slots.tolist()]
+        for rid, blocks in zip(ids, rows, strict=True):
+            assert blocks.tolist() == core.block_ids(rid)[: len(blocks)], rid
+        if held is not None:
+            check_plan(*held, block_size)
+        held = (plan, rows, ids) if i % 2 else None
+        if not held:
+            check_plan(plan, rows, ids, block_size)
+        if len(plan.slots) and rng.random() < 0.05:
+            ids_of_slot.pop(core.abort(ids[0]).slot)
+        counts = rng.integers(1, 4, size=len(plan.logits_indices))
+        sampled = rng.integers(3, 1000, size=int(counts.sum()))
+        out = core.update(sampled, num_sampled=counts)
+        for done in out.finished:
+            ids_of_slot.pop(done.slot)
+            table[done.slot] = -1  # a runner may forget it: a new table is reported whole
+    assert core.stats()["num_preemptions"] > 0
+    assert core.stats()["pool"]["prefix_cache_hits"] > 0
+
+
+def check_plan(plan, rows, ids, block_size):
+    dense = plan.block_tables
+    assert dense.shape == (plan.num_requests, max((len(r) for r in rows), default=0))
+    for r, blocks in enumerate(rows):
+        np.testing.assert_array_equal(dense[r, : len(blocks)], blocks)
+        assert (dense[r, len(blocks) :] == 0).all()
+    assert plan.request_ids == ids

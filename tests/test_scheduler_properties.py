@@ -2,9 +2,12 @@
 
 After every step the core's invariants hold; when everything has finished or been
 aborted the scheduler is empty and every block is free or evictable; every request
-either finishes with the right number of tokens for its reason or was aborted.
+either finishes with the right number of tokens for its reason or was aborted. A
+runner's block tables, kept only from each plan's new blocks, always hold every
+scheduled row's blocks; an update may give a row several tokens.
 """
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +74,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.live: dict[str, Tracked] = {}
         self.next_id = 0
+        self.tables: dict[int, list[int]] = {}  # a runner's block table per slot
 
     @rule(
         prompt=st.lists(st.integers(3, VOCAB), min_size=0, max_size=30),
@@ -111,29 +115,65 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(
         data=st.data(),
         abort_in_flight=st.booleans(),
+        several=st.booleans(),
     )
-    def step(self, data, abort_in_flight):
+    def step(self, data, abort_in_flight, several):
         plan = self.core.schedule()
         assert plan.num_tokens <= self.core.stats()["num_running"] + 1000
-        sampled = data.draw(
-            st.lists(
-                st.integers(1, VOCAB),
-                min_size=len(plan.logits_indices),
-                max_size=len(plan.logits_indices),
-            )
+        self.check_new_blocks(plan)
+        n = len(plan.logits_indices)
+        counts = data.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n)) if several else []
+        total = sum(counts) if several else n
+        sampled = data.draw(st.lists(st.integers(1, VOCAB), min_size=total, max_size=total))
+        offered, start = {}, 0
+        for row, k in zip(plan.sample_request_rows.tolist(), counts or [1] * n, strict=True):
+            offered[row] = sampled[start : start + k]
+            start += k
+        ids = plan.request_ids
+        if abort_in_flight and ids:
+            self.forget(self.core.abort(ids[0]).slot)
+            self.live.pop(ids[0])
+        out = self.core.update(
+            np.array(sampled, dtype=np.int64),
+            num_sampled=np.array(counts) if several else None,
         )
-        rows = plan.sample_request_rows
-        if abort_in_flight and len(plan.request_ids):
-            victim = plan.request_ids[0]
-            self.core.abort(victim)
-            self.live.pop(victim)
-        out = self.core.update(np.array(sampled, dtype=np.int64))
-        sampled_by_row = dict(zip(rows.tolist(), sampled, strict=True))
+        got = defaultdict(list)
         for row, tok in zip(out.rows.tolist(), out.token_ids.tolist(), strict=True):
-            assert sampled_by_row[row] == tok
-            self.live[plan.request_ids[row]].output.append(tok)
+            got[row].append(tok)
+        finished = {done.request_id for done in out.finished}
+        for row, tokens in got.items():
+            assert tokens == offered[row][: len(tokens)], "a row's tokens are appended in order"
+            assert len(tokens) == len(offered[row]) or ids[row] in finished
+            self.live[ids[row]].output.extend(tokens)
         for done in out.finished:
+            self.forget(done.slot)
             self.check_finished(self.live.pop(done.request_id), done)
+
+    def check_new_blocks(self, plan):
+        """Each table is reported from its first block, each block once, and the first
+        ceil(seq_len / block_size) blocks of every scheduled row's table are its blocks."""
+        new = zip(
+            plan.new_block_slots.tolist(),
+            plan.new_block_indices.tolist(),
+            plan.new_block_ids.tolist(),
+            strict=True,
+        )
+        for slot, index, block in new:
+            table = self.tables.setdefault(slot, [])
+            if index == 0:
+                table.clear()
+            assert index == len(table)
+            table.append(block)
+        dense = plan.block_tables
+        rows = zip(plan.request_ids, plan.slots.tolist(), plan.seq_lens.tolist(), strict=True)
+        for row, (rid, slot, seq_len) in enumerate(rows):
+            used = -(-seq_len // self.block_size)
+            assert self.tables[slot][:used] == self.core.block_ids(rid)[:used]
+            assert dense[row, :used].tolist() == self.tables[slot][:used]
+
+    def forget(self, slot):
+        """A runner may drop the table of a request that ended."""
+        self.tables.pop(slot, None)
 
     def check_finished(self, req: Tracked, done):
         n = len(req.output)
@@ -157,6 +197,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         done = self.core.abort(rid)
         assert done.finish_reason == "abort"
+        self.forget(done.slot)
         self.live.pop(rid)
 
     @invariant()

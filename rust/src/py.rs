@@ -746,6 +746,11 @@ impl PyEngineCore {
         Ok(self.core.request_tokens(request_id)?.0.to_vec())
     }
 
+    /// The KV blocks a live request holds now, in order; empty while it waits.
+    fn block_ids(&self, request_id: &str) -> PyResult<Vec<u32>> {
+        Ok(self.core.block_ids(request_id)?)
+    }
+
     /// Prefix-cache hits of the request's first admission (None before it).
     fn num_cached_tokens(&self, request_id: &str) -> Option<usize> {
         self.core.num_cached_tokens(request_id)

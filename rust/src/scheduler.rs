@@ -296,6 +296,21 @@ impl EngineCore {
         finished
     }
 
+    /// The KV blocks a live request holds now, in order; none while it waits.
+    pub fn block_ids(&self, request_id: &str) -> Result<Vec<u32>> {
+        let slot = *self
+            .slot_of
+            .get(request_id)
+            .ok_or_else(|| CoreError::UnknownRequest(request_id.to_string()))?;
+        let pool = self.pool.lock();
+        Ok(self
+            .req(slot)
+            .table
+            .as_ref()
+            .map(|t| pool.table(t.id()).blocks.clone())
+            .unwrap_or_default())
+    }
+
     /// The id of the request in `slot`, if one lives there.
     pub fn request_id(&self, slot: u32) -> Option<&str> {
         self.requests

@@ -646,6 +646,13 @@ fn a_growing_table_reports_each_new_block_once() {
     runner.apply(&core, &plan);
     assert_eq!(new_blocks(&plan, a).len(), 3, "9 tokens of 4 per block");
     assert_eq!(plan.new_block_indices, vec![0, 1, 2]);
+    let held: Vec<i32> = core
+        .block_ids("a")
+        .unwrap()
+        .iter()
+        .map(|&b| b as i32)
+        .collect();
+    assert_eq!(plan.new_block_ids, held);
     assert_eq!(plan.slot_mapping[8], plan.new_block_ids[2] * 4);
     core.update(&[5]).unwrap();
     let mut reported = Vec::new();
