@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
+use std::collections::hash_map::Entry;
 
 use crate::error::{CoreError, Result};
 use crate::free_list::FreeList;
@@ -29,6 +30,16 @@ struct CachedBlock {
     hash: u64,
     parent_hash: u64,
     parent: Option<BlockIdentity>,
+}
+
+/// What the pool knows of one block, in one record so a block's bookkeeping
+/// touches one cache line.
+#[derive(Debug, Clone, Default)]
+struct BlockState {
+    ref_count: u32,
+    /// Bumped each time its cached contents are dropped.
+    generation: u32,
+    cached: Option<CachedBlock>,
 }
 
 #[derive(Debug, Clone)]
@@ -64,10 +75,8 @@ pub(crate) struct PoolInner {
     block_size: usize,
     num_blocks: usize,
     prefix_caching: bool,
-    ref_count: Vec<u32>,
+    block: Vec<BlockState>,
     free: FreeList,
-    cached: Vec<Option<CachedBlock>>,
-    generation: Vec<u32>,
     /// Token ids of each cached block, `block_size` per block.
     block_tokens: Vec<u32>,
     index: FxHashMap<u64, u32>,
@@ -130,10 +139,8 @@ impl BlockPool {
             block_size,
             num_blocks,
             prefix_caching: enable_prefix_caching,
-            ref_count: vec![0; num_blocks],
+            block: vec![BlockState::default(); num_blocks],
             free: FreeList::full(num_blocks),
-            cached: vec![None; num_blocks],
-            generation: vec![0; num_blocks],
             block_tokens: vec![0; cache_tokens],
             index: FxHashMap::default(),
             tables: Vec::new(),
@@ -316,19 +323,20 @@ impl PoolInner {
             let Some(&block) = self.index.get(&hash) else {
                 break;
             };
-            let entry = self.cached[block as usize]
+            let entry = self.block[block as usize]
+                .cached
                 .as_ref()
                 .expect("indexed block is cached");
             if entry.parent != parent || self.cached_tokens(block) != chunk {
                 break;
             }
-            if self.ref_count[block as usize] == 0 {
+            if self.block[block as usize].ref_count == 0 {
                 self.free.remove(block);
             }
-            self.ref_count[block as usize] += 1;
+            self.block[block as usize].ref_count += 1;
             state.blocks.push(block);
             state.last_hash = hash;
-            parent = Some((block, self.generation[block as usize]));
+            parent = Some((block, self.block[block as usize].generation));
         }
         state.hashed_blocks = state.blocks.len();
         state.num_cached_tokens = state.blocks.len() * bs;
@@ -364,12 +372,13 @@ impl PoolInner {
 
     fn take_free_block(&mut self) -> u32 {
         let block = self.free.pop_front().expect("a free block was counted");
-        if let Some(entry) = self.cached[block as usize].take() {
+        let state = &mut self.block[block as usize];
+        if let Some(entry) = state.cached.take() {
+            state.generation = state.generation.wrapping_add(1);
             self.index.remove(&entry.hash);
-            self.generation[block as usize] = self.generation[block as usize].wrapping_add(1);
             self.evictions += 1;
         }
-        self.ref_count[block as usize] = 1;
+        self.block[block as usize].ref_count = 1;
         block
     }
 
@@ -386,13 +395,21 @@ impl PoolInner {
             let chunk = &tokens[i * bs..(i + 1) * bs];
             let hash = (self.hash_fn)(state.last_hash, chunk);
             let block = state.blocks[i];
-            if self.cached[block as usize].is_none() && !self.index.contains_key(&hash) {
+            // Indexed unless it already is, or another block holds the same contents.
+            let indexed = self.block[block as usize].cached.is_none()
+                && match self.index.entry(hash) {
+                    Entry::Vacant(slot) => {
+                        slot.insert(block);
+                        true
+                    }
+                    Entry::Occupied(_) => false,
+                };
+            if indexed {
                 let parent = (i > 0).then(|| {
                     let p = state.blocks[i - 1];
-                    (p, self.generation[p as usize])
+                    (p, self.block[p as usize].generation)
                 });
-                self.index.insert(hash, block);
-                self.cached[block as usize] = Some(CachedBlock {
+                self.block[block as usize].cached = Some(CachedBlock {
                     hash,
                     parent_hash: state.last_hash,
                     parent,
@@ -412,10 +429,10 @@ impl PoolInner {
         // Last blocks first: a sequence's tail is the least likely to be shared,
         // so it is evicted before its prefix.
         for &block in state.blocks.iter().rev() {
-            let rc = &mut self.ref_count[block as usize];
+            let rc = &mut self.block[block as usize].ref_count;
             *rc -= 1;
             if *rc == 0 {
-                if self.cached[block as usize].is_some() {
+                if self.block[block as usize].cached.is_some() {
                     self.free.push_back(block);
                 } else {
                     self.free.push_front(block);
@@ -464,7 +481,7 @@ impl PoolInner {
             return Err("a table holds fewer slots than its cached tokens".into());
         }
         for (block, chunk) in state.blocks.iter().zip(tokens.chunks_exact(bs)) {
-            if self.cached[*block as usize].is_some() && self.cached_tokens(*block) != chunk {
+            if self.block[*block as usize].cached.is_some() && self.cached_tokens(*block) != chunk {
                 return Err(format!(
                     "cached block {block} holds other tokens than its table"
                 ));
@@ -481,7 +498,8 @@ impl PoolInner {
             }
         }
         let mut in_use = 0;
-        for (block, (&rc, &held)) in self.ref_count.iter().zip(&holders).enumerate() {
+        for (block, (state, &held)) in self.block.iter().zip(&holders).enumerate() {
+            let rc = state.ref_count;
             if rc != held {
                 return Err(format!(
                     "block {block}: ref count {rc} but {held} live tables hold it"
@@ -504,7 +522,7 @@ impl PoolInner {
             ));
         }
         for (&hash, &block) in &self.index {
-            let Some(entry) = &self.cached[block as usize] else {
+            let Some(entry) = &self.block[block as usize].cached else {
                 return Err(format!("index points at uncached block {block}"));
             };
             if entry.hash != hash
@@ -515,7 +533,7 @@ impl PoolInner {
                 ));
             }
         }
-        let cached = self.cached.iter().filter(|c| c.is_some()).count();
+        let cached = self.block.iter().filter(|b| b.cached.is_some()).count();
         if cached != self.index.len() {
             return Err(format!(
                 "{cached} cached blocks but {} index entries",

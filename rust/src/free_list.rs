@@ -4,11 +4,23 @@
 
 const NIL: u32 = u32::MAX;
 
+/// A member's neighbours; one small record per id, so a change touches one line.
+#[derive(Debug, Clone, Copy)]
+struct Link {
+    prev: u32,
+    next: u32,
+    member: bool,
+}
+
+const OUT: Link = Link {
+    prev: NIL,
+    next: NIL,
+    member: false,
+};
+
 #[derive(Debug, Clone)]
 pub(crate) struct FreeList {
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    member: Vec<bool>,
+    links: Vec<Link>,
     head: u32,
     tail: u32,
     len: usize,
@@ -19,9 +31,7 @@ impl FreeList {
     pub(crate) fn full(n: usize) -> Self {
         assert!(n < NIL as usize, "too many blocks");
         let mut list = FreeList {
-            prev: vec![NIL; n],
-            next: vec![NIL; n],
-            member: vec![false; n],
+            links: vec![OUT; n],
             head: NIL,
             tail: NIL,
             len: 0,
@@ -37,36 +47,38 @@ impl FreeList {
     }
 
     pub(crate) fn contains(&self, id: u32) -> bool {
-        self.member[id as usize]
+        self.links[id as usize].member
     }
 
     pub(crate) fn push_back(&mut self, id: u32) {
-        debug_assert!(!self.member[id as usize], "block {id} freed twice");
-        let i = id as usize;
-        self.prev[i] = self.tail;
-        self.next[i] = NIL;
+        debug_assert!(!self.contains(id), "block {id} freed twice");
+        self.links[id as usize] = Link {
+            prev: self.tail,
+            next: NIL,
+            member: true,
+        };
         if self.tail == NIL {
             self.head = id;
         } else {
-            self.next[self.tail as usize] = id;
+            self.links[self.tail as usize].next = id;
         }
         self.tail = id;
-        self.member[i] = true;
         self.len += 1;
     }
 
     pub(crate) fn push_front(&mut self, id: u32) {
-        debug_assert!(!self.member[id as usize], "block {id} freed twice");
-        let i = id as usize;
-        self.prev[i] = NIL;
-        self.next[i] = self.head;
+        debug_assert!(!self.contains(id), "block {id} freed twice");
+        self.links[id as usize] = Link {
+            prev: NIL,
+            next: self.head,
+            member: true,
+        };
         if self.head == NIL {
             self.tail = id;
         } else {
-            self.prev[self.head as usize] = id;
+            self.links[self.head as usize].prev = id;
         }
         self.head = id;
-        self.member[i] = true;
         self.len += 1;
     }
 
@@ -80,22 +92,19 @@ impl FreeList {
     }
 
     pub(crate) fn remove(&mut self, id: u32) {
-        let i = id as usize;
-        debug_assert!(self.member[i], "block {id} is not free");
-        let (p, n) = (self.prev[i], self.next[i]);
-        if p == NIL {
-            self.head = n;
+        let Link { prev, next, member } = self.links[id as usize];
+        debug_assert!(member, "block {id} is not free");
+        if prev == NIL {
+            self.head = next;
         } else {
-            self.next[p as usize] = n;
+            self.links[prev as usize].next = next;
         }
-        if n == NIL {
-            self.tail = p;
+        if next == NIL {
+            self.tail = prev;
         } else {
-            self.prev[n as usize] = p;
+            self.links[next as usize].prev = prev;
         }
-        self.prev[i] = NIL;
-        self.next[i] = NIL;
-        self.member[i] = false;
+        self.links[id as usize] = OUT;
         self.len -= 1;
     }
 
@@ -107,7 +116,7 @@ impl FreeList {
                 return None;
             }
             let id = cur;
-            cur = self.next[id as usize];
+            cur = self.links[id as usize].next;
             Some(id)
         })
     }
