@@ -142,7 +142,11 @@ impl BlockPool {
             block: vec![BlockState::default(); num_blocks],
             free: FreeList::full(num_blocks),
             block_tokens: vec![0; cache_tokens],
-            index: FxHashMap::default(),
+            // Room for every block from the start: the index never rehashes mid-step.
+            index: FxHashMap::with_capacity_and_hasher(
+                if enable_prefix_caching { num_blocks } else { 0 },
+                Default::default(),
+            ),
             tables: Vec::new(),
             free_table_ids: Vec::new(),
             hash_fn,
