@@ -235,12 +235,14 @@ def test_table_grows_and_reuses_slots():
 def test_a_row_without_a_valid_token_fails_alone():
     logits = skewed_logits(3)
     logits[0] = math.nan  # a broken row: no token has a probability
-    logits[1, :5] = math.nan  # NaN in places: never drawn
-    rows = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(seed=1)]
-    tokens, _ = run(rows, logits, steps=50)
-    assert (tokens[:, 0] == -1).all()
-    assert (tokens[:, 1] == int(logits[1, 5:].argmax()) + 5).all()
-    assert (tokens[:, 2] >= 0).all()
+    logits[1, 7] = math.nan  # one NaN also breaks a row: it is never drawn
+    logits[2, 3] = math.nan
+    rows = [SamplingParams(temperature=0)] * 3 + [SamplingParams(seed=1)] * 2
+    tokens, _ = run(rows, torch.cat([logits, logits[1:]]), steps=20)
+    assert (tokens[:, :3] == -1).all() and (tokens[:, 3:] == -1).all()
+    fine = skewed_logits(2)
+    tokens, _ = run([SamplingParams(temperature=0), SamplingParams(seed=1)], fine, steps=20)
+    assert (tokens[:, 0] == int(fine[0].argmax())).all() and (tokens[:, 1] >= 0).all()
 
 
 def test_a_fully_masked_sampled_row_fails():

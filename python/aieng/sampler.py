@@ -10,8 +10,8 @@ asking the device. `Sampler` then does only that work:
   Seeded rows draw E from a counter-based hash of (seed, output index, token id), so a seed gives
   the same tokens whatever else is in the batch and whichever step produces the token — with no
   generator object per row; the other rows share the runner's generator.
-A row whose processed distribution has no valid token (NaN logits, everything masked) is
-reported as failed, never answered with a token it could not have drawn.
+A row whose logits hold a NaN, or whose processed distribution masks every token, is reported
+as failed (token -1), never answered with a token it could not have drawn.
 """
 
 from __future__ import annotations
@@ -328,7 +328,6 @@ class Sampler:
         if len(batch.logprob_rows):  # reported logprobs: before any processing
             rows = torch.from_numpy(batch.logprob_rows).to(logits.device)
             raw_logprobs = torch.log_softmax(logits[rows], dim=-1)
-        logits = torch.nan_to_num(logits, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         if batch.blocked_rows is not None:
@@ -336,14 +335,13 @@ class Sampler:
                 (batch.blocked_rows, batch.blocked_ids),
                 torch.tensor(-math.inf, device=logits.device),
             )
-        greedy_tokens = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            tokens = greedy_tokens
-        else:
-            tokens = torch.where(batch.greedy, greedy_tokens, self._sample(logits, batch))
-        # A token is valid only if its processed logit is finite (not masked, not NaN).
+        # A token is valid only if it could have been drawn: its processed logit finite (not
+        # masked, not NaN — a row holding a NaN has its argmax there).
+        tokens = row_argmax(logits)
         valid = torch.isfinite(logits.gather(1, tokens[:, None])[:, 0])
         tokens = torch.where(valid, tokens, torch.full_like(tokens, -1))
+        if not batch.all_greedy:
+            tokens = torch.where(batch.greedy, tokens, self._sample(logits, batch))
         return SamplerOutput(tokens, _logprobs(raw_logprobs, tokens, batch))
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -358,7 +356,18 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         if batch.seeded_rows is not None and batch.seeded_keys is not None:
             noise[batch.seeded_rows] = seeded_exponential(batch.seeded_keys, probs.shape[-1])
-        return (probs / noise).argmax(dim=-1)
+        race = probs / noise
+        tokens = row_argmax(race)
+        drawn = race.gather(1, tokens[:, None])[:, 0] > 0  # False for NaN and masked (0)
+        return torch.where(drawn, tokens, torch.full_like(tokens, -1))
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest value (the first NaN if the row holds one). On the CPU
+    through numpy, whose vectorised argmax is ~15x faster than torch's here."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.contiguous().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
