@@ -297,7 +297,10 @@ class LLMEngine:
         try:
             result = self.runner.execute(step)
         except Exception as error:
-            return self._fail_step(plan, error)
+            outputs = self._fail_step(plan, error)
+            # Rows of live requests the runner may not have applied before it raised.
+            self._added[:0] = [row for row in step.added if row.slot in self._by_slot]
+            return outputs
         tokens = result.sampled_token_ids
         failed: list[RequestOutput] = []
         if len(tokens) and tokens.min() < 0:
