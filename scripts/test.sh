@@ -6,6 +6,13 @@ cd "$(dirname "$0")/.."
 venv=.venv/bin
 export PYO3_PYTHON="$PWD/$venv/python"
 
+# The KJV corpus test reads Debian's bible-kjv; install it where this machine can.
+if ! command -v bible >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "== apt-get install bible-kjv (for the KJV corpus test)"
+    apt-get install -y -q bible-kjv >/dev/null 2>&1 \
+        || echo "   (could not install bible-kjv: the KJV corpus test will skip)"
+fi
+
 echo "== cargo fmt --check"
 cargo fmt --check
 echo "== cargo clippy -D warnings (core, and with the Python bindings)"
