@@ -163,7 +163,13 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            if ids and max(ids) >= self.vocab_size:  # a tokenizer larger than the model
+                raise InvalidArgumentError(
+                    f"prompt: the tokenizer gave token id {max(ids)}, outside the model's "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
+            return prompt, ids
         ids = list(prompt)
         bad = [
             t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size
