@@ -28,6 +28,7 @@ from aieng.sampling import SamplingParams
 
 UINT64 = (1 << 64) - 1
 MASK32 = (1 << 32) - 1
+MASK32_U64 = np.uint64(MASK32)
 HASH_MULTIPLIER = 0x45D9F3B  # < 2**27: hashing 32-bit values in int64 never overflows
 
 
@@ -199,13 +200,11 @@ class SamplingTable:
         seeded_rows = seeded_keys = None
         seeded = np.flatnonzero(self.has_seed[slots]) if not all_greedy else np.zeros(0, np.int64)
         if len(seeded):
-            keys = [
-                _mix(int(self.seed[slots[r]]) & UINT64, int(self.num_output[slots[r]]))
-                for r in seeded.tolist()
-            ]
-            halves = [(k & MASK32, (k >> 32) & MASK32) for k in keys]
+            seeded_slots = slots[seeded]
+            keys = _mix(self.seed[seeded_slots], self.num_output[seeded_slots])  # (K,) uint64
+            halves = np.stack([keys & MASK32_U64, keys >> np.uint64(32)], axis=1).astype(np.int64)
             seeded_rows = torch.from_numpy(seeded).to(device)
-            seeded_keys = torch.tensor(halves, dtype=torch.int64).to(device)
+            seeded_keys = torch.from_numpy(halves).to(device)
         num_logprobs = self.num_logprobs[slots]
         logprob_rows = np.flatnonzero(num_logprobs >= 0)
         return SamplingBatch(
@@ -259,12 +258,13 @@ class SamplingTable:
             self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(pad)])
 
 
-def _mix(seed: int, index: int) -> int:
-    """SplitMix64 of (seed, output index) -> a 64-bit key."""
-    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & UINT64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & UINT64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & UINT64
-    return z ^ (z >> 31)
+def _mix(seeds: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """SplitMix64 of (seed, output index) per row -> 64-bit keys; uint64 arithmetic wraps."""
+    z = seeds.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = z + indices.astype(np.uint64) + np.uint64(1)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

@@ -65,23 +65,17 @@ DECODE_GROUP_BYTES = 1 << 21
 
 
 def build_attention_metadata(
-    slot_mapping: torch.Tensor,
-    query_start_loc: np.ndarray,
-    num_computed_tokens: np.ndarray,
-    seq_lens: np.ndarray,
-    block_tables: np.ndarray,
-    block_size: int,
-    sliding_window: int | None = None,
-    token_bytes: int = 0,
+    inputs: AttentionInputs, sliding_window: int | None = None, token_bytes: int = 0
 ) -> AttentionMetadata:
-    """`slot_mapping` is int64 on the model's device; the other arrays are the StepPlan's (host
-    numpy), so that building this never waits on the device. token_bytes: bytes of one token's K
-    in one layer (sizes the decode groups; 0 puts every decode request in one group)."""
+    """Only `inputs.slot_mapping` is on the device; the other arrays are host numpy, so that
+    building this never waits on the device. token_bytes: bytes of one token's K in one layer
+    (sizes the decode groups; 0 puts every decode request in one group)."""
+    slot_mapping, block_size = inputs.slot_mapping, inputs.block_size
     device = slot_mapping.device
-    query_start_loc = np.asarray(query_start_loc, np.int64)
-    num_computed = np.asarray(num_computed_tokens, np.int64)
-    seq_lens = np.asarray(seq_lens, np.int64)
-    block_tables = np.asarray(block_tables, np.int64)
+    query_start_loc = np.asarray(inputs.query_start_loc, np.int64)
+    num_computed = np.asarray(inputs.num_computed_tokens, np.int64)
+    seq_lens = np.asarray(inputs.seq_lens, np.int64)
+    block_tables = np.asarray(inputs.block_tables, np.int64)
     query_lens = np.diff(query_start_loc)
 
     def to_device(array: np.ndarray) -> torch.Tensor:
@@ -217,16 +211,7 @@ class TorchPagedAttention(AttentionBackend):
         self.token_bytes = token_bytes
 
     def build_metadata(self, inputs: AttentionInputs) -> AttentionMetadata:
-        return build_attention_metadata(
-            slot_mapping=inputs.slot_mapping,
-            query_start_loc=inputs.query_start_loc,
-            num_computed_tokens=inputs.num_computed_tokens,
-            seq_lens=inputs.seq_lens,
-            block_tables=inputs.block_tables,
-            block_size=inputs.block_size,
-            sliding_window=self.sliding_window,
-            token_bytes=self.token_bytes,
-        )
+        return build_attention_metadata(inputs, self.sliding_window, self.token_bytes)
 
     def forward(
         self,

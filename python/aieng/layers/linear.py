@@ -123,8 +123,9 @@ def dense_everywhere(prefix: str) -> LinearMethod:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with W held by the layer's method. `output_sizes` lists the blocks of a
-    fused projection (one block for a plain layer)."""
+    """y = x W^T (+ b), with W held by the method `methods` chooses for this layer's `prefix`
+    (its name in the checkpoint). `output_sizes` lists the blocks of a fused projection (one
+    block for a plain layer)."""
 
     def __init__(
         self,
@@ -132,14 +133,14 @@ class Linear(nn.Module):
         output_sizes: int | list[int],
         bias: bool = False,
         dtype: torch.dtype | None = None,
-        method: LinearMethod | None = None,
+        methods: LinearMethodChooser = dense_everywhere,
         prefix: str = "",
     ):
         super().__init__()
         self.input_size = input_size
         self.output_sizes = output_sizes if isinstance(output_sizes, list) else [output_sizes]
         self.prefix = prefix
-        self.method = method or DenseLinearMethod()
+        self.method = methods(prefix)
         self.method.create_weights(self, input_size, self.output_sizes, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ class LlamaAttention(nn.Module):
             [q_size, kv_size, kv_size],
             config.attention_bias,
             dtype,
-            methods(f"{prefix}.qkv_proj"),
+            methods,
             f"{prefix}.qkv_proj",
         )
         self.o_proj = Linear(
@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size,
             False,
             dtype,
-            methods(f"{prefix}.o_proj"),
+            methods,
             f"{prefix}.o_proj",
         )
         if config.qk_norm:
@@ -92,7 +92,7 @@ class LlamaMLP(nn.Module):
             [size, size],
             False,
             dtype,
-            methods(f"{prefix}.gate_up_proj"),
+            methods,
             f"{prefix}.gate_up_proj",
         )
         self.down_proj = Linear(
@@ -100,7 +100,7 @@ class LlamaMLP(nn.Module):
             config.hidden_size,
             False,
             dtype,
-            methods(f"{prefix}.down_proj"),
+            methods,
             f"{prefix}.down_proj",
         )
 
@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
                 config.vocab_size,
                 False,
                 dtype,
-                linear_methods("lm_head"),
+                linear_methods,
                 "lm_head",
             )
 

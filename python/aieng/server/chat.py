@@ -26,7 +26,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = ctx.ready_engine(request)
     ctx.check_model(body.model)
     check_request(body)
-    ctx.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
     ids = await render_chat(ctx, body.messages, add_generation_prompt=True)
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = resolve_max_tokens(

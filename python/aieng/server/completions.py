@@ -30,7 +30,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine = ctx.ready_engine(request)
     ctx.check_model(body.model)
     check_request(body)
-    ctx.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
     prompts = await _prompt_ids(ctx, body)
     params = []
     for ids in prompts:
