@@ -38,6 +38,7 @@ BAD_VALUES = [
     ("long_prefill_token_threshold", -1),
     ("enable_prefix_caching", "yes"),
     ("attention_backend", "flash"),
+    ("kv_cache_dtype", "fp8"),
     ("model", 3),
 ]
 

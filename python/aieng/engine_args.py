@@ -32,6 +32,7 @@ DTYPES = {
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_BLOCK_SIZE = 1 << 16  # the Rust core's limit (BlockPool::new)
 ATTENTION_BACKENDS = ("auto", "torch")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 Check = Callable[[Any], str | None]  # -> why the value is refused, or None
 
@@ -124,7 +125,8 @@ class EngineArgs:
     )
     dtype: str = option(
         "auto",
-        "dtype of the weights and the KV cache; auto: the checkpoint's (float32 on CPU)",
+        "dtype of the weights (and of the KV cache unless kv_cache_dtype says otherwise); auto: "
+        "the checkpoint's (float32 on CPU)",
         choices=("auto", *DTYPES),
     )
     device: str = option(
@@ -149,6 +151,13 @@ class EngineArgs:
     )
     block_size: int = option(
         16, "tokens per KV cache block, a power of two", check=_block_size, metavar="N"
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "element type of the KV cache; auto: the model's dtype; int8: K and V quantized "
+        "symmetrically per token and KV head with a scale in the model's dtype, so a budget holds "
+        "about 1.9x the blocks of float16 or 3.8x of float32 (head_dim 64)",
+        choices=KV_CACHE_DTYPES,
     )
     kv_cache_memory: int | None = option(
         None,

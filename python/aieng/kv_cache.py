@@ -1,8 +1,14 @@
 """The KV cache spec: how many bytes a block takes and how the per-layer caches are allocated.
 
 The runner sizes the pool from `block_bytes` and the backend decides the layout of one layer's
-cache (`AttentionBackend.kv_cache_shape`). The element dtype is the model's today; a quantized
-cache (INT8 with per-token scales) changes `dtype` and adds its scales' bytes here.
+cache (`AttentionBackend.kv_cache_shape`). With `kv_cache_dtype="auto"` the elements are in the
+model's dtype and a layer's cache is a (K, V) tuple. With `"int8"` they are int8 and every token
+of every KV head also carries one scale for K and one for V, in the model's dtype (a float32 scale
+on a float16 model would cost head_dim 64 a further 2 bytes in 66, and buy nothing: values are
+quantized with the stored scale, so its rounding never adds error); a layer's cache is then a
+`QuantizedKVCache`. `token_bytes` and `block_bytes` count the scales, so a fixed budget holds
+D * s / (D + s') times the blocks, s and s' the bytes of a model element and of a scale: for
+head_dim 64, 128 / 66 = 1.94x those of float16 and 256 / 68 = 3.76x those of float32.
 """
 
 from __future__ import annotations
@@ -11,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from aieng.attention.backend import AttentionBackend, KVCache
+from aieng.attention.backend import AttentionBackend, KVCache, QuantizedKVCache
 from aieng.config import ModelConfig
+from aieng.engine_args import KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -21,22 +28,49 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the cache's elements: the model's, or torch.int8
+    scale_dtype: torch.dtype | None = None  # INT8: of the per-token, per-KV-head scales
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    def for_model(
+        cls,
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
+    ) -> KVCacheSpec:
+        """dtype: the model's; kv_cache_dtype: EngineArgs.kv_cache_dtype."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {kv_cache_dtype!r}"
+            )
+        quantized = kv_cache_dtype == "int8"
         return cls(
             config.num_hidden_layers,
             config.num_key_value_heads,
             config.head_dim,
             block_size,
-            dtype,
+            torch.int8 if quantized else dtype,
+            dtype if quantized else None,
         )
 
     @property
+    def quantized(self) -> bool:
+        return self.scale_dtype is not None
+
+    @property
+    def cache_dtype(self) -> str:
+        """The cache's dtype by name: 'int8', or the model's ('float32', 'bfloat16', ...)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def token_bytes(self) -> int:
-        """Bytes of one token's K (or V) in one layer."""
-        return self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of one token's K (or V) in one layer, its scales included."""
+        elements = self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        if self.scale_dtype is None:
+            return elements
+        return elements + self.num_kv_heads * self.scale_dtype.itemsize
 
     @property
     def block_bytes(self) -> int:
@@ -49,12 +83,23 @@ class KVCacheSpec:
         shape = backend.kv_cache_shape(
             num_blocks, self.block_size, self.num_kv_heads, self.head_dim
         )
+
         # Zeroed: masked context positions may be read (through padding block 0) and must be
-        # finite.
+        # finite (a zero scale dequantizes to zero).
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        if self.scale_dtype is None:
+            return [
+                (zeros(shape, self.dtype), zeros(shape, self.dtype)) for _ in range(self.num_layers)
+            ]
+        scale_shape = backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, 1)
         return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=device),
-                torch.zeros(shape, dtype=self.dtype, device=device),
+            QuantizedKVCache(
+                zeros(shape, self.dtype),
+                zeros(shape, self.dtype),
+                zeros(scale_shape, self.scale_dtype),
+                zeros(scale_shape, self.scale_dtype),
             )
             for _ in range(self.num_layers)
         ]

@@ -53,17 +53,28 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = args.effective_max_model_len(self.config.max_position_embeddings)
         self.max_num_batched_tokens = args.effective_max_num_batched_tokens(self.max_model_len)
-        self.kv_spec = KVCacheSpec.for_model(self.config, self.block_size, self.dtype)
-        self.attention = select_attention_backend(
-            args.attention_backend, self.config, self.device, self.dtype
+        self.kv_spec = KVCacheSpec.for_model(
+            self.config, self.block_size, self.dtype, args.kv_cache_dtype
         )
+        self.attention = select_attention_backend(
+            args.attention_backend, self.config, self.device, self.dtype, args.kv_cache_dtype
+        )
+        if args.kv_cache_dtype not in self.attention.kv_cache_dtypes:
+            raise ValueError(
+                f"kv_cache_dtype {args.kv_cache_dtype!r}: the attention backend "
+                f"{self.attention.name!r} reads only {', '.join(self.attention.kv_cache_dtypes)}"
+            )
         self.num_blocks = self._num_blocks(args)
         self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device, self.attention)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB) on %s; attention backend %s",
+            "KV cache: %s, %d blocks of %d tokens = %d tokens (%.1f MiB, %d bytes per token) on "
+            "%s; attention backend %s",
+            self.kv_spec.cache_dtype,
             self.num_blocks,
             self.block_size,
+            self.num_blocks * self.block_size,
             self.num_blocks * self.kv_spec.block_bytes / 2**20,
+            self.kv_spec.block_bytes // self.block_size,
             self.device,
             self.attention.name,
         )
@@ -165,9 +176,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ one-off forwards
 
     @torch.inference_mode()
-    def prompt_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def prompt_logprobs(
+        self, token_ids: Sequence[int], chunk_size: int | None = None
+    ) -> torch.Tensor:
         """Log-probability of each token given the ones before it, through the same forward as
-        serving (one prefill into a scratch KV cache): (len(token_ids) - 1,) float32."""
+        serving (one prefill into a scratch KV cache of the engine's cache dtype; with
+        `chunk_size`, prefill chunks of that many tokens, each reading the earlier ones from the
+        cache): (len(token_ids) - 1,) float32."""
         n = len(token_ids)
         if n < 2:
             raise ValueError(f"scoring needs at least 2 tokens, got {n}")
@@ -175,13 +190,24 @@ class ModelRunner:
             raise ValueError(
                 f"{n} tokens exceed the model's context of {self.config.max_position_embeddings}"
             )
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
         num_blocks = math.ceil(n / self.block_size)
+        ids = np.asarray(token_ids, dtype=np.int32)
         plan = _single_prompt_plan(n, num_blocks, self.block_size)
-        plan.input_ids = np.asarray(token_ids, dtype=np.int32)
+        plan.input_ids = ids
         scratch = self.kv_spec.allocate(num_blocks, self.device, self.attention)
-        hidden = self._forward(plan, plan.block_tables, scratch)
+        chunk = chunk_size or n
+        hidden = torch.cat(
+            [
+                self._forward(
+                    _chunk_of(plan, start, min(start + chunk, n)), plan.block_tables, scratch
+                )
+                for start in range(0, n, chunk)
+            ]
+        )
         logits = self.model.compute_logits(hidden[:-1]).float()
-        targets = torch.from_numpy(plan.input_ids[1:].astype(np.int64)).to(self.device)
+        targets = torch.from_numpy(ids[1:].astype(np.int64)).to(self.device)
         return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].cpu()
 
     @torch.inference_mode()
@@ -227,6 +253,21 @@ def _single_prompt_plan(num_tokens: int, num_blocks: int, block_size: int) -> _O
         num_computed_tokens=np.zeros(1, np.int32),
         seq_lens=np.array([num_tokens], np.int32),
         block_tables=np.arange(num_blocks, dtype=np.int32)[None],
+    )
+
+
+def _chunk_of(plan: _OneOffPlan, start: int, end: int) -> _OneOffPlan:
+    """Tokens [start, end) of a one-prompt plan, the ones before them already in the cache."""
+    if start == 0 and end == len(plan.input_ids):
+        return plan
+    return _OneOffPlan(
+        input_ids=plan.input_ids[start:end],
+        positions=plan.positions[start:end],
+        slot_mapping=plan.slot_mapping[start:end],
+        query_start_loc=np.array([0, end - start], np.int32),
+        num_computed_tokens=np.array([start], np.int32),
+        seq_lens=np.array([end], np.int32),
+        block_tables=plan.block_tables,
     )
 
 

@@ -1,7 +1,13 @@
 """Attention backends: the `AttentionBackend` seam, the pure-PyTorch paged reference, and the
 selector that picks one per engine."""
 
-from aieng.attention.backend import AttentionBackend, AttentionInputs, ForwardContext, KVCache
+from aieng.attention.backend import (
+    AttentionBackend,
+    AttentionInputs,
+    ForwardContext,
+    KVCache,
+    QuantizedKVCache,
+)
 from aieng.attention.selector import select_attention_backend
 
 __all__ = [
@@ -9,5 +15,6 @@ __all__ = [
     "AttentionInputs",
     "ForwardContext",
     "KVCache",
+    "QuantizedKVCache",
     "select_attention_backend",
 ]

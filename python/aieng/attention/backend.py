@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -18,7 +18,22 @@ import torch
 if TYPE_CHECKING:
     from aieng.layers.attention import Attention
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V of one layer, in the backend's layout
+
+class QuantizedKVCache(NamedTuple):
+    """One layer's INT8 cache (`kv_cache_dtype="int8"`): K and V as int8 in the backend's layout
+    (`kv_cache_shape`), and one scale per token per KV head for each, in the model's dtype, laid
+    out as the cache with head_dim 1 (so `k.to(dtype) * k_scale` dequantizes). A slot's value is
+    `q * scale` with q in [-127, 127]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+
+# One layer's cache: K and V in the model's dtype, or a QuantizedKVCache (whose first two
+# fields are still K and V).
+KVCache = tuple[torch.Tensor, torch.Tensor] | QuantizedKVCache
 
 
 @dataclass
@@ -46,11 +61,15 @@ class AttentionBackend(ABC):
     """A way to compute attention; one instance serves every layer of a model."""
 
     name: str
+    # The EngineArgs.kv_cache_dtype values whose caches this backend reads: "auto" hands it
+    # (K, V) tuples, "int8" QuantizedKVCache.
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:
-        """Shape of one layer's K (and V) cache."""
+        """Shape of one layer's K (and V) cache; an INT8 cache's scales take this shape with
+        head_dim 1."""
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
     @abstractmethod

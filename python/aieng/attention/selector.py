@@ -15,11 +15,15 @@ def select_attention_backend(
     name: str,
     config: ModelConfig,
     device: torch.device,
-    kv_cache_dtype: torch.dtype,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
 ) -> AttentionBackend:
     """`name` is EngineArgs.attention_backend: 'auto' picks the fastest backend verified for
-    this device and dtype (today the torch reference everywhere), 'torch' forces the reference."""
+    this device, the model's dtype and the cache's (EngineArgs.kv_cache_dtype; today the torch
+    reference everywhere), 'torch' forces the reference."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    token_bytes = config.num_key_value_heads * config.head_dim * kv_cache_dtype.itemsize
+    # Decode groups are sized by the context as attention reads it: in the model's dtype (an
+    # INT8 cache's context is dequantized to it).
+    token_bytes = config.num_key_value_heads * config.head_dim * dtype.itemsize
     return TorchPagedAttention(sliding_window=config.sliding_window, token_bytes=token_bytes)

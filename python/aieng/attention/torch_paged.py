@@ -11,6 +11,18 @@ into (R_group, L, H_kv, D) with a length mask, a group's gather sized to stay in
 prefill row is its own `scaled_dot_product_attention` — causal over the new tokens' own K/V when
 nothing of the request is cached yet, else over its cached context with the causal mask offset by
 the cached length. The index tensors and masks are built once per step, not per layer.
+
+INT8 cache (`kv_cache_dtype="int8"`, a `QuantizedKVCache`): each new token's K and V are
+quantized symmetrically per KV head as they are written — scale = max|x| / 127 over head_dim
+(at least the scale dtype's smallest normal, so an all-zero vector is fine), q = round(x / scale)
+in [-127, 127], computed in float32 with the scale as stored — and attention dequantizes only the
+context it gathers for a decode group or a prefill with a cached context (`q * scale`, in the
+model's dtype), never the whole cache. A prefill with nothing cached attends over the new
+tokens' *quantized-then-dequantized* K/V, not the exact ones (vLLM uses the exact ones there):
+attention then sees the same values whether a context was computed in this step, an earlier
+chunk or another request (a prefix-cache hit), so chunked prefill, prefix hits and preemption
+give what one whole prefill gives, and a one-prefill perplexity (`aieng eval`) measures what
+decoding reads.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aieng.attention.backend import AttentionBackend, AttentionInputs, KVCache
+from aieng.attention.backend import AttentionBackend, AttentionInputs, KVCache, QuantizedKVCache
 
 if TYPE_CHECKING:
     from aieng.layers.attention import Attention
@@ -57,6 +69,7 @@ class AttentionMetadata:
     num_tokens: int
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    fresh_prefills: bool = False  # some prefill attends to the new K/V only (nothing cached)
 
 
 # A decode group's gathered K (or V) is kept near this size, so that it stays in cache between
@@ -130,6 +143,7 @@ def build_attention_metadata(
         num_tokens=int(query_start_loc[-1]),
         decodes=groups,
         prefills=prefills,
+        fresh_prefills=any(span.blocks is None for span in prefills),
     )
 
 
@@ -146,11 +160,52 @@ def write_kv_cache(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """cache (N, B, H_kv, D), blocks (..., nb) -> (..., H_kv, length, D)."""
+def quantize_int8(x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> (q int8 (..., D), scale (..., 1) in scale_dtype), x ~ q * scale: symmetric,
+    one scale per vector, max|x| / 127, never below scale_dtype's smallest normal. q is computed
+    with the scale as stored, so the scale's own rounding adds no error."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp_min_(torch.finfo(scale_dtype).tiny)
+    scale = scale.to(scale_dtype)
+    q = (xf / scale.float()).round_().clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q (..., D) int8, scale (..., 1) -> (..., D) in dtype."""
+    return q.to(dtype).mul_(scale)
+
+
+def write_quantized_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, cache: QuantizedKVCache, slot_mapping: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """k, v (T, H_kv, D) -> quantized into their slots of an INT8 cache; returns (q, scale) of
+    each, as written."""
+    _, _, num_kv_heads, head_dim = cache.k.shape
+    written = []
+    for x, values, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        q, scale = quantize_int8(x, scales.dtype)
+        values.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, q)
+        scales.view(-1, num_kv_heads, 1).index_copy_(0, slot_mapping, scale)
+        written.append((q, scale))
+    return written[0], written[1]
+
+
+def _gather_context(
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    length: int,
+    scales: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """cache (N, B, H_kv, D), blocks (..., nb) -> (..., H_kv, length, D). With `scales`
+    (N, B, H_kv, 1) the cache is INT8: only the gathered context is dequantized, to `dtype`."""
     num_kv_heads, head_dim = cache.shape[2:]
     gathered = cache[blocks]  # (..., nb, B, H_kv, D)
     gathered = gathered.view(*blocks.shape[:-1], -1, num_kv_heads, head_dim)[..., :length, :, :]
+    if scales is not None:
+        scale = scales[blocks].view(*blocks.shape[:-1], -1, num_kv_heads, 1)[..., :length, :, :]
+        gathered = dequantize_int8(gathered, scale, dtype or scales.dtype)
     return gathered.transpose(-3, -2)
 
 
@@ -162,16 +217,20 @@ def paged_attention(
     scale: float,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (T, H, D) over each request's cached context (new tokens already written) -> (T, H, D).
-    k, v (T, H_kv, D): the step's new K/V, used directly by prefills with no cached context."""
+    k, v (T, H_kv, D): the step's new K/V, used directly by prefills with no cached context.
+    k_scale, v_scale: an INT8 cache's scales (the caches are then int8)."""
     _, num_heads, _ = q.shape
     gqa = num_heads != k_cache.shape[2]
     out = torch.empty_like(q)
     for group in meta.decodes:
         qd = q[group.rows][:, :, None, :]  # (R_g, H, 1, D)
-        kd = _gather_context(k_cache, group.blocks, group.context_len)  # (R_g, H_kv, L_g, D)
-        vd = _gather_context(v_cache, group.blocks, group.context_len)
+        # (R_g, H_kv, L_g, D)
+        kd = _gather_context(k_cache, group.blocks, group.context_len, k_scale, q.dtype)
+        vd = _gather_context(v_cache, group.blocks, group.context_len, v_scale, q.dtype)
         od = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa
         )
@@ -185,8 +244,8 @@ def paged_attention(
             blocks = span.blocks
             if blocks is None:  # no new K/V given: read them back from the cache
                 raise ValueError("paged_attention needs k and v for prefills without a context")
-            kp = _gather_context(k_cache, blocks, span.context_len)
-            vp = _gather_context(v_cache, blocks, span.context_len)
+            kp = _gather_context(k_cache, blocks, span.context_len, k_scale, q.dtype)
+            vp = _gather_context(v_cache, blocks, span.context_len, v_scale, q.dtype)
         op = F.scaled_dot_product_attention(
             qp,
             kp,
@@ -201,9 +260,10 @@ def paged_attention(
 
 
 class TorchPagedAttention(AttentionBackend):
-    """The reference backend: any device, any float dtype, sliding window."""
+    """The reference backend: any device, any float dtype, sliding window, an INT8 cache."""
 
     name = "torch"
+    kv_cache_dtypes = ("auto", "int8")
 
     def __init__(self, sliding_window: int | None = None, token_bytes: int = 0):
         """token_bytes: bytes of one token's K in one layer (sizes the decode groups)."""
@@ -224,6 +284,12 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         if kv_cache is None:
             raise ValueError("the paged attention backend needs a KV cache")
+        if isinstance(kv_cache, QuantizedKVCache):
+            (kq, ks), (vq, vs) = write_quantized_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+            if metadata.fresh_prefills:  # they attend to the new K/V as the cache holds them
+                k, v = dequantize_int8(kq, ks, q.dtype), dequantize_int8(vq, vs, q.dtype)
+            scales = {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}
+            return paged_attention(q, kv_cache.k, kv_cache.v, metadata, layer.scale, k, v, **scales)
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
         return paged_attention(q, k_cache, v_cache, metadata, layer.scale, k, v)
