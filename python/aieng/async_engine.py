@@ -52,6 +52,8 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_requests: int = 0  # requests the engine holds (running, waiting or not yet in the core)
+    kv_cache_dtype: str = ""  # 'int8' or the model's dtype; '' before the engine is loaded
+    block_size: int = 0
     heartbeat: float = 0.0  # time.monotonic() of the loop's last turn
 
     @classmethod
@@ -70,6 +72,8 @@ class EngineStats:
             num_preemptions=core["num_preemptions"],
             num_steps=core["num_steps"],
             num_requests=len(engine.requests),
+            kv_cache_dtype=engine.runner.kv_spec.cache_dtype,
+            block_size=engine.runner.block_size,
             heartbeat=time.monotonic(),
         )
 

@@ -84,9 +84,11 @@ def perplexity(
     stride: int | None = None,
     max_tokens: int | None = None,
     device: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> PerplexityResult:
     """Perplexity of the checkpoint folder `model` on a UTF-8 text file. `window` defaults to the
-    model's context, `stride` to half the window; `max_tokens` scores only the text's start."""
+    model's context, `stride` to half the window; `max_tokens` scores only the text's start.
+    kv_cache_dtype: EngineArgs.kv_cache_dtype ('int8' scores through an INT8 cache)."""
     path = Path(text_file)
     if not path.is_file():
         raise FileNotFoundError(f"no such text file: {path}")
@@ -97,7 +99,11 @@ def perplexity(
         ids = ids[:max_tokens]
     # Scoring uses scratch caches sized per window; the runner's own cache stays small.
     args = EngineArgs(
-        model=str(model), device=device or "auto", max_num_seqs=1, kv_cache_memory=16 << 20
+        model=str(model),
+        device=device or "auto",
+        max_num_seqs=1,
+        kv_cache_memory=16 << 20,
+        kv_cache_dtype=kv_cache_dtype,
     )
     runner = ModelRunner(args)
     window = window or runner.config.max_position_embeddings

@@ -34,6 +34,9 @@ class EngineCollector(Collector):
              stats.num_running),
             (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.",
              stats.num_waiting),
+            (GaugeMetricFamily, "kv_cache_num_blocks",
+             "KV cache blocks in the pool (what kv_cache_memory holds at the cache's dtype).",
+             stats.num_blocks),
             (GaugeMetricFamily, "kv_cache_usage_perc",
              "Fraction of KV blocks held by requests (1 = full); cached free blocks count free.",
              stats.kv_cache_usage),
@@ -51,6 +54,15 @@ class EngineCollector(Collector):
             metric = family(f"aieng_{name}", doc, labels=labels)
             metric.add_metric([self.model_name], value)
             yield metric
+        if stats.kv_cache_dtype:  # vLLM's cache_config_info: the cache's configuration as labels
+            info = GaugeMetricFamily(
+                "aieng_cache_config_info",
+                "KV cache configuration (value 1): its dtype, block size and number of blocks.",
+                labels=[*labels, "cache_dtype", "block_size", "num_blocks"],
+            )
+            config = [stats.kv_cache_dtype, str(stats.block_size), str(stats.num_blocks)]
+            info.add_metric([self.model_name, *config], 1)
+            yield info
 
 
 class ServerMetrics:
