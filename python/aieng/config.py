@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aieng.quantization.config import QuantizationConfig, parse_quantization_config
+
 ROPE_TYPES = ("default", "linear", "llama3")
 # Defaults from generation_config.json that map onto SamplingParams fields (vLLM reads the same).
 GENERATION_DEFAULT_FIELDS = {
@@ -59,6 +61,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    quantization: QuantizationConfig | None = None  # from `quantization_config`
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -86,6 +89,7 @@ class ModelConfig:
         if not architectures or not isinstance(architectures[0], str):
             raise ValueError(f"{source}: field 'architectures' must name the model class")
         architecture = architectures[0]
+        quantization = parse_quantization_config(raw.get("quantization_config"), source)
         hidden_size = fields.positive_int("hidden_size")
         num_heads = fields.positive_int("num_attention_heads")
         num_kv_heads = fields.positive_int("num_key_value_heads", default=num_heads)
@@ -140,6 +144,7 @@ class ModelConfig:
             bos_token_id=_optional_int(raw, "bos_token_id", source),
             eos_token_ids=_eos_token_ids(raw, generation, source, generation_source),
             generation_defaults=_generation_defaults(generation),
+            quantization=quantization,
         )
 
 

@@ -70,6 +70,9 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Called once all checkpoint tensors are placed: repack them for compute."""
+
 
 class DenseLinearMethod(LinearMethod):
     """A float (out, in) weight: y = x W^T + b. Checkpoint shards stack along dim 0."""

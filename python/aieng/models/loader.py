@@ -23,9 +23,13 @@ from aieng.layers.linear import (
     LinearMethodChooser,
     WeightLoadError,
     default_weight_loader,
-    dense_everywhere,
 )
 from aieng.models.registry import model_class
+from aieng.quantization.methods import (
+    describe_linear_kernels,
+    process_weights_after_loading,
+    quantized_linear_methods,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +56,33 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     config: ModelConfig | None = None,
-    linear_methods: LinearMethodChooser = dense_everywhere,
+    linear_methods: LinearMethodChooser | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """-> (model in eval mode on `device`, its config). dtype defaults to the checkpoint's."""
+    """-> (model in eval mode on `device`, its config). dtype defaults to the checkpoint's.
+    linear_methods defaults to what the checkpoint's `quantization_config` calls for."""
     folder = Path(path)
     config = config or ModelConfig.from_pretrained(folder)
     cls = model_class(config.architecture, str(folder / "config.json"))
     dtype = dtype or resolve_dtype(config.dtype, str(folder / "config.json"))
+    if linear_methods is None:
+        packed = getattr(cls, "packed_modules", {})
+        linear_methods = quantized_linear_methods(config.quantization, packed)
     with torch.device(device):
         model = cls(config, dtype, linear_methods)
     times = load_weights(model, folder)
+    start = time.perf_counter()
+    process_weights_after_loading(model)
+    times.placing_s += time.perf_counter() - start
+    quantized = ""
+    if config.quantization is not None:
+        quantized = f"; {config.quantization.describe()}: {describe_linear_kernels(model)}"
     logger.info(
-        "loaded %s from %s: reading %.2fs, placing %.2fs",
+        "loaded %s from %s: reading %.2fs, placing %.2fs%s",
         config.architecture,
         folder,
         times.reading_s,
         times.placing_s,
+        quantized,
     )
     return model.eval(), config
 
