@@ -154,18 +154,26 @@ def run_hf(
     )
 
 
+# The vector extensions that decide CPU kernel speed, quoted with every figure.
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16")
+
+
 def machine(threads: int) -> dict:
-    cpu = "unknown"
+    cpu, flags = "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "unknown":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    features = [f for f in CPU_FEATURES if f in flags]
     return {
         "nproc": os.cpu_count(),
         "cpu": cpu,
+        "cpu_features": " ".join(features) or "unknown",
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": threads,
