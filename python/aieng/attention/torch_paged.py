@@ -201,11 +201,13 @@ def _gather_context(
     """cache (N, B, H_kv, D), blocks (..., nb) -> (..., H_kv, length, D). With `scales`
     (N, B, H_kv, 1) the cache is INT8: only the gathered context is dequantized, to `dtype`."""
     num_kv_heads, head_dim = cache.shape[2:]
-    gathered = cache[blocks]  # (..., nb, B, H_kv, D)
-    gathered = gathered.view(*blocks.shape[:-1], -1, num_kv_heads, head_dim)[..., :length, :, :]
+    # index_select over the flat block ids: about twice as fast as cache[blocks] on the CPU.
+    index, lead = blocks.reshape(-1), blocks.shape[:-1]
+    gathered = cache.index_select(0, index).view(*lead, -1, num_kv_heads, head_dim)
+    gathered = gathered[..., :length, :, :]  # (..., length, H_kv, D)
     if scales is not None:
-        scale = scales[blocks].view(*blocks.shape[:-1], -1, num_kv_heads, 1)[..., :length, :, :]
-        gathered = dequantize_int8(gathered, scale, dtype or scales.dtype)
+        scale = scales.index_select(0, index).view(*lead, -1, num_kv_heads, 1)
+        gathered = dequantize_int8(gathered, scale[..., :length, :, :], dtype or scales.dtype)
     return gathered.transpose(-3, -2)
 
 
