@@ -1,0 +1,273 @@
+"""The INT8 KV cache: how many sequences a fixed KV budget holds, and decode speed, per cache dtype.
+
+1. Capacity: for a fixed budget (64 MiB on the default model, 1 GiB on base), the KV blocks
+   and the 1,024-token sequences that fit, per cache dtype, on the bundled default model (6
+   layers, 4 KV heads, head_dim 64; counted by building its runner) and on the ~134M "base"
+   config of bench_offline.py (12 layers, 12 KV heads, head_dim 64; counted from its
+   KVCacheSpec, no weights needed). An INT8 cache's bytes include its scales (one per token per
+   KV head for K and for V, in the model's dtype).
+2. Speed: the default model (float32) with a float32 and an INT8 cache on the same greedy
+   workloads (all requests at once, a budget that holds them all in both, so neither preempts):
+   output tokens/s end to end, and decode tokens/s = (output tokens - one per request) / (the
+   run's wall time - the wall time of the same prompts with max_tokens=1); best of --reps,
+   the dtypes alternating.
+3. Quality: held-out perplexity of the default model (`aieng.evaluate`, window 512, stride
+   256) with each cache, on the first --ppl-tokens tokens of the KJV held-out books (written
+   with Debian's bible-kjv when it is installed; skipped otherwise).
+
+    .venv/bin/python benches/bench_kv_cache_int8.py [--budget-mib 64] [--base-budget-mib 1024]
+        [--reps 2] [--threads 1]
+        [--ppl-tokens 4096] [--out benches/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from aieng import LLM, SamplingParams
+from aieng.benchmarks.offline import machine
+from aieng.engine_args import EngineArgs
+from aieng.kv_cache import KVCacheSpec
+from aieng.models.default import default_model_path
+from aieng.runner import ModelRunner
+
+SEQ_TOKENS = 1024
+BLOCK_SIZE = 16
+BASE = SimpleNamespace(num_hidden_layers=12, num_key_value_heads=12, head_dim=768 // 12)
+# (cache dtype shown, the model's dtype, EngineArgs.kv_cache_dtype)
+CACHES = [
+    ("float32", torch.float32, "auto"),
+    ("bfloat16", torch.bfloat16, "auto"),
+    ("float16", torch.float16, "auto"),
+    ("int8 (float32 scales, float32 model)", torch.float32, "int8"),
+    ("int8 (float16 scales, float16 model)", torch.float16, "int8"),
+]
+WORKLOADS = {
+    # name: (requests, prompt tokens, output tokens)
+    "short prompts, long outputs": (16, 32, 256),
+    "long context": (16, 384, 96),
+}
+
+
+def capacity(budgets: dict[str, int]) -> list[dict]:
+    rows = []
+    for model, budget in budgets.items():
+        plain = None
+        for name, dtype, kv_cache_dtype in CACHES:
+            if model == "default":  # the runner itself, weights in the model dtype
+                args = EngineArgs(
+                    model=str(default_model_path()),
+                    dtype=str(dtype).removeprefix("torch."),
+                    kv_cache_memory=budget,
+                    kv_cache_dtype=kv_cache_dtype,
+                )
+                runner = ModelRunner(args)
+                spec, blocks = runner.kv_spec, runner.num_blocks
+                del runner
+            else:
+                spec = KVCacheSpec.for_model(BASE, BLOCK_SIZE, dtype, kv_cache_dtype)
+                blocks = budget // spec.block_bytes
+            seqs = blocks // (SEQ_TOKENS // BLOCK_SIZE)
+            if name == "float32":
+                plain = blocks
+            rows.append(
+                {
+                    "model": model,
+                    "budget_mib": budget >> 20,
+                    "cache": name,
+                    "bytes_per_token": spec.block_bytes // BLOCK_SIZE,
+                    "blocks": blocks,
+                    "tokens": blocks * BLOCK_SIZE,
+                    "sequences": seqs,
+                    "blocks_vs_float32": blocks / plain if plain else None,
+                }
+            )
+    return rows
+
+
+def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
+
+
+def speed(reps: int) -> list[dict]:
+    engines = {
+        name: LLM(
+            str(default_model_path()),
+            kv_cache_dtype=name,
+            kv_cache_memory=128 << 20,
+            max_num_seqs=16,
+            enable_prefix_caching=False,
+        )
+        for name in ("auto", "int8")
+    }
+    rng = np.random.default_rng(0)
+    vocab = engines["auto"].engine.vocab_size
+    rows = []
+    for workload, (n, prompt_len, output_len) in WORKLOADS.items():
+        prompts = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]
+        best: dict[str, dict] = {}
+        for _ in range(reps):
+            for name, llm in engines.items():
+                prefill, _ = timed(llm, prompts, 1)
+                wall, tokens = timed(llm, prompts, output_len)
+                row = best.get(name)
+                if row is None or wall < row["wall_s"]:
+                    best[name] = {"wall_s": wall, "prefill_s": prefill, "token_ids": tokens}
+                else:
+                    row["prefill_s"] = min(row["prefill_s"], prefill)
+        for name, row in best.items():
+            out_tokens = n * output_len
+            decode_s = row["wall_s"] - row["prefill_s"]
+            rows.append(
+                {
+                    "workload": workload,
+                    "requests": n,
+                    "prompt_tokens": prompt_len,
+                    "output_tokens": output_len,
+                    "cache": "float32" if name == "auto" else "int8",
+                    "wall_s": row["wall_s"],
+                    "output_tokens_per_s": out_tokens / row["wall_s"],
+                    "decode_tokens_per_s": (out_tokens - n) / decode_s,
+                    "greedy_identical_to_float32": sum(
+                        a == b
+                        for a, b in zip(row["token_ids"], best["auto"]["token_ids"], strict=True)
+                    ),
+                }
+            )
+    return rows
+
+
+def quality(max_tokens: int) -> list[dict]:
+    from aieng.evaluate import perplexity
+    from aieng.train.corpus import CorpusError, write_kjv
+
+    try:
+        _, heldout = write_kjv(tempfile.mkdtemp())
+    except (OSError, CorpusError) as error:
+        print(f"perplexity skipped: {error}", file=sys.stderr)
+        return []
+    rows = []
+    for name in ("auto", "int8"):
+        r = perplexity(
+            default_model_path(),
+            heldout,
+            window=512,
+            stride=256,
+            max_tokens=max_tokens,
+            kv_cache_dtype=name,
+        )
+        rows.append(
+            {"cache": "float32" if name == "auto" else "int8", "tokens": r.tokens,
+             "perplexity": r.perplexity, "nll": r.nll, "seconds": r.seconds}
+        )  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-mib", type=int, default=64, help="for the default model")
+    ap.add_argument("--base-budget-mib", type=int, default=1024, help="for the base config")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ppl-tokens", type=int, default=4096, help="0: skip the perplexity")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    info = machine(args.threads)
+    cap = capacity({"default": args.budget_mib << 20, "base": args.base_budget_mib << 20})
+    print(f"capacity done ({time.perf_counter() - started:.0f} s)", flush=True)
+    fast = speed(args.reps)
+    print(f"speed done ({time.perf_counter() - started:.0f} s)", flush=True)
+    ppl = quality(args.ppl_tokens) if args.ppl_tokens else []
+    seconds = time.perf_counter() - started
+
+    lines = [
+        "# bench_kv_cache_int8",
+        "",
+        f"Machine: {info['nproc']} CPUs ({info['cpu']}; {info['cpu_features']}; torch CPU "
+        f"capability {info['torch_cpu_capability']}), torch {info['torch']}, Python "
+        f"{info['python']}, torch.set_num_threads({args.threads}) (the other core was busy).",
+        "",
+        f"## Capacity: a fixed KV budget per model, blocks of {BLOCK_SIZE} tokens",
+        "",
+        f"Sequences = blocks // {SEQ_TOKENS // BLOCK_SIZE} ({SEQ_TOKENS}-token sequences; the "
+        "default model's own context is 512). INT8 bytes include the scales.",
+        "",
+        "| model | budget | KV cache | bytes/token | blocks | tokens | 1,024-token sequences | "
+        "blocks vs float32 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in cap:
+        lines.append(
+            f"| {r['model']} | {r['budget_mib']} MiB | {r['cache']} | {r['bytes_per_token']:,} | "
+            f"{r['blocks']:,} | "
+            f"{r['tokens']:,} | {r['sequences']} | {r['blocks_vs_float32']:.2f}x |"
+        )
+    lines += [
+        "",
+        "default = the bundled model (6 layers, 4 KV heads, head_dim 64); base = bench_offline's "
+        "~134M config (12 layers, 12 KV heads, head_dim 64).",
+        "",
+        "## Speed: the default model (float32 weights), float32 vs INT8 cache",
+        "",
+        f"Greedy, ignore_eos, random prompt ids (seed 0), all requests at once, max_num_seqs 16, "
+        f"a 128 MiB budget (no preemption in either), prefix caching off; best of {args.reps}.",
+        "",
+        "| workload | requests x (prompt + output) | KV cache | output tok/s | decode tok/s | "
+        "wall s | greedy identical to float32 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in fast:
+        lines.append(
+            f"| {r['workload']} | {r['requests']} x ({r['prompt_tokens']} + "
+            f"{r['output_tokens']}) | {r['cache']} | {r['output_tokens_per_s']:.1f} | "
+            f"{r['decode_tokens_per_s']:.1f} | {r['wall_s']:.2f} | "
+            f"{r['greedy_identical_to_float32']}/{r['requests']} |"
+        )
+    if ppl:
+        base = ppl[0]["perplexity"]
+        lines += [
+            "",
+            "## Quality: held-out perplexity of the default model",
+            "",
+            f"KJV held-out books, first {args.ppl_tokens:,} tokens, window 512, stride 256 "
+            "(`aieng.evaluate.perplexity`, through the engine's forward and its cache dtype).",
+            "",
+            "| KV cache | tokens scored | perplexity | relative to float32 |",
+            "|---|---|---|---|",
+        ]
+        for r in ppl:
+            lines.append(
+                f"| {r['cache']} | {r['tokens']:,} | {r['perplexity']:.4f} | "
+                f"{r['perplexity'] / base - 1:+.4%} |"
+            )
+    lines += [
+        "",
+        f"Run time: {seconds:.0f} s. Command: `" + " ".join(["python", *sys.argv]) + "`",
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_kv_cache_int8.md").write_text(text)
+    result = {"machine": info, "args": vars(args), "capacity": cap, "speed": fast,
+              "perplexity": ppl, "seconds": seconds}  # fmt: skip
+    (out / "bench_kv_cache_int8.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
