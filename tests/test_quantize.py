@@ -8,6 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+)
+from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file, save_file
 from text_fixtures import CORPUS_LINES, byte_level_bpe, save_model_dir
 from tiny_models import build_checkpoint
@@ -32,17 +40,16 @@ from aieng.quantization.quantize import (
     rtn_qparams,
 )
 
-ct = pytest.importorskip("compressed_tensors")
-from compressed_tensors.compressors.pack_quantized.base import (  # noqa: E402
-    PackedQuantizationCompressor,
-)
-from compressed_tensors.quantization import (  # noqa: E402
-    QuantizationArgs,
-    QuantizationConfig,
-    QuantizationScheme,
-)
-from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize  # noqa: E402
-from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy machine the thread pool's
+    hand-offs cost more than the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 SCHEMES = [
     QuantScheme(4, 32, False),
@@ -269,10 +276,10 @@ def test_rtn_checkpoint_round_trip(outlier_model, tmp_path):
     ],
     ids=str,
 )
-def test_transformers_loads_the_checkpoint(arch, scheme, clip, calib_file, tmp_path):
+def test_transformers_and_aieng_load_the_checkpoint(arch, scheme, clip, calib_file, tmp_path):
     """transformers (with compressed-tensors) decompresses our checkpoints to exactly our
-    dequantized weights; AWQ's model stays closer to the float one than RTN's (a wrong fold
-    would not)."""
+    dequantized weights, and aieng's loader reads the same; AWQ's model stays closer to the
+    float one than RTN's (a wrong fold would not)."""
     import transformers
     from transformers import CompressedTensorsConfig
 
@@ -293,6 +300,7 @@ def test_transformers_loads_the_checkpoint(arch, scheme, clip, calib_file, tmp_p
         assert sorted(ours) == sorted(n for n in hf_state if n != "lm_head.weight" or n in ours)
         for name, tensor in ours.items():
             assert torch.equal(hf_state[name], tensor), name
+        _assert_aieng_loads(out, ours)
         with torch.no_grad():
             got = hf(ids).logits.log_softmax(-1)
         divergence[method] = float((want.exp() * (want - got)).sum(-1).mean())  # KL(float||q)
@@ -300,6 +308,28 @@ def test_transformers_loads_the_checkpoint(arch, scheme, clip, calib_file, tmp_p
     assert divergence["awq"] < divergence["rtn"]
     if scheme.bits == 8:
         assert divergence["awq"] < 0.01
+
+
+def _assert_aieng_loads(folder: Path, ours: dict[str, torch.Tensor]) -> None:
+    from aieng.layers.linear import Linear
+    from aieng.models.loader import load_model
+    from aieng.quantization.linear_method import dequantize as aieng_dequantize
+
+    model, _ = load_model(folder, dtype=torch.float32)
+    packed = model.packed_modules
+    checked = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or name == "lm_head":
+            continue
+        prefix, _, fused = name.rpartition(".")
+        names = sorted((shard, hf) for hf, (f, shard) in packed.items() if f == fused) or [
+            (0, fused)
+        ]
+        blocks = aieng_dequantize(module).split(module.output_sizes)
+        for (_, hf), block in zip(names, blocks, strict=True):
+            assert torch.equal(block, ours[f"{prefix}.{hf}.weight"].float()), f"{prefix}.{hf}"
+            checked += 1
+    assert checked == 2 * len(LINEAR_NAMES)
 
 
 def test_bundled_calibration_fills_the_default_sequences():

@@ -77,6 +77,11 @@ def add_quantize(commands) -> None:
         help="also search a clipping of each group's max|w| minimising its output error "
         "(AWQ's auto_clip)",
     )  # fmt: skip
+    p.add_argument(
+        "--threads", type=positive_int, metavar="N",
+        help="torch threads (default: all cores; on a machine busy with other work, 1 can be "
+        "several times faster)",
+    )  # fmt: skip
     p.set_defaults(run=run_quantize)
 
 
@@ -85,6 +90,10 @@ def run_quantize(args: argparse.Namespace) -> int:
     from aieng.quantization.compressed_tensors_writer import QuantScheme
     from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     scheme = QuantScheme(
         bits=args.bits,
         group_size=None if args.group_size == -1 else args.group_size,

@@ -60,6 +60,7 @@ ALPHA_GRID = 20
 CLIP_GRID = 20
 CLIP_MAX_SHRINK = 0.5
 CLIP_TOKENS = 512
+CLIP_ROWS = 256  # output rows per batch of the clipping search
 IGNORE = ["lm_head"]
 # Tokens per forward chunk while calibrating (whole sequences; bounds the attention's memory).
 CHUNK_TOKENS = 16384
@@ -364,27 +365,28 @@ def awq_clip(
     that minimises the group's output error on up to CLIP_TOKENS of the inputs x; -> w
     clamped (only `rows`, when given)."""
     rows = rows or slice(0, w.shape[0])
-    part = w[rows].float()
-    out, columns = part.shape
+    columns = w.shape[1]
     width = scheme.group_width(columns)
     tokens = x.reshape(-1, columns).float()
     tokens = tokens[:: max(1, tokens.shape[0] // CLIP_TOKENS)][:CLIP_TOKENS]
     xg = tokens.reshape(tokens.shape[0], columns // width, width)  # (T, G, K)
-    wg = part.reshape(out, columns // width, width)  # (O, G, K)
-    reference = torch.einsum("tgk,ogk->otg", xg, wg)
-    max_abs = wg.abs().amax(-1, keepdim=True)  # (O, G, 1)
-    best_err = torch.full(max_abs.shape, math.inf)
-    best_max = max_abs.clone()
-    for step in range(int(CLIP_MAX_SHRINK * CLIP_GRID)):
-        limit = max_abs * (1 - step / CLIP_GRID)
-        clipped = torch.clamp(wg, -limit, limit).reshape(out, columns)
-        q = fake_quantize(clipped, scheme).reshape(out, columns // width, width)
-        err = (torch.einsum("tgk,ogk->otg", xg, q) - reference).pow(2).mean(1)[..., None]
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_max = torch.where(better, limit, best_max)
     result = w.clone()
-    result[rows] = torch.clamp(wg, -best_max, best_max).reshape(out, columns).to(w.dtype)
+    target = result[rows]
+    for part in target.split(CLIP_ROWS):  # bounds the (rows, T, G) products
+        wg = part.float().reshape(part.shape[0], columns // width, width)  # (O, G, K)
+        reference = torch.einsum("tgk,ogk->otg", xg, wg)
+        max_abs = wg.abs().amax(-1, keepdim=True)  # (O, G, 1)
+        best_err = torch.full(max_abs.shape, math.inf)
+        best_max = max_abs.clone()
+        for step in range(int(CLIP_MAX_SHRINK * CLIP_GRID)):
+            limit = max_abs * (1 - step / CLIP_GRID)
+            clipped = torch.clamp(wg, -limit, limit).reshape(part.shape)
+            q = fake_quantize(clipped, scheme).reshape(wg.shape)
+            err = (torch.einsum("tgk,ogk->otg", xg, q) - reference).pow(2).mean(1)[..., None]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better, limit, best_max)
+        part.copy_(torch.clamp(wg, -best_max, best_max).reshape(part.shape))
     return result
 
 
@@ -557,19 +559,23 @@ def quantize_checkpoint(
         for index, layer in enumerate(fused.model.layers):
             bar.show(index)
             prefix = f"model.layers.{index}"
+            outputs = None
             if hidden is not None:
-                hidden, chosen, error = _calibrated_layer(
-                    layer, config, hidden, runner, scheme, options
-                )
+                # AWQ's scales (method awq) and clipping (--clip), in place; the float outputs.
+                outputs, chosen = _calibrate_layer(layer, config, hidden, runner, scheme, options)
                 alphas.append(chosen)
-                errors.append(error)
+            written: dict[nn.Module, QuantizedWeight] = {}
             for name, linear in linears.items():
                 if not name.startswith(prefix + "."):
                     continue
                 weight = quantize_rtn(linear.weight.data, scheme, out_dtype)
+                written[linear] = weight
                 names = _hf_names(fused, name, linear.output_sizes)
                 for hf, part in zip(names, _split_rows(weight, linear.output_sizes), strict=True):
                     quantized[hf] = part
+            if hidden is not None and outputs is not None:
+                errors.append(_layer_error(layer, hidden, outputs, runner, written))
+                hidden = outputs  # the next layer reads this layer's float outputs
         bar.show(len(fused.model.layers), _error_note(errors))
 
     tensors = _float_tensors(fused, folder, set(quantized))
@@ -601,16 +607,16 @@ def _error_note(errors: list[float]) -> str:
     return f", mean layer output MSE {sum(errors) / len(errors):.3g}" if errors else ""
 
 
-def _calibrated_layer(
+def _calibrate_layer(
     layer: nn.Module,
     config,
     hidden: torch.Tensor,
     runner: _LayerRunner,
     scheme: QuantScheme,
     options: QuantizeOptions,
-) -> tuple[torch.Tensor, dict[str, float], float]:
+) -> tuple[torch.Tensor, dict[str, float]]:
     """AWQ's scale search and folding (method awq) and clipping (clip) on one decoder layer, in
-    place. -> (the layer's float outputs, the chosen alphas, its output error once quantized)."""
+    place. -> (the layer's float outputs on `hidden`, the alphas chosen per group)."""
     seq_len = runner.seq_len
     attn, mlp = layer.self_attn, layer.mlp
 
@@ -708,17 +714,32 @@ def _calibrated_layer(
         ):
             linear.weight.data = awq_clip(linear.weight.data, inputs[name], scheme, rows)
 
-    # The layer's output error once quantized (float input), with the weights written.
+    return outputs, chosen
+
+
+def _layer_error(
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    outputs: torch.Tensor,
+    runner: _LayerRunner,
+    written: dict[nn.Module, QuantizedWeight],
+) -> float:
+    """Mean squared error of the layer's output on its float inputs `hidden` with the weights
+    as written (dequantized) against its float `outputs`."""
+
+    def run_layer(x: torch.Tensor, tokens: int) -> torch.Tensor:
+        positions, ctx = runner.context(tokens)
+        return layer(positions, x, ctx)
+
     originals = {}
-    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        originals[linear] = linear.weight.data
-        linear.weight.data = fake_quantize(linear.weight.data, scheme)
     try:
-        error = _mse_over_chunks(run_layer, hidden, outputs, seq_len)
+        for linear, weight in written.items():
+            originals[linear] = linear.weight.data
+            linear.weight.data = weight.dequantize().float()
+        return _mse_over_chunks(run_layer, hidden, outputs, runner.seq_len)
     finally:
         for linear, w in originals.items():
             linear.weight.data = w
-    return outputs, chosen, error
 
 
 def _float_tensors(
