@@ -40,7 +40,7 @@ class WeightScheme:
     def describe(self) -> str:
         group = f"g{self.group_size}" if self.group_size else "channel"
         kind = "sym" if self.symmetric else "asym"
-        return f"{self.format} int{self.bits} {group} {kind}"
+        return f"int{self.bits} {group} {kind}"
 
 
 @dataclass(frozen=True)
