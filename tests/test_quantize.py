@@ -174,17 +174,26 @@ def test_round_trip_write_read_unpack(tmp_path):
 # --- whole checkpoints ----------------------------------------------------------------------
 
 
-def _tiny(folder: Path, arch: str = "llama", outliers: bool = False, **overrides) -> Path:
+def _tiny(
+    folder: Path,
+    arch: str = "llama",
+    outliers: bool = False,
+    dtype: torch.dtype = torch.float32,
+    **overrides,
+) -> Path:
     """A tiny checkpoint (64 hidden, 128 MLP, 2 layers) with a trained byte-level tokenizer.
     outliers: a few hidden channels made 25x larger by the norms, as trained LLMs have."""
     build_checkpoint(arch, folder, vocab_size=600, num_key_value_heads=4, **overrides)
     save_model_dir(folder, byte_level_bpe(600))
-    if outliers:
-        tensors = load_file(folder / "model.safetensors")
-        for name, tensor in tensors.items():
-            if name.endswith("layernorm.weight"):
-                tensor[[3, 17, 40, 41]] *= 25
-        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    tensors = load_file(folder / "model.safetensors")
+    for name, tensor in tensors.items():
+        if outliers and name.endswith("layernorm.weight"):
+            tensor[[3, 17, 40, 41]] *= 25
+        tensors[name] = tensor.to(dtype)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
@@ -206,8 +215,9 @@ def _options(method: str, scheme: QuantScheme, calib: Path, **kw) -> QuantizeOpt
     )
 
 
-def _dequantized(folder: Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors with every quantized weight unpacked and dequantized."""
+def _dequantized(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors with every quantized weight unpacked and dequantized (in the
+    scales' dtype, or `dtype`)."""
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     weights = config["config_groups"]["group_0"]["weights"]
     bits, offset = weights["num_bits"], 1 << (weights["num_bits"] - 1)
@@ -223,6 +233,7 @@ def _dequantized(folder: Path) -> dict[str, torch.Tensor]:
         if zp is not None:
             zp = unpack_int32(zp, bits, dim=0, size=rows) - offset
         scale = stored.pop(f"{layer}.weight_scale")
+        scale = scale if dtype is None else scale.to(dtype)
         result[f"{layer}.weight"] = QuantizedWeight(q, scale, zp).dequantize()
     return {**stored, **result}
 
@@ -300,7 +311,7 @@ def test_transformers_and_aieng_load_the_checkpoint(arch, scheme, clip, calib_fi
         assert sorted(ours) == sorted(n for n in hf_state if n != "lm_head.weight" or n in ours)
         for name, tensor in ours.items():
             assert torch.equal(hf_state[name], tensor), name
-        _assert_aieng_loads(out, ours)
+        _assert_aieng_loads(out)
         with torch.no_grad():
             got = hf(ids).logits.log_softmax(-1)
         divergence[method] = float((want.exp() * (want - got)).sum(-1).mean())  # KL(float||q)
@@ -310,12 +321,14 @@ def test_transformers_and_aieng_load_the_checkpoint(arch, scheme, clip, calib_fi
         assert divergence["awq"] < 0.01
 
 
-def _assert_aieng_loads(folder: Path, ours: dict[str, torch.Tensor]) -> None:
+def _assert_aieng_loads(folder: Path) -> None:
+    """aieng's loader dequantizes (float32) every linear to our float32 dequantization."""
     from aieng.layers.linear import Linear
     from aieng.models.loader import load_model
     from aieng.quantization.linear_method import dequantize as aieng_dequantize
 
     model, _ = load_model(folder, dtype=torch.float32)
+    ours = _dequantized(folder, torch.float32)
     packed = model.packed_modules
     checked = 0
     for name, module in model.named_modules():
@@ -327,9 +340,38 @@ def _assert_aieng_loads(folder: Path, ours: dict[str, torch.Tensor]) -> None:
         ]
         blocks = aieng_dequantize(module).split(module.output_sizes)
         for (_, hf), block in zip(names, blocks, strict=True):
-            assert torch.equal(block, ours[f"{prefix}.{hf}.weight"].float()), f"{prefix}.{hf}"
+            assert torch.equal(block, ours[f"{prefix}.{hf}.weight"]), f"{prefix}.{hf}"
             checked += 1
     assert checked == 2 * len(LINEAR_NAMES)
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
+def test_bfloat16_checkpoint(calib_file, tmp_path):
+    """A bfloat16 source: scales and float tensors stay bfloat16 (untouched ones bit for bit),
+    and transformers decompresses to our bfloat16 dequantization."""
+    import transformers
+    from transformers import CompressedTensorsConfig
+
+    folder = _tiny(tmp_path / "model", outliers=True, dtype=torch.bfloat16)
+    out = tmp_path / "awq"
+    scheme = QuantScheme(4, 32, False)
+    quantize_checkpoint(folder, out, _options("awq", scheme, calib_file), None)
+    source, ours = load_file(folder / "model.safetensors"), _dequantized(out)
+    stored = load_file(out / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for n, t in stored.items() if "weight_scale" in n)
+    assert torch.equal(ours["model.embed_tokens.weight"], source["model.embed_tokens.weight"])
+    assert not torch.equal(  # AWQ folded its scales into the norm
+        ours["model.layers.0.input_layernorm.weight"],
+        source["model.layers.0.input_layernorm.weight"],
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    hf_state = hf.state_dict()
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(hf_state[name], tensor), name
+    _assert_aieng_loads(out)
 
 
 def test_bundled_calibration_fills_the_default_sequences():
@@ -406,3 +448,22 @@ def test_cli_errors(plain_model, tmp_path, capsys):
         main(["quantize", model, "--out", out, "--group-size", "x"])
     assert exit_info.value.code == 2
     assert "argument --group-size" in capsys.readouterr().err
+
+
+def test_cli_help_and_error_as_a_process(plain_model, tmp_path):
+    import subprocess
+    import sys
+
+    def aieng(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "aieng", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    done = aieng("--help")
+    assert done.returncode == 0 and "quantize" in done.stdout
+    done = aieng("quantize", "--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage: aieng quantize")
+    for flag in ("--out", "--method", "--bits", "--group-size", "--symmetric", "--calib"):
+        assert flag in done.stdout
+    done = aieng("quantize", str(plain_model), "--out", str(tmp_path / "q"), "--bits", "3")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr == "aieng quantize: error: --bits 3 is not supported (4 or 8)\n"
