@@ -41,11 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 from torch import nn
 
+from aieng.layers.linear import Linear
 from aieng.quantization.compressed_tensors_writer import (
     QuantizedWeight,
     QuantScheme,
@@ -321,7 +322,7 @@ class _ScaleGroup:
     """Linears reading one input, what scores their scale, and where the scale folds."""
 
     name: str  # "qkv", "o", "gate_up", "down"
-    linears: list[nn.Module]
+    linears: list[Any]  # Linear layers (their weights are registered by their method)
     input_name: str  # which captured input they read
     run: Callable[[torch.Tensor, int], torch.Tensor]  # the scored module, on that input
     fold_into: Callable[[torch.Tensor], None]  # divides the preceding op's output by s
@@ -418,10 +419,8 @@ def _check_out(out: Path) -> None:
         raise QuantizeError(f"--out {out} exists and is not empty")
 
 
-def _quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
+def _quantized_linears(model: Any) -> dict[str, Any]:
     """Our fused layer name (e.g. model.layers.0.self_attn.qkv_proj) -> the linear layer."""
-    from aieng.layers.linear import Linear
-
     return {
         name: module
         for name, module in model.model.layers.named_modules(prefix="model.layers")
@@ -429,7 +428,7 @@ def _quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def _check_group_size(model: nn.Module, linears: dict[str, nn.Module], scheme: QuantScheme) -> None:
+def _check_group_size(model: Any, linears: dict[str, Any], scheme: QuantScheme) -> None:
     if scheme.group_size is None:
         return
     for name, linear in linears.items():
@@ -445,7 +444,7 @@ def _check_group_size(model: nn.Module, linears: dict[str, nn.Module], scheme: Q
             )
 
 
-def _hf_names(model: nn.Module, fused_name: str, output_sizes: list[int]) -> list[str]:
+def _hf_names(model: Any, fused_name: str, output_sizes: list[int]) -> list[str]:
     """Our fused layer name -> the checkpoint's layer names of its output blocks, in order."""
     packed = getattr(model, "packed_modules", {})
     prefix, _, last = fused_name.rpartition(".")
@@ -530,7 +529,7 @@ def quantize_checkpoint(
     from aieng.models.loader import resolve_dtype
 
     out_dtype = resolve_dtype(config.dtype, str(folder / "config.json"))
-    fused = load_model(folder, dtype=torch.float32)[0]
+    fused: Any = load_model(folder, dtype=torch.float32)[0]
     linears = _quantized_linears(fused)
     _check_group_size(fused, linears, scheme)
 
@@ -564,7 +563,7 @@ def quantize_checkpoint(
                 # AWQ's scales (method awq) and clipping (--clip), in place; the float outputs.
                 outputs, chosen = _calibrate_layer(layer, config, hidden, runner, scheme, options)
                 alphas.append(chosen)
-            written: dict[nn.Module, QuantizedWeight] = {}
+            written: dict[Any, QuantizedWeight] = {}
             for name, linear in linears.items():
                 if not name.startswith(prefix + "."):
                     continue
@@ -608,7 +607,7 @@ def _error_note(errors: list[float]) -> str:
 
 
 def _calibrate_layer(
-    layer: nn.Module,
+    layer: Any,
     config,
     hidden: torch.Tensor,
     runner: _LayerRunner,
@@ -647,13 +646,13 @@ def _calibrate_layer(
     size = mlp.down_proj.input_size
     up_rows = slice(size, 2 * size)
 
-    def fold_into_norm(norm: nn.Module) -> Callable[[torch.Tensor], None]:
+    def fold_into_norm(norm: Any) -> Callable[[torch.Tensor], None]:
         def fold(s: torch.Tensor) -> None:
             norm.weight.div_(s.to(norm.weight.dtype))
 
         return fold
 
-    def fold_into_rows(linear: nn.Module, rows: slice) -> Callable[[torch.Tensor], None]:
+    def fold_into_rows(linear: Any, rows: slice) -> Callable[[torch.Tensor], None]:
         def fold(s: torch.Tensor) -> None:
             linear.weight[rows].div_(s[:, None])
             if getattr(linear, "bias", None) is not None:
@@ -718,11 +717,11 @@ def _calibrate_layer(
 
 
 def _layer_error(
-    layer: nn.Module,
+    layer: Any,
     hidden: torch.Tensor,
     outputs: torch.Tensor,
     runner: _LayerRunner,
-    written: dict[nn.Module, QuantizedWeight],
+    written: dict[Any, QuantizedWeight],
 ) -> float:
     """Mean squared error of the layer's output on its float inputs `hidden` with the weights
     as written (dequantized) against its float `outputs`."""
@@ -742,9 +741,7 @@ def _layer_error(
             linear.weight.data = w
 
 
-def _float_tensors(
-    model: nn.Module, folder: Path, quantized_layers: set[str]
-) -> dict[str, torch.Tensor]:
+def _float_tensors(model: Any, folder: Path, quantized_layers: set[str]) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors other than the quantized weights, each in its own dtype: the
     model's current value where it has one (norms and biases AWQ folded scales into), else the
     stored tensor (e.g. a tied checkpoint's lm_head.weight, rotary_emb.inv_freq)."""
@@ -769,7 +766,7 @@ def _float_tensors(
     return tensors
 
 
-def _model_value(name: str, params: dict, packed: dict, model: nn.Module) -> torch.Tensor | None:
+def _model_value(name: str, params: dict, packed: dict, model: Any) -> torch.Tensor | None:
     """The model's value of checkpoint tensor `name` (its block of a fused parameter)."""
     parts = name.split(".")
     for i, part in enumerate(parts):
