@@ -20,10 +20,11 @@ gate/up after post_attention_layernorm, down_proj after up_proj — it takes the
 input channel over the calibration tokens, tries s = mean|x|**alpha for alpha in
 {0, 0.05, ..., 0.95} (normalised so that max(s) * min(s) = 1), quantizes W diag(s) by RTN and
 keeps the alpha whose module output (the attention block for q/k/v, the MLP for gate/up, the
-layer itself for o_proj and down_proj) on (x / s) is closest to the float output in mean squared
-error. alpha = 0 is RTN itself, so the search never does worse than RTN on the group it scores.
-The scale is then folded exactly: the preceding RMSNorm's weight (or the preceding linear's
-output rows and bias) divided by s, the linear's input columns multiplied by s. `clip=True`
+linear's own output for o_proj and down_proj) on (x / s) is closest to the float output in mean
+squared error. alpha = 0 is RTN itself, so the search never does worse than RTN on the group
+it scores. The scale is then folded exactly: the preceding RMSNorm's weight (or the preceding
+linear's output rows and bias) divided by s, the linear's input columns multiplied by s.
+`clip=True`
 then searches, per output row and group, the clipping of max|w| (1, 0.95, ..., 0.55) that
 minimises the group's output error on up to 512 calibration tokens (AWQ's auto_clip; not on
 q/k, whose errors the attention scores amplify). Embeddings and the LM head stay float.
@@ -79,7 +80,7 @@ class QuantizeOptions:
     num_samples: int = DEFAULT_NUM_SAMPLES
     seq_len: int | None = None  # None: min(512, the model's context)
     clip: bool = False
-    # Measure each layer's output error on the calibration text (AWQ always does).
+    # Measure each layer's output error on the calibration text (AWQ and clip always do).
     measure: bool = False
 
 
