@@ -24,10 +24,10 @@ linear's own output for o_proj and down_proj) on (x / s) is closest to the float
 squared error. alpha = 0 is RTN itself, so the search never does worse than RTN on the group
 it scores. The scale is then folded exactly: the preceding RMSNorm's weight (or the preceding
 linear's output rows and bias) divided by s, the linear's input columns multiplied by s.
-`clip=True`
-then searches, per output row and group, the clipping of max|w| (1, 0.95, ..., 0.55) that
-minimises the group's output error on up to 512 calibration tokens (AWQ's auto_clip; not on
-q/k, whose errors the attention scores amplify). Embeddings and the LM head stay float.
+`clip=True` then searches, per output row and group, the clipping of max|w| (1, 0.95, ...,
+0.55) that minimises the group's output error on up to 512 calibration tokens (AWQ's
+auto_clip; not on q/k, whose errors the attention scores amplify). Embeddings and the LM head
+stay float.
 """
 
 from __future__ import annotations
