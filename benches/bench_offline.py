@@ -13,6 +13,13 @@ lengths uniform in [16, 256] (seed 0), greedy, ignore_eos, fp32, torch.set_num_t
     .venv/bin/python benches/bench_offline.py [--models small,base] [--requests 64] [--quick]
         [--configs 512:64,1024:64,2048:64] [--label after] [--out benches/results]
         [--previous SITE]   # also an earlier design installed in SITE, in the same run
+        [--quantization rtn]  # also each model quantized to INT4 by `aieng quantize`
+
+`--quantization rtn` quantizes each checkpoint with `aieng quantize --method rtn` (INT4, group
+128, asymmetric, the LM head too; random weights make AWQ's calibration meaningless) and runs it
+in the same process on the same workload and settings, plus a single greedy stream (batch 1:
+one request, 16-token prompt, 256 output tokens) for fp32 and INT4, and the resident bytes of
+each model's weights (parameters and buffers after loading).
 
 `--configs` lists aieng settings max_num_batched_tokens:max_num_seqs; every one is measured on
 the first model and the best (highest tokens/s) is used on the others.
@@ -26,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -106,6 +114,63 @@ def run_previous(
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def resident_weight_bytes(folder: Path) -> int:
+    """Bytes of a loaded model's parameters and buffers (the rotary tables included)."""
+    from aieng.models.loader import load_model
+
+    model, _ = load_model(folder)
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def single_stream(folder: Path, reps: int) -> float:
+    """Output tokens/s of one greedy request (16-token prompt, 256 tokens), best of reps."""
+    prompts, _ = workload(1, 32000)
+    run = run_aieng(
+        folder, [prompts[0][:16]], [256], kv_cache_memory=64 << 20, max_num_seqs=1,
+        reps=max(reps, 2),
+    )  # fmt: skip
+    return run.tokens_per_s
+
+
+def run_quantized(
+    folder: Path,
+    out: Path,
+    method: str,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    kv_bytes: int,
+    setting: tuple[int, int],
+    reps: int,
+    fp32_run,
+) -> dict:
+    from aieng.quantization.compressed_tensors_writer import QuantScheme
+    from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
+
+    options = QuantizeOptions(method=method, scheme=QuantScheme(4, 128, symmetric=False), ignore=[])
+    start = time.perf_counter()
+    quantize_checkpoint(folder, out, options, progress=None)
+    seconds = time.perf_counter() - start
+    run = run_aieng(
+        out, prompts, output_lens, kv_cache_memory=kv_bytes, max_num_batched_tokens=setting[0],
+        max_num_seqs=setting[1], reps=reps,
+    )  # fmt: skip
+    result = {
+        "method": method,
+        "quantize_s": seconds,
+        "tokens": run.tokens,
+        "wall_s": run.wall_s,
+        "tokens_per_s": run.tokens_per_s,
+        "greedy_identical_to_fp32": identical_requests(run, fp32_run),
+        "stream_tokens_per_s": single_stream(out, reps),
+        "fp32_stream_tokens_per_s": single_stream(folder, reps),
+        "weight_bytes": resident_weight_bytes(out),
+        "fp32_weight_bytes": resident_weight_bytes(folder),
+    }
+    print(f"  aieng INT4 {folder.name}: {json.dumps(result)}", flush=True)
+    return result
+
+
 def kv_budget(config: dict, num_requests: int) -> int:
     per_token = 2 * config["num_hidden_layers"] * config["hidden_size"] * 4  # K+V, fp32
     return int(num_requests * (256 + 256 + 32) * per_token * 1.1)
@@ -126,6 +191,11 @@ def main() -> None:
         "same checkpoint, same settings), in a subprocess",
     )
     ap.add_argument("--previous-name", default="previous design")
+    ap.add_argument(
+        "--quantization",
+        choices=["rtn"],
+        help="also run each model quantized to INT4 (group 128) with this method",
+    )
     ap.add_argument("--label", default="", help="names this run in the results (e.g. before)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
@@ -184,6 +254,11 @@ def main() -> None:
                     ),
                 }
                 print(f"  {args.previous_name} {name}: {row['previous']['tokens_per_s']:.1f} tok/s")
+            if args.quantization:
+                row["int4"] = run_quantized(
+                    folder, Path(tmp) / f"{name}-int4", args.quantization, prompts, output_lens,
+                    kv_bytes, chosen, args.reps, best[4],
+                )  # fmt: skip
             if not args.skip_hf:
                 hf = run_hf(folder, prompts, output_lens, args.reps)
                 tokens, wall, walls = hf.tokens, hf.wall_s, hf.walls_s
@@ -233,11 +308,39 @@ def main() -> None:
                 f"(greedy identical to this design: {p['greedy_identical_requests']}"
                 f"/{r['requests']}) |"
             )
+        if "int4" in r:
+            q = r["int4"]
+            lines.append(
+                f"| {r['model']} | {r['params'] / 1e6:.1f}M | aieng INT4 ({q['method']} g128) | "
+                f"same | {q['tokens_per_s']:.1f} | {q['wall_s']:.2f} | "
+                f"({q['tokens_per_s'] / a['tokens_per_s']:.2f}x aieng fp32) |"
+            )
         if "hf" in r:
             h = r["hf"]
             lines.append(
                 f"| {r['model']} | {r['params'] / 1e6:.1f}M | HF transformers | batch {HF_BATCH} | "
                 f"{h['tokens_per_s']:.1f} | {h['wall_s']:.2f} | |"
+            )
+    quantized = [r for r in rows if "int4" in r]
+    if quantized:
+        lines += [
+            "",
+            "INT4 against fp32 (the same aieng, the same run): a single greedy stream (batch 1, "
+            "16-token prompt, 256 output tokens) and resident weight bytes after loading.",
+            "",
+            "| model | fp32 stream tok/s | INT4 stream tok/s | speed-up | fp32 weights MB | "
+            "INT4 weights MB | ratio | greedy identical to fp32 (64-request run) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in quantized:
+            q = r["int4"]
+            lines.append(
+                f"| {r['model']} | {q['fp32_stream_tokens_per_s']:.1f} | "
+                f"{q['stream_tokens_per_s']:.1f} | "
+                f"{q['stream_tokens_per_s'] / q['fp32_stream_tokens_per_s']:.2f}x | "
+                f"{q['fp32_weight_bytes'] / 1e6:.1f} | {q['weight_bytes'] / 1e6:.1f} | "
+                f"{q['weight_bytes'] / q['fp32_weight_bytes']:.3f} | "
+                f"{q['greedy_identical_to_fp32']}/{r['requests']} |"
             )
     if len(tuning) > 1:
         lines += ["", "aieng settings tried (max_num_batched_tokens:max_num_seqs -> tok/s):", ""]

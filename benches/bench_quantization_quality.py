@@ -69,11 +69,12 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     names = args.name or [Path(m).name for m in args.models]
     rows = []
-    scheme = QuantScheme(bits=4, group_size=128, symmetric=False)
     for name, model in zip(names, args.models, strict=True):
         folder = Path(model)
         params = _parameters(folder)
-        row: dict = {"model": name, "path": str(folder), "parameters": params}
+        group = _group_size(folder)
+        scheme = QuantScheme(bits=4, group_size=group, symmetric=False)
+        row: dict = {"model": name, "path": str(folder), "parameters": params, "group": group}
         with tempfile.TemporaryDirectory() as tmp:
             quantized = {}
             for method in ("rtn", "awq"):
@@ -99,9 +100,9 @@ def main() -> None:
     info = machine(THREADS)
     columns = [
         ("fp32", "fp32"),
-        ("RTN-INT4 g128", "rtn_int4"),
+        ("RTN-INT4", "rtn_int4"),
         ("RTN ref", "rtn_int4_ref"),
-        ("AWQ-INT4 g128", "awq_int4"),
+        ("AWQ-INT4", "awq_int4"),
         ("AWQ ref", "awq_int4_ref"),
         ("INT8 KV", "int8_kv"),
         ("AWQ + INT8 KV", "awq_int4_int8_kv"),
@@ -114,13 +115,14 @@ def main() -> None:
         "",
         f"Held-out text: `{args.heldout}`, window {args.window}, stride {args.stride}"
         + (f", first {args.max_tokens} tokens" if args.max_tokens else "")
-        + ". INT4: compressed-tensors pack-quantized, group 128, asymmetric, written by "
+        + ". INT4: compressed-tensors pack-quantized, asymmetric, group 128 (64 where 128 does "
+        "not divide the MLP width), written by "
         f"`aieng quantize`; AWQ calibrated on the bundled text ({args.num_samples} x "
         f"{args.seq_len} tokens). 'ref' = the float32 dequantize reference instead of the fused "
         "kernel (bf16 activations). Relative change against fp32 in brackets.",
         "",
-        "| model | params | " + " | ".join(c for c, _ in columns) + " |",
-        "|---|---|" + "---|" * len(columns),
+        "| model | params | group | " + " | ".join(c for c, _ in columns) + " |",
+        "|---|---|---|" + "---|" * len(columns),
     ]
     for row in rows:
         cells = []
@@ -129,7 +131,9 @@ def main() -> None:
             change = "" if key == "fp32" else f" ({(value / row['fp32'] - 1) * 100:+.2f}%)"
             cells.append(f"{value:.3f}{change}")
         lines.append(
-            f"| {row['model']} | {row['parameters'] / 1e6:.1f}M | " + " | ".join(cells) + " |"
+            f"| {row['model']} | {row['parameters'] / 1e6:.1f}M | {row['group']} | "
+            + " | ".join(cells)
+            + " |"
         )
     lines += ["", "Command: `" + " ".join(["python", *sys.argv]) + "`", ""]
     text = "\n".join(lines)
@@ -140,6 +144,14 @@ def main() -> None:
     (out / "quantization_quality.json").write_text(
         json.dumps({"machine": info, "args": vars(args), "rows": rows}, indent=2)
     )
+
+
+def _group_size(folder: Path) -> int:
+    """128, or the largest smaller group dividing every linear's input (the default model's MLP
+    width, 704, takes 64)."""
+    config = json.loads((folder / "config.json").read_text())
+    sizes = (config["hidden_size"], config["intermediate_size"])
+    return next(g for g in (128, 64, 32) if all(size % g == 0 for size in sizes))
 
 
 def _parameters(folder: Path) -> int:

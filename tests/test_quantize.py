@@ -30,6 +30,7 @@ from aieng.quantization.compressed_tensors_writer import (
 )
 from aieng.quantization.packing import unpack_int32
 from aieng.quantization.quantize import (
+    QuantizeError,
     QuantizeOptions,
     bundled_calibration_text,
     calibration_ids,
@@ -467,3 +468,29 @@ def test_cli_help_and_error_as_a_process(plain_model, tmp_path):
     done = aieng("quantize", str(plain_model), "--out", str(tmp_path / "q"), "--bits", "3")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr == "aieng quantize: error: --bits 3 is not supported (4 or 8)\n"
+
+
+def test_lm_head_quantized_on_request(tmp_path):
+    """--quantize-lm-head: the head is written quantized (and left out of `ignore`), aieng loads
+    it with a quantized method; a head tied to the embeddings is refused in one line."""
+    from aieng.layers.linear import Linear
+    from aieng.models.loader import load_model
+    from aieng.quantization.linear_method import QuantizedLinearMethod
+    from aieng.quantization.linear_method import dequantize as aieng_dequantize
+
+    source = _tiny(tmp_path / "untied", tie_word_embeddings=False)
+    out = tmp_path / "int4"
+    scheme = QuantScheme(4, 32, False)
+    options = QuantizeOptions("rtn", scheme, quantize_lm_head=True)
+    quantize_checkpoint(source, out, options, None)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["ignore"] == []
+    model, _ = load_model(out)
+    head = model.lm_head
+    assert isinstance(head, Linear) and isinstance(head.method, QuantizedLinearMethod)
+    expected = quantize_rtn(load_file(source / "model.safetensors")["lm_head.weight"], scheme)
+    assert torch.equal(aieng_dequantize(head), expected.dequantize())
+
+    tied = _tiny(tmp_path / "tied", arch="qwen2")
+    with pytest.raises(QuantizeError, match="tied to the embeddings"):
+        quantize_checkpoint(tied, tmp_path / "tied-int4", options, None)

@@ -20,7 +20,7 @@ def group_size(text: str) -> int:
 
 
 def add_quantize(commands) -> None:
-    from aieng.quantization.quantize import DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN
+    from aieng.quantization.defaults import DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN
 
     p = commands.add_parser(
         "quantize",
@@ -55,6 +55,11 @@ def add_quantize(commands) -> None:
         "--symmetric", action="store_true",
         help="no zero point: scale = max|w| / 7.5 (4-bit) (default: asymmetric, a zero point "
         "per group)",
+    )  # fmt: skip
+    p.add_argument(
+        "--quantize-lm-head", action="store_true",
+        help="quantize the LM head too (round to nearest); by default it stays float (refused "
+        "when it is tied to the embeddings)",
     )  # fmt: skip
     calib = p.add_argument_group("calibration (awq, --clip)")
     calib.add_argument(
@@ -106,6 +111,7 @@ def run_quantize(args: argparse.Namespace) -> int:
         num_samples=args.num_samples,
         seq_len=args.seq_len,
         clip=args.clip,
+        quantize_lm_head=args.quantize_lm_head,
         measure=args.calib is not None,
     )
     result = quantize_checkpoint(resolve_model(args.model), args.out, options, sys.stderr)

@@ -53,10 +53,9 @@ from aieng.quantization.compressed_tensors_writer import (
     QuantScheme,
     write_checkpoint,
 )
+from aieng.quantization.defaults import DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN
 
 METHODS = ("awq", "rtn")
-DEFAULT_NUM_SAMPLES = 128
-DEFAULT_SEQ_LEN = 512
 CALIBRATION_FILE = "calibration_kjv.txt"
 ALPHA_GRID = 20
 CLIP_GRID = 20
@@ -80,6 +79,9 @@ class QuantizeOptions:
     num_samples: int = DEFAULT_NUM_SAMPLES
     seq_len: int | None = None  # None: min(512, the model's context)
     clip: bool = False
+    # Quantize the LM head too (RTN; it reads the final norm's output, which AWQ does not scale).
+    # Refused for a head tied to the embeddings, which stay float.
+    quantize_lm_head: bool = False
     # Measure each layer's output error on the calibration text (AWQ and clip always do).
     measure: bool = False
 
@@ -519,6 +521,11 @@ def quantize_checkpoint(
     _check_source(folder)
     _check_out(out)
     config = ModelConfig.from_pretrained(folder)
+    if options.quantize_lm_head and config.tie_word_embeddings:
+        raise QuantizeError(
+            "--quantize-lm-head: the LM head is tied to the embeddings (tie_word_embeddings), "
+            "which stay float"
+        )
     seq_len = options.seq_len or min(DEFAULT_SEQ_LEN, config.max_position_embeddings)
     if seq_len > config.max_position_embeddings:
         raise QuantizeError(
@@ -577,12 +584,16 @@ def quantize_checkpoint(
                 errors.append(_layer_error(layer, hidden, outputs, runner, written))
                 hidden = outputs  # the next layer reads this layer's float outputs
         bar.show(len(fused.model.layers), _error_note(errors))
+        ignore = IGNORE
+        if options.quantize_lm_head:
+            quantized["lm_head"] = quantize_rtn(fused.lm_head.weight.data, scheme, out_dtype)
+            ignore = []
 
     tensors = _float_tensors(fused, folder, set(quantized))
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_checkpoint(tmp, folder, tensors, quantized, scheme, IGNORE)
+        write_checkpoint(tmp, folder, tensors, quantized, scheme, ignore)
         if out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)
