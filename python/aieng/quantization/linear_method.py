@@ -11,14 +11,15 @@ checkpoint tensors:
 - `int4pack` (4-bit on the CPU): the weight stays packed, two nibbles a byte, and is dequantized
   inside torch's CPU INT4 matmul (`_weight_int4pack_mm_for_cpu`, AVX-512/AVX2 code); scales and
   zeros are held as bf16 pairs (s, (8 - z) * s) per group, and the activations go in as bf16 —
-  the "A16" of W4A16. Only bf16 activations have a vectorised kernel in torch; fp32 and fp16
-  inputs take a scalar path 30-1000x slower (measured; see benches/bench_int4_matmul.py).
+  the "A16" of W4A16. Only bf16 activations have a vectorised kernel in torch; fp32 inputs take
+  a scalar path 25-70x slower (fp16 slower still; benches/bench_int4_matmul.py).
 - `dequant` (the reference, any device, 8-bit, or whenever the kernel fails its check): the
   integers stay packed in uint8 (4-bit: two a byte), the weight is dequantized in float32 on each
   call and multiplied in the activations' dtype.
 
 Before a layer uses `int4pack` it is run once on random inputs against `dequant`; a mismatch
-turns the kernel off for that layer with a warning naming it.
+turns the kernel off for that layer with a warning naming it. A layer the kernel takes over
+keeps only the kernel's packed weight and bf16 pairs (0.53 bytes per weight at group 128).
 """
 
 from __future__ import annotations
@@ -258,8 +259,11 @@ class QuantizedLinearMethod(LinearMethod):
         layer.register_buffer("int4_scales_zeros", pairs, persistent=False)
         layer.int4_group_size = group_size
         layer.int4_padded_rows = pad
-        # The kernel has its own copy of the weight: the reference's is no longer needed.
+        # The kernel holds its own copy of the weight and its (scale, offset) pairs: the
+        # reference's integers and float32 scales and zeros are dropped (12 bytes per group).
         layer.qvalues = layer.qvalues.new_empty(0)
+        layer.scales = layer.scales.new_empty(0)
+        layer.zeros = layer.zeros.new_empty(0)
         self.kernel = "int4pack"
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -276,8 +280,9 @@ class QuantizedLinearMethod(LinearMethod):
 
 
 def dequantize(layer: Linear) -> torch.Tensor:
-    """A processed quantized layer's weight as float32 (N, K): (q - z) * s, group by group —
-    the reference every kernel is held to."""
+    """A processed quantized layer's weight as float32 (N, K): (q - z) * s, group by group,
+    exactly as the checkpoint says — the reference each kernel is checked against at load. Once
+    the kernel has taken a layer over, its weight as the kernel holds it (bf16 scales)."""
     scales, zeros = layer.scales, layer.zeros
     n, k = sum(layer.output_sizes), layer.input_size
     packed = layer.qvalues
@@ -293,18 +298,19 @@ def dequantize(layer: Linear) -> torch.Tensor:
 
 
 def _dequantize_from_kernel(layer: Linear) -> torch.Tensor:
-    """The reference weight of a layer whose integers live only in the kernel's (CPU-specific,
-    blocked) layout: the kernel run on the identity with unit scales and zero offsets returns
-    q - 8 exactly (small integers are exact in bf16); the float32 scales and zeros do the rest."""
+    """The weight a kernel layer multiplies by, as float32 (N, K): (q - 8) * s + (8 - z) * s
+    with its bf16 pairs. Its integers live only in the kernel's (CPU-specific, blocked) layout:
+    the kernel run on the identity with unit scales and zero offsets returns q - 8 exactly
+    (small integers are exact in bf16)."""
     n, k = sum(layer.output_sizes), layer.input_size
-    groups = k // layer.int4_group_size
-    unit = torch.zeros(groups, n + layer.int4_padded_rows, 2, dtype=torch.bfloat16)
+    pairs = layer.int4_scales_zeros  # (G, N + padding, 2)
+    unit = torch.zeros_like(pairs)
     unit[..., 0] = 1
     eye = torch.eye(k, dtype=torch.bfloat16)
-    q = torch.ops.aten._weight_int4pack_mm_for_cpu(
+    centred = torch.ops.aten._weight_int4pack_mm_for_cpu(
         eye, layer.int4_packed, layer.int4_group_size, unit
     )
-    q = q.float()[:, :n].t() + 8  # (N, K)
-    scales, zeros = layer.scales, layer.zeros
-    q = q.view(n, scales.shape[1], -1)
-    return ((q - zeros[:, :, None]) * scales[:, :, None]).reshape(n, k)
+    centred = centred.float()[:, :n].t().reshape(n, pairs.shape[0], -1)  # q - 8, (N, G, g)
+    scale = pairs[:, :n, 0].float().t()[:, :, None]
+    offset = pairs[:, :n, 1].float().t()[:, :, None]
+    return (centred * scale + offset).reshape(n, k)
