@@ -279,7 +279,8 @@ def main() -> None:
     lines = [
         f"# bench_offline{f' ({args.label})' if args.label else ''}",
         "",
-        f"Machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}, "
+        f"Machine: {info['nproc']} CPUs ({info['cpu']}; {info['cpu_features']}), "
+        f"torch {info['torch']}, "
         f"Python {info['python']}, torch.set_num_threads({THREADS}) for both engines.",
         "",
         f"Workload: {num_requests} requests, prompt and output lengths uniform in [16, 256] "
