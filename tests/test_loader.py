@@ -203,7 +203,7 @@ def test_config_fields_and_generation_config(tmp_path):
         ({"hidden_size": None}, "hidden_size"),
         ({"num_attention_heads": "4"}, "num_attention_heads"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "rope_type"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, "low_freq_factor"),
         ({"architectures": []}, "architectures"),
         ({"eos_token_id": "x"}, "eos_token_id"),

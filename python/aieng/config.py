@@ -16,7 +16,10 @@ from typing import Any
 
 from aieng.quantization.config import QuantizationConfig, parse_quantization_config
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# Architectures whose `attention_bias` also puts a bias on o_proj, as in HF Llama and Qwen3
+# (Qwen2 has q/k/v bias only, Mistral none); only Llama reads `mlp_bias`.
+O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 # Defaults from generation_config.json that map onto SamplingParams fields (vLLM reads the same).
 GENERATION_DEFAULT_FIELDS = {
     "temperature": "temperature",
@@ -36,7 +39,21 @@ class RopeConfig:
     # llama3 scaling only
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    # llama3, yarn and longrope: the context the model was pretrained with
     original_max_position_embeddings: int = 8192
+    # yarn and longrope: cos and sin are multiplied by this (resolved from mscale etc. at load)
+    attention_factor: float = 1.0
+    # yarn only: the rotation counts that bound the interpolation ramp
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    # longrope only: per-frequency divisors (head_dim / 2 each); `use_long_factor` says which
+    # set rotates every position (long when max_position_embeddings > original)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    use_long_factor: bool = False
+    # dynamic only: the context the base is rescaled against (max_position_embeddings)
+    max_position_embeddings: int = 2048
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
+    o_proj_bias: bool = False  # bias on o_proj (Llama and Qwen3 `attention_bias`; not Qwen2)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama `mlp_bias`)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_window: int | None = None
     rope: RopeConfig = field(default_factory=RopeConfig)
@@ -89,6 +108,10 @@ class ModelConfig:
         if not architectures or not isinstance(architectures[0], str):
             raise ValueError(f"{source}: field 'architectures' must name the model class")
         architecture = architectures[0]
+        # The architecture first: an unsupported model is named as such, not by a missing field.
+        from aieng.models.registry import model_class
+
+        model_class(architecture, source)
         quantization = parse_quantization_config(raw.get("quantization_config"), source)
         hidden_size = fields.positive_int("hidden_size")
         num_heads = fields.positive_int("num_attention_heads")
@@ -100,6 +123,7 @@ class ModelConfig:
             )
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         is_qwen3 = architecture == "Qwen3ForCausalLM"
+        is_mistral = architecture == "MistralForCausalLM"
         if is_qwen3:
             # Qwen3 sets head_dim independently of hidden_size / num_heads (HF default 128).
             head_dim = fields.positive_int("head_dim", default=128)
@@ -113,7 +137,7 @@ class ModelConfig:
         hidden_act = fields.get("hidden_act", str, default="silu")
         if hidden_act != "silu":
             raise ValueError(
-                f"{source}: field 'hidden_act' = {hidden_act!r}, only 'silu' is supported"
+                f"{source}: field 'hidden_act' = {hidden_act!r} is not supported (only 'silu' is)"
             )
         max_positions = fields.positive_int("max_position_embeddings", default=2048)
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
@@ -123,6 +147,12 @@ class ModelConfig:
         vocab_size = fields.positive_int("vocab_size")
         for where, data in ((source, raw), (generation_source, generation)):
             _check_special_ids(data, where, vocab_size)
+        # HF Mistral has no attention/MLP biases whatever the config says; Qwen2 always has q/k/v.
+        attention_bias = not is_mistral and fields.get("attention_bias", bool, default=False)
+        has_o_bias = attention_bias and architecture in O_PROJ_BIAS_ARCHITECTURES
+        mlp_bias = architecture == "LlamaForCausalLM" and fields.get(
+            "mlp_bias", bool, default=False
+        )
         return cls(
             architecture=architecture,
             model_type=fields.get("model_type", str, default=""),
@@ -136,10 +166,12 @@ class ModelConfig:
             rms_norm_eps=fields.positive_float("rms_norm_eps", default=1e-6),
             max_position_embeddings=max_positions,
             tie_word_embeddings=fields.get("tie_word_embeddings", bool, default=False),
-            attention_bias=is_qwen2 or fields.get("attention_bias", bool, default=False),
+            attention_bias=is_qwen2 or attention_bias,
+            o_proj_bias=has_o_bias,
+            mlp_bias=mlp_bias,
             qk_norm=is_qwen3,
             sliding_window=sliding_window,
-            rope=_rope_config(raw, source, max_positions),
+            rope=_rope_config(raw, source, max_positions, head_dim),
             dtype=dtype.removeprefix("torch."),
             bos_token_id=_optional_int(raw, "bos_token_id", source),
             eos_token_ids=_eos_token_ids(raw, generation, source, generation_source),
@@ -194,7 +226,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _rope_config(raw: dict[str, Any], source: str, max_positions: int) -> RopeConfig:
+def _rope_config(raw: dict[str, Any], source: str, max_positions: int, head_dim: int) -> RopeConfig:
+    """RoPE as transformers' rope utilities compute it (`_compute_*_parameters`), per type."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     name = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
     if not isinstance(params, dict):
@@ -206,22 +239,101 @@ def _rope_config(raw: dict[str, Any], source: str, max_positions: int) -> RopeCo
             f"{source}: field '{name}.rope_type' = {rope_type!r} is not supported "
             f"(supported: {', '.join(ROPE_TYPES)})"
         )
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and partial != 1.0:
+        raise ValueError(
+            f"{source}: field 'partial_rotary_factor' = {partial!r} is not supported "
+            "(RoPE over the whole head only)"
+        )
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     theta = _Fields({"rope_theta": theta}, source).positive_float("rope_theta")
     if rope_type == "default":
         return RopeConfig(theta=theta)
     if rope_type == "linear":
         return RopeConfig(theta=theta, type="linear", factor=fields.positive_float("factor"))
+    if rope_type == "dynamic":
+        return RopeConfig(
+            theta=theta,
+            type="dynamic",
+            factor=fields.positive_float("factor"),
+            max_position_embeddings=max_positions,
+        )
+    # As in transformers, a top-level `original_max_position_embeddings` (Phi-3) takes priority.
+    original = raw.get("original_max_position_embeddings")
+    if original is not None:
+        original = _Fields(raw, source).positive_int("original_max_position_embeddings")
+    else:
+        original = fields.positive_int("original_max_position_embeddings", default=max_positions)
+    if rope_type == "llama3":
+        return RopeConfig(
+            theta=theta,
+            type="llama3",
+            factor=fields.positive_float("factor"),
+            low_freq_factor=fields.positive_float("low_freq_factor"),
+            high_freq_factor=fields.positive_float("high_freq_factor"),
+            original_max_position_embeddings=original,
+        )
+    # yarn and longrope: without `factor`, the ratio of the contexts (as transformers does).
+    factor = (
+        fields.positive_float("factor")
+        if params.get("factor") is not None
+        else max_positions / original
+    )
+    attention_factor = params.get("attention_factor")
+    if attention_factor is not None:
+        attention_factor = fields.positive_float("attention_factor")
+    if rope_type == "yarn":
+        if attention_factor is None:
+            mscale = params.get("mscale") and fields.positive_float("mscale")
+            mscale_all_dim = params.get("mscale_all_dim") and fields.positive_float(
+                "mscale_all_dim"
+            )
+            if mscale and mscale_all_dim:
+                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(
+                    factor, mscale_all_dim
+                )
+            else:
+                attention_factor = _yarn_mscale(factor, 1.0)
+        truncate = fields.get("truncate", bool, default=True)
+        return RopeConfig(
+            theta=theta,
+            type="yarn",
+            factor=factor,
+            original_max_position_embeddings=original,
+            attention_factor=float(attention_factor),
+            # transformers treats 0 / absent as the paper's defaults (32 and 1)
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=truncate,
+        )
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        value = fields.get(key, list)
+        if len(value) != head_dim // 2 or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in value
+        ):
+            raise ValueError(
+                f"{source} ({name}): field '{key}' must be {head_dim // 2} positive numbers "
+                f"(head_dim / 2), got {value!r}"
+            )
+        factors[key] = tuple(float(v) for v in value)
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
     return RopeConfig(
         theta=theta,
-        type="llama3",
-        factor=fields.positive_float("factor"),
-        low_freq_factor=fields.positive_float("low_freq_factor"),
-        high_freq_factor=fields.positive_float("high_freq_factor"),
-        original_max_position_embeddings=fields.positive_int(
-            "original_max_position_embeddings", default=max_positions
-        ),
+        type="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=float(attention_factor),
+        use_long_factor=max_positions > original,
+        **factors,
     )
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _optional_int(raw: dict[str, Any], name: str, source: str) -> int | None:

@@ -1,5 +1,17 @@
 """Rotary position embedding (Su et al., 2021, RoFormer), in the rotate-half (GPT-NeoX) layout
-that Hugging Face Llama checkpoints use; with linear and Llama-3.1 frequency scaling."""
+that Hugging Face Llama checkpoints use; with linear, Llama-3.1, YaRN (Peng et al., 2023),
+dynamic-NTK and LongRoPE (Ding et al., 2024) frequency scaling, computed as transformers does.
+
+A position's rotation is fixed (one table for the whole context), which is what transformers
+computes for every sequence within `max_position_embeddings` — the only ones aieng serves:
+- dynamic NTK rescales the base only once a sequence exceeds `max_position_embeddings`, so within
+  the context its frequencies are the formula's at seq_len = max_position_embeddings;
+- longrope uses the long factors when `max_position_embeddings` exceeds the original context,
+  for every position. transformers picks the set per forward pass (long once the longest position
+  in the pass is past the original context), so it agrees for prompts longer than the original
+  context and not for shorter ones; a table that depends on the request would break batching and
+  prefix caching.
+"""
 
 import math
 
@@ -16,7 +28,39 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.type == "llama3":
         return _llama3_scaled(inv_freq, rope)
+    if rope.type == "yarn":
+        return _yarn_scaled(rope.theta**exponents, head_dim, rope)
+    if rope.type == "dynamic":
+        # The NTK-aware base at seq_len = max_position_embeddings (a ratio of 1 for the factor).
+        length = rope.max_position_embeddings
+        scale = rope.factor * length / length - (rope.factor - 1)
+        base = rope.theta * scale ** (head_dim / (head_dim - 2))
+        return 1.0 / (base**exponents)
+    if rope.type == "longrope":
+        factors = rope.long_factor if rope.use_long_factor else rope.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents)
     return inv_freq
+
+
+def _yarn_scaled(wavenumbers: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    # YaRN: dimensions that rotate more than beta_fast times over the original context keep their
+    # frequency, those rotating fewer than beta_slow times are divided by `factor`, with a linear
+    # ramp over the dimensions in between.
+    def dimension(rotations: float) -> float:
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = dimension(rope.beta_fast), dimension(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate (divided by factor)
+    # wavenumbers: theta ** (2i / head_dim), the inverse of the unscaled frequencies
+    interpolated, extrapolated = 1.0 / (rope.factor * wavenumbers), 1.0 / wavenumbers
+    return interpolated * (1 - keep) + extrapolated * keep
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -48,8 +92,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
         freqs = torch.arange(max_positions).float()[:, None] * rope_inv_freq(head_dim, rope)[None]
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # (max_positions, D / 2)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # yarn / longrope scale cos and sin by the attention factor (1 otherwise).
+        scale = rope.attention_factor
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)  # (max_positions, D / 2)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
         self._positions: torch.Tensor | None = None
         self._cos_src: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] = (self.cos[:0], self.sin[:0])

@@ -1,6 +1,6 @@
-"""The Llama family: Llama 2/3 (Touvron et al., 2023), Mistral 7B (Jiang et al., 2023),
-Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim) — one definition, used
-for serving and for training.
+"""The Llama family: Llama 2/3 (Touvron et al., 2023; optional q/k/v/o and MLP biases), Mistral 7B
+(Jiang et al., 2023), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim,
+optional q/k/v/o bias) — one definition, used for serving and for training.
 
 Pre-norm decoder layers with grouped-query attention (Ainslie et al., 2023), RoPE and a SwiGLU MLP.
 Tensors are flat over the step's tokens: T is the number of tokens in the step, across requests.
@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(
             q_size,
             config.hidden_size,
-            False,
+            config.o_proj_bias,
             dtype,
             methods,
             f"{prefix}.o_proj",
@@ -90,7 +90,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(
             config.hidden_size,
             [size, size],
-            False,
+            config.mlp_bias,
             dtype,
             methods,
             f"{prefix}.gate_up_proj",
@@ -98,7 +98,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(
             size,
             config.hidden_size,
-            False,
+            config.mlp_bias,
             dtype,
             methods,
             f"{prefix}.down_proj",

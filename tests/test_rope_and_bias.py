@@ -1,0 +1,280 @@
+"""YaRN, dynamic-NTK and LongRoPE scaling, Llama's attention/MLP biases and the refusals of
+unsupported checkpoints, against Hugging Face transformers on tiny random checkpoints."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from fake_scheduler import FakeScheduler
+from tiny_models import VOCAB_SIZE, build_checkpoint, hf_greedy, load_hf
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from aieng.config import ModelConfig
+from aieng.engine_args import EngineArgs
+from aieng.layers.rotary import rope_inv_freq
+from aieng.models.registry import MODEL_CLASSES
+from aieng.runner import ModelRunner
+from aieng.sampling import SamplingParams
+
+MAX_TOKENS = 8
+BLOCK_SIZE = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
+ORIGINAL = 16  # original_max_position_embeddings of the scaled checkpoints
+HALF = 8  # head_dim / 2 of the tiny checkpoints (hidden 64, 4 heads)
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.1 * i for i in range(HALF)],
+    "long_factor": [1.0 + 0.7 * i for i in range(HALF)],
+    "original_max_position_embeddings": ORIGINAL,
+}
+
+# name -> (tiny_models architecture, overrides, prompt lengths)
+CHECKPOINTS = {
+    "llama_yarn": (
+        "llama",
+        dict(
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": ORIGINAL,
+                "beta_fast": 16,
+                "beta_slow": 1,
+            },
+            rope_theta=10000.0,
+        ),
+        [1, 5, 12, 17, 25, 40],
+    ),
+    "llama_yarn_mscale": (
+        "llama",
+        dict(
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": ORIGINAL,
+                "mscale": 0.707,
+                "mscale_all_dim": 1.0,
+                "truncate": False,
+            },
+            rope_theta=10000.0,
+        ),
+        [3, 17, 33, 40],
+    ),
+    "qwen2_yarn": (
+        "qwen2",
+        dict(
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": ORIGINAL,
+            }
+        ),
+        [2, 9, 17, 26, 40],
+    ),
+    # transformers rescales the base only past max_position_embeddings (48 here), which aieng
+    # does not serve; prompts + outputs reach position 47.
+    "llama_dynamic": (
+        "llama",
+        dict(
+            rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+            rope_theta=10000.0,
+            max_position_embeddings=48,
+        ),
+        [1, 7, 17, 33, 40],
+    ),
+    # Longer than the original context: transformers uses the long factors, as aieng does.
+    "llama_longrope": ("llama", dict(rope_scaling=LONGROPE, rope_theta=10000.0), [17, 23, 33, 40]),
+    "llama_bias": ("llama", dict(attention_bias=True, mlp_bias=True), [1, 7, 17, 33, 40]),
+    "qwen3_attention_bias": ("qwen3", dict(attention_bias=True), [4, 17, 40]),
+}
+
+
+class Reference:
+    def __init__(self, name, folder):
+        arch, overrides, lengths = CHECKPOINTS[name]
+        self.folder = build_checkpoint(arch, folder, **overrides)
+        self.hf = load_hf(self.folder)
+        self.runner = ModelRunner(
+            EngineArgs(model=str(self.folder), block_size=BLOCK_SIZE, kv_cache_memory=1 << 22)
+        )
+        generator = torch.Generator().manual_seed(3)
+        self.prompts = [
+            torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in lengths
+        ]
+        self.expected = [hf_greedy(self.hf, p, MAX_TOKENS) for p in self.prompts]
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def reference(request, tmp_path_factory):
+    return Reference(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def check_matches(requests, expected):
+    for request, (tokens, logprobs) in zip(requests, expected, strict=True):
+        assert request.output == tokens
+        torch.testing.assert_close(
+            torch.tensor(request.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0
+        )
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_scaled_rope_and_bias_models_match_hf(reference, chunk_size):
+    scheduler = FakeScheduler(reference.runner, chunk_size=chunk_size)
+    requests = [scheduler.add(p, GREEDY) for p in reference.prompts]
+    scheduler.run()
+    check_matches(requests, reference.expected)
+
+
+def test_scaled_rope_prefix_cache_hit_matches_hf(reference):
+    scheduler = FakeScheduler(reference.runner)
+    first = scheduler.add(reference.prompts[-1], GREEDY)  # 40 tokens
+    scheduler.run()
+    shared = 5  # blocks: 20 tokens, past the original context of the scaled checkpoints
+    prompts = [reference.prompts[-1][: shared * BLOCK_SIZE] + reference.prompts[0]]
+    requests = [scheduler.add(p, GREEDY, cached_blocks=first.blocks[:shared]) for p in prompts]
+    scheduler.run()
+    check_matches(requests, [hf_greedy(reference.hf, p, MAX_TOKENS) for p in prompts])
+
+
+def test_bias_parameters_are_created_where_hf_has_them(reference):
+    model = reference.runner.model
+    hf_names = {n for n, _ in reference.hf.named_parameters() if n.endswith(".bias")}
+    ours = {n for n, p in model.named_parameters() if n.endswith(".bias") and p is not None}
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+    fused |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    expected = set()
+    for name in hf_names:
+        parts = name.split(".")
+        parts[-2] = fused.get(parts[-2], parts[-2])
+        expected.add(".".join(parts))
+    assert ours == expected
+
+
+BASE = dict(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+)
+
+
+@pytest.mark.parametrize(
+    "scaling, seq_len",
+    [
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, None),
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 0.7,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 16,
+                "beta_slow": 2,
+            },
+            None,
+        ),
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 3.0,
+                "original_max_position_embeddings": 64,
+                "truncate": False,
+            },
+            None,
+        ),
+        ({"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.3}, None),
+        ({"rope_type": "dynamic", "factor": 2.0}, None),
+        ({"rope_type": "dynamic", "factor": 1.1}, None),
+        ({**LONGROPE, "original_max_position_embeddings": 32}, 33),
+        ({**LONGROPE, "original_max_position_embeddings": 32, "factor": 2.0}, 33),
+        ({**LONGROPE, "original_max_position_embeddings": 256}, None),
+    ],
+)
+def test_rope_frequencies_and_attention_factor_match_transformers(scaling, seq_len):
+    hf_config = transformers.LlamaConfig(**BASE, rope_scaling=dict(scaling))
+    expected, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](
+        hf_config, "cpu", seq_len=seq_len
+    )
+    ours = ModelConfig.from_dicts(
+        {"architectures": ["LlamaForCausalLM"], **json.loads(hf_config.to_json_string())}
+    )
+    assert torch.equal(rope_inv_freq(ours.head_dim, ours.rope), expected)
+    assert ours.rope.attention_factor == attention_factor
+
+
+def test_phi3_style_top_level_original_context_takes_priority():
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        **BASE,
+        "original_max_position_embeddings": 64,
+        "rope_scaling": {**LONGROPE, "original_max_position_embeddings": 999},
+    }
+    rope = ModelConfig.from_dicts(raw).rope
+    assert rope.original_max_position_embeddings == 64 and rope.use_long_factor
+
+
+def test_dynamic_context_is_capped_at_max_position_embeddings():
+    # Past max_position_embeddings transformers changes the base per forward pass; aieng refuses.
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        EngineArgs(model="x", max_model_len=49).effective_max_model_len(48)
+
+
+def test_biases_follow_each_architecture():
+    def config(arch, **extra):
+        return ModelConfig.from_dicts({"architectures": [arch], **BASE, **extra})
+
+    llama = config("LlamaForCausalLM", attention_bias=True, mlp_bias=True)
+    assert llama.attention_bias and llama.o_proj_bias and llama.mlp_bias
+    qwen2 = config("Qwen2ForCausalLM")
+    assert qwen2.attention_bias and not qwen2.o_proj_bias and not qwen2.mlp_bias
+    qwen3 = config("Qwen3ForCausalLM", attention_bias=True, mlp_bias=True)
+    assert qwen3.attention_bias and qwen3.o_proj_bias and not qwen3.mlp_bias
+    mistral = config("MistralForCausalLM", attention_bias=True, mlp_bias=True)
+    assert not (mistral.attention_bias or mistral.o_proj_bias or mistral.mlp_bias)
+
+
+SUPPORTED = ", ".join(sorted(MODEL_CLASSES))
+
+
+@pytest.mark.parametrize(
+    "hf_config, architecture",
+    [
+        (transformers.GPT2Config(), "GPT2LMHeadModel"),
+        (transformers.GPTNeoXConfig(), "GPTNeoXForCausalLM"),
+        (transformers.MixtralConfig(), "MixtralForCausalLM"),
+    ],
+)
+def test_unsupported_architecture_is_refused_before_any_field(tmp_path, hf_config, architecture):
+    raw = {**json.loads(hf_config.to_json_string()), "architectures": [architecture]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    message = f"architecture '{architecture}' is not supported (supported: {SUPPORTED})"
+    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM" in message
+    with pytest.raises(ValueError, match=r"config\.json") as error:
+        ModelConfig.from_pretrained(tmp_path)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_act": "gelu"}, "field 'hidden_act' = 'gelu' is not supported"),
+        (
+            {"rope_scaling": {"rope_type": "mrope", "factor": 2.0}},
+            "field 'rope_scaling.rope_type' = 'mrope' is not supported",
+        ),
+        ({"partial_rotary_factor": 0.5}, "field 'partial_rotary_factor' = 0.5 is not supported"),
+        ({"use_sliding_window": True}, "field 'use_sliding_window' = true is not supported"),
+        (
+            {"rope_scaling": {**LONGROPE, "short_factor": [1.0, 2.0]}},
+            "field 'short_factor' must be 8 positive numbers",
+        ),
+    ],
+)
+def test_unsupported_option_is_named_with_its_value(change, message):
+    with pytest.raises(ValueError, match=r"config\.json") as error:
+        ModelConfig.from_dicts({"architectures": ["LlamaForCausalLM"], **BASE, **change})
+    assert message in str(error.value)
