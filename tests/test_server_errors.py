@@ -68,7 +68,7 @@ COMPLETION_CASES = [
     ({"prompt": "The quick", "max_tokens": 2047}, "max_tokens", ["2048", "2047"]),
     ({"prompt": [5] * 2048}, "prompt", ["2048"]),
     ({"prompt": "x", "model": "gpt-9"}, "model", ["gpt-9", MODEL_NAME]),
-    ({"prompt": "x", "tools": []}, "tools", ["unsupported"]),
+    ({"prompt": "x", "tools": [{"type": "function"}]}, "tools", ["unsupported"]),
     ({"prompt": "x", "echo": True}, "echo", ["not supported"]),
     ({"prompt": "x", "suffix": "y"}, "suffix", ["not supported"]),
     ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias", ["not supported"]),

@@ -21,6 +21,7 @@ from aieng.server.config import ServerConfig
 from aieng.server.context import ServerContext
 from aieng.server.errors import install_error_handlers
 from aieng.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from aieng.server.params import IGNORED_FIELDS_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,10 @@ def build_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(config.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
-            expose_headers=["X-Request-Id", "Retry-After"],
+            allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
+            # any request header: the openai JS client sends its own x-stainless-* ones
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "Retry-After", IGNORED_FIELDS_HEADER],
         )
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

@@ -13,7 +13,13 @@ from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
 from aieng.server.openapi_docs import ERROR_RESPONSES
-from aieng.server.params import check_request, resolve_max_tokens, sampling_params
+from aieng.server.params import (
+    check_request,
+    mark_ignored_fields,
+    note_ignored_fields,
+    resolve_max_tokens,
+    sampling_params,
+)
 from aieng.server.protocol import ChatCompletionRequest, ChatMessage
 from aieng.server.streaming import Shapes, respond
 
@@ -26,6 +32,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = ctx.ready_engine(request)
     ctx.check_model(body.model)
     check_request(body)
+    ignored = note_ignored_fields(body, ctx.warned_fields)
     ids = await render_chat(ctx, body.messages, add_generation_prompt=True)
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = resolve_max_tokens(
@@ -38,9 +45,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, ctx.model_defaults)
     generation = Generation(ctx, request, engine, [ids], [params])
-    return await respond(
-        generation, body.stream, body.include_usage_in_stream, _shapes(ctx, generation)
+    response = await respond(
+        generation,
+        body.stream,
+        body.include_usage_in_stream,
+        _shapes(ctx, generation),
+        body.continuous_usage_in_stream,
     )
+    return mark_ignored_fields(response, ignored)
 
 
 async def render_chat(

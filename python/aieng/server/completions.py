@@ -15,6 +15,8 @@ from aieng.server.openapi_docs import ERROR_RESPONSES
 from aieng.server.params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     check_request,
+    mark_ignored_fields,
+    note_ignored_fields,
     resolve_max_tokens,
     sampling_params,
 )
@@ -30,6 +32,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine = ctx.ready_engine(request)
     ctx.check_model(body.model)
     check_request(body)
+    ignored = note_ignored_fields(body, ctx.warned_fields)
     prompts = await _prompt_ids(ctx, body)
     params = []
     for ids in prompts:
@@ -38,9 +41,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         )
         params.append(sampling_params(body, max_tokens, body.logprobs, ctx.model_defaults))
     generation = Generation(ctx, request, engine, prompts, params)
-    return await respond(
-        generation, body.stream, body.include_usage_in_stream, _shapes(ctx, generation)
+    response = await respond(
+        generation,
+        body.stream,
+        body.include_usage_in_stream,
+        _shapes(ctx, generation),
+        body.continuous_usage_in_stream,
     )
+    return mark_ignored_fields(response, ignored)
 
 
 async def _prompt_ids(ctx: ServerContext, body: CompletionRequest) -> list[list[int]]:
@@ -61,11 +69,16 @@ async def _prompt_ids(ctx: ServerContext, body: CompletionRequest) -> list[list[
 
 
 def _shapes(ctx: ServerContext, generation: Generation) -> Shapes:
+    offsets: dict[int, int] = {}  # choice -> text length of its tokens sent so far
+
     def choice_delta(d: Delta) -> dict[str, Any]:
+        logprobs = _logprobs(ctx, generation, d.token_ids, d.logprobs, offsets.get(d.index, 0))
+        if logprobs is not None:
+            offsets[d.index] = logprobs.pop("_end")
         return {
             "index": d.index,
             "text": d.text,
-            "logprobs": _logprobs(ctx, generation, d.token_ids, d.logprobs),
+            "logprobs": logprobs,
             "finish_reason": d.finish_reason,
             "stop_reason": generation.choices[d.index].stop_reason if d.finish_reason else None,
         }
@@ -87,7 +100,7 @@ def _completion(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
         {
             "index": i,
             "text": "".join(c.text),
-            "logprobs": _logprobs(ctx, generation, c.token_ids, c.logprobs),
+            "logprobs": _whole_logprobs(ctx, generation, c.token_ids, c.logprobs),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
@@ -96,17 +109,32 @@ def _completion(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
     return {**_head(ctx, generation), "choices": choices, "usage": generation.usage()}
 
 
-def _logprobs(
+def _whole_logprobs(
     ctx: ServerContext,
     generation: Generation,
     token_ids: list[int],
     logprobs: list[dict[int, float]] | None,
 ) -> dict[str, Any] | None:
+    out = _logprobs(ctx, generation, token_ids, logprobs, 0)
+    if out is not None:
+        del out["_end"]
+    return out
+
+
+def _logprobs(
+    ctx: ServerContext,
+    generation: Generation,
+    token_ids: list[int],
+    logprobs: list[dict[int, float]] | None,
+    start: int,
+) -> dict[str, Any] | None:
+    """OpenAI's legacy logprobs of some tokens, whose text begins at character `start` of the
+    choice's text; `_end` (for the caller to remove) is where the next token's text begins."""
     if logprobs is None:
         return None
     k = generation.params[0].logprobs or 0
     tokens = [ctx.token_text(t) for t in token_ids]
-    offsets, offset = [], 0
+    offsets, offset = [], start
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
@@ -115,6 +143,7 @@ def _logprobs(
         "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs, strict=True)],
         "top_logprobs": [_top(ctx, lp, k) for lp in logprobs],
         "text_offset": offsets,
+        "_end": offset,
     }
 
 

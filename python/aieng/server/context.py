@@ -27,6 +27,7 @@ class ServerContext:
         self.metrics = ServerMetrics(config.served_model_name, self.stats)
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}
+        self.warned_fields: set[str] = set()  # unknown request fields already logged
 
     def stats(self) -> EngineStats | None:
         return None if self.engine is None else self.engine.stats

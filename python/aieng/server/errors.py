@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +23,8 @@ ERROR_TYPES = {
     503: "service_unavailable",
 }
 
+
+logger = logging.getLogger(__name__)
 
 UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "TextPart", "ChatMessage"}
 
@@ -52,6 +55,14 @@ def error_body(status: int, message: str, param: str | None, code: str | None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message quoting what a client sent (a lone
+    surrogate included) still renders."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def error_response(
     status: int,
     message: str,
@@ -59,11 +70,18 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+    return AsciiJSONResponse(error_body(status, message, param, code), status, headers=headers)
 
 
 def error_bytes(status: int, message: str, param: str | None, code: str | None) -> bytes:
     return json.dumps(error_body(status, message, param, code)).encode()
+
+
+def internal_error(request_id: str) -> ApiError:
+    """What a client is told of an unexpected failure: no exception text, which stays in the
+    server log."""
+    where = f" (request {request_id})" if request_id else ""
+    return ApiError(500, f"internal server error{where}; see the server log", code="internal")
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
@@ -102,6 +120,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        request_id = request.scope.get("state", {}).get("request_id", "")
+        logger.error("request %s failed", request_id, exc_info=exc)
+        response = internal_error(request_id).response()
+        if request_id:  # this answer is sent from outside the request-id middleware
+            response.headers["x-request-id"] = request_id
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -13,6 +13,7 @@ of the request is aborted.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -26,8 +27,10 @@ from aieng.outputs import RequestOutput
 from aieng.sampling import SamplingParams
 from aieng.server.admission import ServerState
 from aieng.server.context import ServerContext, arrival_of, request_id_of
-from aieng.server.errors import ApiError
+from aieng.server.errors import ApiError, internal_error
 from aieng.server.request_log import RequestRecord, log_request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -248,7 +251,8 @@ class Generation:
             return ApiError(503, str(error), code="engine_dead")
         if isinstance(error, AiengError):
             return ApiError(500, f"engine error: {error}", code="engine_error")
-        return ApiError(500, f"internal error: {type(error).__name__}: {error}", code="internal")
+        logger.error("request %s failed", self.request_id, exc_info=error)
+        return internal_error(self.request_id)
 
     def _step_failed(self, index: int, choice: Choice) -> ApiError:
         cause = choice.stop_reason if isinstance(choice.stop_reason, str) else "see the server log"

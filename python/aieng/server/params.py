@@ -2,19 +2,55 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
+
+from fastapi.responses import Response
 
 from aieng.sampling import SamplingParams
 from aieng.server.errors import ApiError, invalid
 from aieng.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
+logger = logging.getLogger(__name__)
+
+IGNORED_FIELDS_HEADER = "x-aieng-ignored-fields"
+MAX_WARNED_FIELDS = 1024  # names warned about, kept so each is logged once (bounded)
+MAX_HEADER_FIELDS = 32
+_HEADER_SAFE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Request fields that fall back to the model's generation_config.json when not given.
 MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+# Known fields that would change the output if honoured, so ignoring them would mislead: each
+# is refused unless its value is one of the no-op values listed.
+NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
+    "tools": ("tool calling is not supported", (None, [])),
+    "tool_choice": ("tool calling is not supported", (None, "none")),
+    "functions": ("function calling is not supported", (None, [])),
+    "function_call": ("function calling is not supported", (None, "none")),
+    "response_format": (
+        'only {"type": "text"} is supported',
+        (None, {"type": "text"}),
+    ),
+    "structured_outputs": ("structured outputs are not supported", (None,)),
+    "guided_json": ("structured outputs are not supported", (None,)),
+    "guided_regex": ("structured outputs are not supported", (None,)),
+    "guided_choice": ("structured outputs are not supported", (None,)),
+    "guided_grammar": ("structured outputs are not supported", (None,)),
+    "prompt_logprobs": ("prompt logprobs are not supported", (None,)),
+    "allowed_token_ids": ("allowed_token_ids is not supported", (None,)),
+    "bad_words": ("bad_words is not supported", (None, [])),
+}
+
+
 def check_request(req: SamplingFields) -> None:
     """Cross-field rules, each naming the field at fault."""
+    extra = req.model_extra or {}
+    for name, (why, no_ops) in NOT_SUPPORTED.items():
+        if name in extra and not any(_same(extra[name], ok) for ok in no_ops):
+            raise invalid(f"unsupported field {name!r}: {why}", name, "unsupported_field")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, CompletionRequest) and req.best_of not in (None, req.n):
@@ -25,6 +61,32 @@ def check_request(req: SamplingFields) -> None:
         both = req.max_tokens is not None and req.max_completion_tokens is not None
         if both and req.max_tokens != req.max_completion_tokens:
             raise invalid("max_tokens and max_completion_tokens differ", "max_completion_tokens")
+
+
+def note_ignored_fields(req: SamplingFields, warned: set[str]) -> list[str]:
+    """The request's unknown fields; each name is logged at WARNING the first time it is seen
+    (`warned` holds the names seen so far)."""
+    names = req.ignored_fields
+    for name in names:
+        if name not in warned and len(warned) < MAX_WARNED_FIELDS:
+            warned.add(name)
+            logger.warning(
+                "ignoring the unknown request field %s (logged once per field name)", ascii(name)
+            )
+    return names
+
+
+def mark_ignored_fields(response: Response, names: list[str]) -> Response:
+    """Lists the ignored fields in a response header (names unfit for a header left out)."""
+    shown = [n for n in dict.fromkeys(names) if _HEADER_SAFE.fullmatch(n)][:MAX_HEADER_FIELDS]
+    if shown:
+        response.headers[IGNORED_FIELDS_HEADER] = ",".join(shown)
+    return response
+
+
+def _same(value: object, expected: object) -> bool:
+    """JSON equality without Python's 1 == True."""
+    return type(value) is type(expected) and value == expected
 
 
 def resolve_max_tokens(

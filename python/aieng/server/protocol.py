@@ -1,22 +1,41 @@
 """Request bodies of the OpenAI API (and vLLM's extra sampling fields), validated strictly.
 
-Strict types (no "1" for 1, no true for 1), no NaN or Infinity, and an unknown field is an
-error, so a client learns at once that a field it relies on is not honoured.
+Strict types (no "1" for 1, no true for 1), no NaN or Infinity, and no string with a lone
+surrogate (it has no UTF-8 form). An unknown top-level field of a completion or chat request
+is ignored, as vLLM does: the route logs it once per name and lists it in the
+`x-aieng-ignored-fields` response header. A field that is known but would change the output
+if honoured (`tools`, a `response_format` other than text, ...) is refused with a 400 naming it
+(see `params.check_request`).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP = 16
 INT64 = 1 << 63
+INT32 = 1 << 31
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-Text = Annotated[str, Field(min_length=1)]
+
+def check_unicode(value: str) -> str:
+    """Refuses a lone surrogate (JSON's "\\ud800" escape): no tokenizer can encode it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"the string has a lone surrogate at character {error.start}, which is not "
+            "valid Unicode"
+        ) from None
+    return value
+
+
+Str = Annotated[str, AfterValidator(check_unicode)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=INT64)]], Field(min_length=1)]
+Text = Annotated[Str, Field(min_length=1)]
 Prompt = Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | list[TokenIds]
 
 
@@ -24,33 +43,42 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class _Lenient(_Strict):
+    """Unknown fields are kept aside (in `model_extra`) rather than refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
-class SamplingFields(_Strict):
+class SamplingFields(_Lenient):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
+    model: Str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
+    stop: Str | list[Str] | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, lt=INT64)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(
+        None, max_length=MAX_STOP
+    )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -77,12 +105,24 @@ class SamplingFields(_Strict):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The unknown fields of the body (and of its stream_options), as given."""
+        names = list(self.model_extra or ())
+        if self.stream_options is not None:
+            names += [f"stream_options.{k}" for k in self.stream_options.model_extra or ()]
+        return names
+
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @field_validator("prompt", mode="before")
@@ -131,13 +171,13 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Str
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Str | list[TextPart]
+    name: Str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -167,15 +207,15 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Strict):
-    model: str | None = None
-    prompt: str | None = None
+    model: Str | None = None
+    prompt: Str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Strict):
-    model: str | None = None
+    model: Str | None = None
     tokens: list[int]
 
 

@@ -1,4 +1,4 @@
-"""The small routes: models, health, readiness, metrics, tokenize and detokenize."""
+"""The small routes: models, version, health, readiness, metrics, tokenize and detokenize."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from aieng.async_engine import AsyncLLMEngine
 from aieng.server.admission import ServerState
 from aieng.server.chat import render_chat
-from aieng.server.context import context_of
-from aieng.server.errors import invalid
+from aieng.server.context import ServerContext, context_of
+from aieng.server.errors import ApiError, invalid
 from aieng.server.openapi_docs import ERROR_RESPONSES
 from aieng.server.protocol import DetokenizeRequest, TokenizeRequest
 
@@ -25,8 +25,33 @@ HEARTBEAT_LIMIT_S = 60.0  # a loop silent this long is stuck
 
 @router.get("/v1/models", responses=ERROR_RESPONSES)
 async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model(context_of(request))]})
+
+
+@router.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
+async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
+    """The served model by its name (or its path); 404 for any other."""
     ctx = context_of(request)
-    model = {
+    if not ctx.config.knows_model(model_id):
+        raise ApiError(
+            404,
+            f"the model {model_id!r} does not exist; this server serves "
+            f"{ctx.config.served_model_name!r}",
+            "model",
+            "model_not_found",
+        )
+    return JSONResponse(_model(ctx))
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    from aieng import __version__
+
+    return JSONResponse({"version": __version__})
+
+
+def _model(ctx: ServerContext) -> dict[str, Any]:
+    model: dict[str, Any] = {
         "id": ctx.config.served_model_name,
         "object": "model",
         "created": ctx.created,
@@ -35,7 +60,7 @@ async def list_models(request: Request) -> JSONResponse:
     }
     if ctx.engine is not None:
         model["max_model_len"] = ctx.engine.max_model_len
-    return JSONResponse({"object": "list", "data": [model]})
+    return model
 
 
 @router.get("/health")
@@ -59,6 +84,12 @@ async def ready(request: Request) -> JSONResponse:
         if body["status"] != "ok":
             return JSONResponse(body, 503)
     return JSONResponse({"status": state.value}, 200 if state is ServerState.READY else 503)
+
+
+# HEAD probes (load balancers, uptime checks): the same status, no body; kept out of the
+# OpenAPI document, where a second operation of one function would repeat its id.
+router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+router.add_api_route("/ready", ready, methods=["HEAD"], include_in_schema=False)
 
 
 def _liveness(engine: AsyncLLMEngine) -> dict[str, Any]:

@@ -38,8 +38,14 @@ def sse(payload: dict) -> bytes:
 
 
 async def respond(
-    generation: Generation, stream: bool, include_usage: bool, shapes: Shapes
+    generation: Generation,
+    stream: bool,
+    include_usage: bool,
+    shapes: Shapes,
+    continuous_usage: bool = False,
 ) -> Response:
+    """With `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`) every chunk
+    carries the usage so far; with `include_usage` a last chunk carries the final usage."""
     generation.start()
     try:
         if not stream:
@@ -57,7 +63,8 @@ async def respond(
     except BaseException:
         generation.close()
         raise
-    return GenerationStream(generation, _events(generation, first, include_usage, shapes))
+    events = _events(generation, first, include_usage, shapes, continuous_usage)
+    return GenerationStream(generation, events)
 
 
 class GenerationStream(StreamingResponse):
@@ -74,7 +81,11 @@ class GenerationStream(StreamingResponse):
 
 
 async def _events(
-    generation: Generation, first: list[Delta], include_usage: bool, shapes: Shapes
+    generation: Generation,
+    first: list[Delta],
+    include_usage: bool,
+    shapes: Shapes,
+    continuous_usage: bool,
 ) -> AsyncIterator[bytes]:
     usage_field = {"usage": None} if include_usage else {}
 
@@ -85,7 +96,8 @@ async def _events(
         if not shown:
             return b""
         choices = [shapes.choice_delta(d) for d in shown]
-        return sse({**shapes.head, "choices": choices, **usage_field})
+        usage = {"usage": generation.usage()} if continuous_usage else usage_field
+        return sse({**shapes.head, "choices": choices, **usage})
 
     yield chunk(first)
     try:
