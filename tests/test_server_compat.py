@@ -201,6 +201,11 @@ def test_cors_preflight_of_the_openai_js_client(model):
             f"{s.url}/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"}
         )
         assert other.status_code == 400
+    with ThreadServer(model, allowed_origins=("*",)) as s:
+        response = httpx.options(f"{s.url}/v1/completions", headers=preflight)
+        assert response.status_code == 200, response.text
+        assert response.headers["access-control-allow-origin"] == "*"
+        assert "x-stainless-timeout" in response.headers["access-control-allow-headers"].lower()
 
 
 # ---------------------------------------------------------------- item 6: hostile input
