@@ -252,7 +252,8 @@ def test_unsupported_architecture_is_refused_before_any_field(tmp_path, hf_confi
     raw = {**json.loads(hf_config.to_json_string()), "architectures": [architecture]}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     message = f"architecture '{architecture}' is not supported (supported: {SUPPORTED})"
-    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM" in message
+    assert "GraniteForCausalLM, LlamaForCausalLM, MistralForCausalLM, Olmo2ForCausalLM" in message
+    assert "Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM" in message
     with pytest.raises(ValueError, match=r"config\.json") as error:
         ModelConfig.from_pretrained(tmp_path)
     assert message in str(error.value)

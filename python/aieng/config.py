@@ -17,9 +17,16 @@ from typing import Any
 from aieng.quantization.config import QuantizationConfig, parse_quantization_config
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
-# Architectures whose `attention_bias` also puts a bias on o_proj, as in HF Llama and Qwen3
-# (Qwen2 has q/k/v bias only, Mistral none); only Llama reads `mlp_bias`.
-O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+# Architectures whose `attention_bias` also puts a bias on o_proj, as in their HF modeling code
+# (Qwen2 has q/k/v bias only, Mistral none); `mlp_bias` is read where HF reads it.
+O_PROJ_BIAS_ARCHITECTURES = (
+    "GraniteForCausalLM",
+    "LlamaForCausalLM",
+    "Olmo2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
+)
+MLP_BIAS_ARCHITECTURES = ("GraniteForCausalLM", "LlamaForCausalLM", "SmolLM3ForCausalLM")
 # Defaults from generation_config.json that map onto SamplingParams fields (vLLM reads the same).
 GENERATION_DEFAULT_FIELDS = {
     "temperature": "temperature",
@@ -71,9 +78,20 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
-    o_proj_bias: bool = False  # bias on o_proj (Llama and Qwen3 `attention_bias`; not Qwen2)
-    mlp_bias: bool = False  # bias on gate/up/down (Llama `mlp_bias`)
+    o_proj_bias: bool = False  # bias on o_proj (`attention_bias` but for Qwen2 and Mistral)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama, Granite, SmolLM3 `mlp_bias`)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    # OLMo 2: RMSNorm over the whole q and k projections (all heads at once) before RoPE, and
+    # the layer's norms applied to the attention and MLP outputs instead of their inputs.
+    qk_norm_across_heads: bool = False
+    post_norms: bool = False
+    no_rope_layers: tuple[int, ...] = ()  # layers that attend without RoPE (SmolLM3)
+    # Granite: the embeddings and each residual branch are multiplied, the attention softmax
+    # scale replaces head_dim ** -0.5 (None keeps it), and the logits are divided.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    logits_scaling: float = 1.0
     sliding_window: int | None = None
     rope: RopeConfig = field(default_factory=RopeConfig)
     dtype: str = "float32"
@@ -150,16 +168,18 @@ class ModelConfig:
         # HF Mistral has no attention/MLP biases whatever the config says; Qwen2 always has q/k/v.
         attention_bias = not is_mistral and fields.get("attention_bias", bool, default=False)
         has_o_bias = attention_bias and architecture in O_PROJ_BIAS_ARCHITECTURES
-        mlp_bias = architecture == "LlamaForCausalLM" and fields.get(
+        mlp_bias = architecture in MLP_BIAS_ARCHITECTURES and fields.get(
             "mlp_bias", bool, default=False
         )
+        is_olmo2 = architecture == "Olmo2ForCausalLM"
+        num_layers = fields.positive_int("num_hidden_layers")
         return cls(
             architecture=architecture,
             model_type=fields.get("model_type", str, default=""),
             vocab_size=vocab_size,
             hidden_size=hidden_size,
             intermediate_size=fields.positive_int("intermediate_size"),
-            num_hidden_layers=fields.positive_int("num_hidden_layers"),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
@@ -170,6 +190,10 @@ class ModelConfig:
             o_proj_bias=has_o_bias,
             mlp_bias=mlp_bias,
             qk_norm=is_qwen3,
+            qk_norm_across_heads=is_olmo2,
+            post_norms=is_olmo2,
+            no_rope_layers=_no_rope_layers(fields, architecture, num_layers),
+            **_granite_multipliers(fields, architecture),
             sliding_window=sliding_window,
             rope=_rope_config(raw, source, max_positions, head_dim),
             dtype=dtype.removeprefix("torch."),
@@ -178,6 +202,38 @@ class ModelConfig:
             generation_defaults=_generation_defaults(generation),
             quantization=quantization,
         )
+
+
+def _no_rope_layers(fields: _Fields, architecture: str, num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's `no_rope_layers` is a 0/1 list per layer, 1 where the layer *uses* RoPE (as HF
+    reads it); without it every `no_rope_layer_interval`-th layer (1-based) goes without."""
+    if architecture != "SmolLM3ForCausalLM":
+        return ()
+    flags = fields.raw.get("no_rope_layers")
+    if flags is None:
+        interval = fields.positive_int("no_rope_layer_interval", default=4)
+        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
+    if (
+        not isinstance(flags, list)
+        or len(flags) != num_layers
+        or any(f not in (0, 1) or isinstance(f, float) for f in flags)
+    ):
+        raise ValueError(
+            f"{fields.source}: field 'no_rope_layers' must be {num_layers} entries of 0 or 1 "
+            f"(one per layer), got {flags!r}"
+        )
+    return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
+
+
+def _granite_multipliers(fields: _Fields, architecture: str) -> dict[str, Any]:
+    if architecture != "GraniteForCausalLM":
+        return {}
+    return dict(
+        embedding_multiplier=fields.get("embedding_multiplier", float, default=1.0),
+        residual_multiplier=fields.get("residual_multiplier", float, default=1.0),
+        attention_scale=fields.positive_float("attention_multiplier", default=1.0),
+        logits_scaling=fields.positive_float("logits_scaling", default=1.0),
+    )
 
 
 class _Fields:

@@ -1,8 +1,11 @@
 """The Llama family: Llama 2/3 (Touvron et al., 2023; optional q/k/v/o and MLP biases), Mistral 7B
-(Jiang et al., 2023), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim,
-optional q/k/v/o bias) — one definition, used for serving and for training.
+(Jiang et al., 2023), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim,
+optional q/k/v/o bias), Granite (embedding, residual and logits multipliers, its own attention
+scale), OLMo 2 (norms on the attention and MLP outputs, q/k RMSNorm across all heads) and
+SmolLM3 (some layers without RoPE) — one definition, used for serving and for training.
 
-Pre-norm decoder layers with grouped-query attention (Ainslie et al., 2023), RoPE and a SwiGLU MLP.
+Pre-norm decoder layers (post-norm for OLMo 2) with grouped-query attention (Ainslie et al., 2023),
+RoPE and a SwiGLU MLP.
 Tensors are flat over the step's tokens: T is the number of tokens in the step, across requests.
 Parameter names follow Hugging Face's, with q/k/v fused into `qkv_proj` and gate/up into
 `gate_up_proj`; `packed_modules` tells the loader where the checkpoint's separate tensors go.
@@ -55,15 +58,20 @@ class LlamaAttention(nn.Module):
             methods,
             f"{prefix}.o_proj",
         )
-        if config.qk_norm:
+        if config.qk_norm:  # Qwen3: per head
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        self.rotary = rotary
+        elif config.qk_norm_across_heads:  # OLMo 2: over the whole projection
+            self.q_norm = RMSNorm(q_size, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(kv_size, config.rms_norm_eps, dtype)
+        self.norm_per_head = config.qk_norm
+        self.rotary = None if layer_index in config.no_rope_layers else rotary
         self.attn = Attention(
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
             layer_index,
+            scale=config.attention_scale,
             sliding_window=config.sliding_window,
         )
 
@@ -71,12 +79,15 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        if hasattr(self, "q_norm") and not self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, ctx)  # (T, H, D)
         return self.o_proj(out.flatten(1))
 
@@ -119,18 +130,34 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         prefix = f"model.layers.{layer_index}"
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.post_norms = config.post_norms
+        self.residual_multiplier = config.residual_multiplier
         self.self_attn = LlamaAttention(
             config, rotary, dtype, methods, layer_index, f"{prefix}.self_attn"
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, methods, f"{prefix}.mlp")
+        # HF's names: pre-norm layers norm the attention input with `input_layernorm` and the MLP
+        # input with `post_attention_layernorm`; OLMo 2 norms the attention output with
+        # `post_attention_layernorm` and the MLP output with `post_feedforward_layernorm`.
+        if not self.post_norms:
+            self.input_layernorm = RMSNorm(size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(size, eps, dtype)
+        if self.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(size, eps, dtype)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.post_norms:
+            x = x + self.post_attention_layernorm(self.self_attn(positions, x, ctx))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        x = x + self._residual(self.self_attn(positions, self.input_layernorm(x), ctx))
+        return x + self._residual(self.mlp(self.post_attention_layernorm(x)))
+
+    def _residual(self, branch: torch.Tensor) -> torch.Tensor:
+        m = self.residual_multiplier  # Granite's; 1.0 elsewhere, skipped
+        return branch if m == 1.0 else branch * m
 
 
 class LlamaModel(nn.Module):
@@ -143,11 +170,14 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.embedding_multiplier = config.embedding_multiplier
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, hidden)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         for layer in self.layers:
             x = layer(positions, x, ctx)
         return self.norm(x)
@@ -191,5 +221,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, hidden) -> logits (S, vocab)."""
         if self.tie_word_embeddings:
-            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling
