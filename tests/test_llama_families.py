@@ -9,9 +9,12 @@ import torch
 import transformers
 from fake_scheduler import FakeScheduler
 from tiny_models import COMMON, VOCAB_SIZE, _randomize_norms, hf_greedy, load_hf
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from aieng.config import ModelConfig
 from aieng.engine_args import EngineArgs
+from aieng.layers.norm import RMSNorm
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
 
@@ -164,6 +167,7 @@ def test_granite_multipliers_are_read():
 def test_olmo2_norms_are_post_norms_across_heads():
     olmo2 = config("Olmo2ForCausalLM", attention_bias=True, mlp_bias=True)
     assert olmo2.post_norms and olmo2.qk_norm_across_heads and not olmo2.qk_norm
+    assert olmo2.norm_weight_in_float32
     assert olmo2.o_proj_bias and not olmo2.mlp_bias
 
 
@@ -194,3 +198,18 @@ def test_smollm3_bad_no_rope_layers_are_refused(no_rope_layers):
 def test_granite_nonpositive_scale_is_refused(name):
     with pytest.raises(ValueError, match=f"field '{name}' must be positive"):
         config("GraniteForCausalLM", **{name: 0.0})
+
+
+@pytest.mark.parametrize("olmo2", [False, True])
+def test_rms_norm_rounds_in_bfloat16_as_hf_does(olmo2):
+    torch.manual_seed(0)
+    hf = (Olmo2RMSNorm if olmo2 else LlamaRMSNorm)(64, eps=1e-6).to(torch.bfloat16)
+    ours = RMSNorm(64, 1e-6, torch.bfloat16, weight_in_float32=olmo2)
+    other = RMSNorm(64, 1e-6, torch.bfloat16, weight_in_float32=not olmo2)
+    with torch.no_grad():
+        hf.weight.uniform_(0.5, 1.5)
+        ours.weight.copy_(hf.weight)
+        other.weight.copy_(hf.weight)
+    x = torch.randn(32, 64, dtype=torch.bfloat16) * 3
+    assert torch.equal(ours(x), hf(x))
+    assert not torch.equal(other(x), hf(x))  # the two roundings do differ

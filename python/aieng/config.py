@@ -85,6 +85,7 @@ class ModelConfig:
     # the layer's norms applied to the attention and MLP outputs instead of their inputs.
     qk_norm_across_heads: bool = False
     post_norms: bool = False
+    norm_weight_in_float32: bool = False  # OLMo 2's RMSNorm: weight * x in float32, then cast
     no_rope_layers: tuple[int, ...] = ()  # layers that attend without RoPE (SmolLM3)
     # Granite: the embeddings and each residual branch are multiplied, the attention softmax
     # scale replaces head_dim ** -0.5 (None keeps it), and the logits are divided.
@@ -192,6 +193,7 @@ class ModelConfig:
             qk_norm=is_qwen3,
             qk_norm_across_heads=is_olmo2,
             post_norms=is_olmo2,
+            norm_weight_in_float32=is_olmo2,
             no_rope_layers=_no_rope_layers(fields, architecture, num_layers),
             **_granite_multipliers(fields, architecture),
             sliding_window=sliding_window,

@@ -27,6 +27,10 @@ from aieng.layers.norm import RMSNorm
 from aieng.layers.rotary import RotaryEmbedding
 
 
+def _norm(config: ModelConfig, size: int, dtype: torch.dtype) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, dtype, config.norm_weight_in_float32)
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -59,11 +63,11 @@ class LlamaAttention(nn.Module):
             f"{prefix}.o_proj",
         )
         if config.qk_norm:  # Qwen3: per head
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.q_norm = _norm(config, self.head_dim, dtype)
+            self.k_norm = _norm(config, self.head_dim, dtype)
         elif config.qk_norm_across_heads:  # OLMo 2: over the whole projection
-            self.q_norm = RMSNorm(q_size, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(kv_size, config.rms_norm_eps, dtype)
+            self.q_norm = _norm(config, q_size, dtype)
+            self.k_norm = _norm(config, kv_size, dtype)
         self.norm_per_head = config.qk_norm
         self.rotary = None if layer_index in config.no_rope_layers else rotary
         self.attn = Attention(
@@ -130,7 +134,7 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         prefix = f"model.layers.{layer_index}"
-        size, eps = config.hidden_size, config.rms_norm_eps
+        size = config.hidden_size
         self.post_norms = config.post_norms
         self.residual_multiplier = config.residual_multiplier
         self.self_attn = LlamaAttention(
@@ -141,10 +145,10 @@ class LlamaDecoderLayer(nn.Module):
         # input with `post_attention_layernorm`; OLMo 2 norms the attention output with
         # `post_attention_layernorm` and the MLP output with `post_feedforward_layernorm`.
         if not self.post_norms:
-            self.input_layernorm = RMSNorm(size, eps, dtype)
-        self.post_attention_layernorm = RMSNorm(size, eps, dtype)
+            self.input_layernorm = _norm(config, size, dtype)
+        self.post_attention_layernorm = _norm(config, size, dtype)
         if self.post_norms:
-            self.post_feedforward_layernorm = RMSNorm(size, eps, dtype)
+            self.post_feedforward_layernorm = _norm(config, size, dtype)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
@@ -169,7 +173,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, rotary, dtype, methods, i)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = _norm(config, config.hidden_size, dtype)
         self.embedding_multiplier = config.embedding_multiplier
 
     def forward(
