@@ -503,3 +503,25 @@ def test_lm_head_quantized_on_request(tmp_path):
     tied = _tiny(tmp_path / "tied", arch="qwen2")
     with pytest.raises(QuantizeError, match="tied to the embeddings"):
         quantize_checkpoint(tied, tmp_path / "tied-int4", options, None)
+
+
+def test_awq_refuses_post_norm_architectures(tmp_path, calib_file):
+    """OLMo 2 normalises after attention and the MLP: there is no norm before q/k/v or gate/up
+    to fold AWQ's scales into, so calibration is refused in one line; RTN still works."""
+    import transformers
+
+    config = transformers.Olmo2Config(
+        vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    folder = tmp_path / "olmo2"
+    transformers.Olmo2ForCausalLM(config).save_pretrained(folder)
+    save_model_dir(folder, byte_level_bpe(600))
+    with pytest.raises(QuantizeError, match=r"post-norms.*use --method rtn"):
+        quantize_checkpoint(
+            folder, tmp_path / "awq", _options("awq", QuantScheme(4, 32, False), calib_file), None
+        )
+    quantize_checkpoint(
+        folder, tmp_path / "rtn", QuantizeOptions("rtn", QuantScheme(4, 32, False)), None
+    )

@@ -521,6 +521,13 @@ def quantize_checkpoint(
     _check_source(folder)
     _check_out(out)
     config = ModelConfig.from_pretrained(folder)
+    calibrated = options.method == "awq" or options.clip
+    if calibrated and (config.post_norms or config.qk_norm_across_heads):
+        raise QuantizeError(
+            f"--method {options.method}{' --clip' if options.clip else ''}: "
+            f"{config.architecture} normalises after attention and the MLP (post-norms), "
+            "which the calibrated search does not handle; use --method rtn"
+        )
     if options.quantize_lm_head and config.tie_word_embeddings:
         raise QuantizeError(
             "--quantize-lm-head: the LM head is tied to the embeddings (tie_word_embeddings), "
