@@ -64,9 +64,14 @@ def build_app(
             allow_headers=["*"],
             expose_headers=["X-Request-Id", "Retry-After", IGNORED_FIELDS_HEADER],
         )
-    if config.api_key:
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=config.max_body_bytes,
+        read_timeout=config.request_read_timeout,
+        max_concurrent_reads=config.max_concurrent_body_reads,
+    )
+    if config.api_key:  # outside the body limit: the key is checked before any body is read
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id
     return app
 

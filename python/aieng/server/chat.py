@@ -12,6 +12,7 @@ from aieng.errors import ChatTemplateError
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
+from aieng.server.offloop import OffLoopBodyRoute
 from aieng.server.openapi_docs import ERROR_RESPONSES
 from aieng.server.params import (
     check_request,
@@ -23,7 +24,7 @@ from aieng.server.params import (
 from aieng.server.protocol import ChatCompletionRequest, ChatMessage
 from aieng.server.streaming import Shapes, respond
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopBodyRoute)
 
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
@@ -59,14 +60,18 @@ async def render_chat(
     ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool
 ) -> list[int]:
     tokenizer = ctx.engine.tokenizer  # type: ignore[union-attr]
-    conversation = [{"role": m.role, "content": m.text} for m in messages]
-    try:
+
+    def render() -> list[int]:
+        conversation = [{"role": m.role, "content": m.text} for m in messages]
         text = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt
         )
+        return tokenizer.encode(text, False)
+
+    try:  # in a worker thread: a long conversation must not stall the event loop
+        ids = await asyncio.to_thread(render)
     except ChatTemplateError as error:
         raise invalid(f"the chat template failed: {error}", "messages") from error
-    ids = await asyncio.to_thread(tokenizer.encode, text, False)
     if not ids:
         raise invalid("the conversation renders to an empty prompt", "messages")
     return ids

@@ -76,6 +76,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes", type=positive_int, default=4 * MIB, help="larger request bodies get 413"
     )
     server.add_argument(
+        "--request-read-timeout",
+        type=non_negative_float,
+        default=30.0,
+        help="seconds a client may take to send its request headers, and between two parts of "
+        "its body; past it the answer is 408 and the connection closes; 0 for none",
+    )
+    server.add_argument(
+        "--max-concurrent-body-reads",
+        type=positive_int,
+        default=64,
+        help="request bodies received at once; past it new ones get 503 (default: %(default)s)",
+    )
+    server.add_argument(
         "--allowed-origins",
         default="",
         help="comma-separated CORS origins (CORS is off when empty)",
@@ -104,6 +117,8 @@ def server_config(args: argparse.Namespace, model_path: Path) -> ServerConfig:
         request_timeout=args.request_timeout or None,
         shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes,
+        request_read_timeout=args.request_read_timeout or None,
+        max_concurrent_body_reads=args.max_concurrent_body_reads,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         log_format=args.log_format,
     )
@@ -117,6 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from aieng.server.app import build_app
     from aieng.server.request_log import configure_logging
     from aieng.server.shutdown import DrainingServer
+    from aieng.server.slow_clients import header_timeout_protocol
 
     configure_logging(args.log_format, args.log_level)
     try:
@@ -134,8 +150,10 @@ def run_serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = build_app(config, lambda: LLMEngine(engine), on_load_failure)
+    read_timeout = config.request_read_timeout
     uvicorn_config = uvicorn.Config(
         app,
+        http=header_timeout_protocol(read_timeout) if read_timeout else "h11",
         host=config.host,
         port=config.port,
         log_config=None,

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
+from aieng.server.offloop import OffLoopBodyRoute
 from aieng.server.openapi_docs import ERROR_RESPONSES
 from aieng.server.params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -23,7 +24,7 @@ from aieng.server.params import (
 from aieng.server.protocol import CompletionRequest
 from aieng.server.streaming import Shapes, respond
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopBodyRoute)
 
 
 @router.post("/v1/completions", responses=ERROR_RESPONSES)

@@ -20,17 +20,26 @@ class ServerConfig:
     request_timeout: float | None = 600.0
     shutdown_timeout: float = 30.0
     max_body_bytes: int = 4 * MIB
+    request_read_timeout: float | None = 30.0  # seconds a client may take for headers or body
+    max_concurrent_body_reads: int = 64  # bodies read at once; past it 503
     allowed_origins: tuple[str, ...] = field(default_factory=tuple)
     log_format: str = "text"
 
     def __post_init__(self) -> None:
-        for name in ("max_queue_requests", "max_queue_tokens", "max_body_bytes"):
+        for name in (
+            "max_queue_requests",
+            "max_queue_tokens",
+            "max_body_bytes",
+            "max_concurrent_body_reads",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.kv_cache_watermark <= 1.0:
             raise ValueError(f"kv_cache_watermark must be in (0, 1], got {self.kv_cache_watermark}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        if self.request_read_timeout is not None and self.request_read_timeout <= 0:
+            raise ValueError(f"request_read_timeout must be > 0, got {self.request_read_timeout}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.log_format not in ("text", "json"):

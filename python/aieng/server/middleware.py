@@ -1,7 +1,9 @@
-"""ASGI middleware in front of every route: request ids, the body size limit, the API key."""
+"""ASGI middleware in front of every route: request ids, the API key (checked before any body
+is read), the body size limit and read timeout."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 import time
@@ -21,6 +23,18 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+def _has_body(scope: Scope) -> bool:
+    declared = _header(scope, b"content-length")
+    return (declared is not None and declared != b"0") or (
+        _header(scope, b"transfer-encoding") is not None
+    )
+
+
+# On an answer given before the body was read: the connection closes rather than wait for
+# (and discard) the rest of a body nobody will read.
+CLOSE = (b"connection", b"close")
 
 
 async def _send_error(
@@ -67,10 +81,25 @@ class RequestIdMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Reads the whole body first: past `max_bytes` the answer is 413 before any route runs."""
+    """Reads the whole body first: past `max_bytes` the answer is 413 before any route runs.
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    A client that sends no part of its body for `read_timeout` seconds gets 408 (a slow
+    client cannot pin a connection and its buffered body indefinitely), and at most
+    `max_concurrent_reads` bodies are read at once: past it the answer is 503 at once, so
+    buffered bodies never hold more than `max_concurrent_reads * max_bytes` of memory. Runs
+    inside the API key check, so an unauthenticated request is refused before its body is read.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        read_timeout: float | None = None,
+        max_concurrent_reads: int | None = None,
+    ):
+        self.app, self.max_bytes, self.read_timeout = app, max_bytes, read_timeout
+        self.max_concurrent_reads = max_concurrent_reads
+        self.reading = 0  # bodies being read now (one event loop: no lock needed)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -84,21 +113,24 @@ class BodyLimitMiddleware:
             if int(declared) > self.max_bytes:
                 await self._too_large(send)
                 return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before sending it all
+        has_body = _has_body(scope)
+        if has_body and self.max_concurrent_reads is not None:
+            if self.reading >= self.max_concurrent_reads:
+                await _send_error(
+                    send,
+                    503,
+                    "too many request bodies are being received; retry later",
+                    "too_many_uploads",
+                    [(b"retry-after", b"1"), CLOSE],
+                )
                 return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._too_large(send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        self.reading += has_body
+        try:
+            body = await self._read(receive, send)
+        finally:
+            self.reading -= has_body
+        if body is None:
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -110,12 +142,40 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
+    async def _read(self, receive: Receive, send: Send) -> bytes | None:
+        """The body, or None once an error was answered or the client left."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except TimeoutError:
+                await _send_error(
+                    send,
+                    408,
+                    f"the request body did not arrive within {self.read_timeout:g} s",
+                    "request_timeout",
+                    [CLOSE],
+                )
+                return None
+            if message["type"] != "http.request":  # the client left before sending it all
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
     async def _too_large(self, send: Send) -> None:
         await _send_error(
             send,
             413,
             f"the request body is larger than the limit of {self.max_bytes} bytes",
             "body_too_large",
+            [CLOSE],
         )
 
 
@@ -136,7 +196,7 @@ class ApiKeyMiddleware:
                     401,
                     "a valid API key is required: send 'Authorization: Bearer <key>'",
                     "invalid_api_key",
-                    [(b"www-authenticate", b"Bearer")],
+                    [(b"www-authenticate", b"Bearer"), *([CLOSE] if _has_body(scope) else [])],
                 )
                 return
         await self.app(scope, receive, send)

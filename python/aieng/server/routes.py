@@ -15,10 +15,11 @@ from aieng.server.admission import ServerState
 from aieng.server.chat import render_chat
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import ApiError, invalid
+from aieng.server.offloop import OffLoopBodyRoute
 from aieng.server.openapi_docs import ERROR_RESPONSES
 from aieng.server.protocol import DetokenizeRequest, TokenizeRequest
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopBodyRoute)
 
 HEARTBEAT_LIMIT_S = 60.0  # a loop silent this long is stuck
 
