@@ -172,7 +172,7 @@ def test_huge_chat_body_does_not_stall_the_event_loop(server):
             time.sleep(0.02)
     worker.join()
     assert result and result[0].status_code in (200, 400), result[0].text[:500]
-    assert worst < 0.3, f"/health took {worst:.2f} s while a huge chat body was handled"
+    assert worst < 0.5, f"/health took {worst:.2f} s while a huge chat body was handled"
 
 
 def test_ready_follows_a_dead_engine(model):
