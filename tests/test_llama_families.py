@@ -7,20 +7,19 @@ import json
 import pytest
 import torch
 import transformers
-from fake_scheduler import FakeScheduler
-from tiny_models import COMMON, VOCAB_SIZE, _randomize_norms, hf_greedy, load_hf
+from hf_parity import (
+    HFReference,
+    as_our_parameter_names,
+    check_batched,
+    check_prefix_hit,
+)
+from tiny_models import COMMON, _randomize_norms
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from aieng.config import ModelConfig
-from aieng.engine_args import EngineArgs
 from aieng.layers.norm import RMSNorm
-from aieng.runner import ModelRunner
-from aieng.sampling import SamplingParams
 
-MAX_TOKENS = 8
-BLOCK_SIZE = 4
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
 LENGTHS = [1, 5, 12, 17, 33]
 GRANITE = dict(
     embedding_multiplier=3.0,
@@ -75,61 +74,23 @@ def build(name, folder):
     return folder
 
 
-class Reference:
-    def __init__(self, name, folder):
-        self.folder = build(name, folder)
-        self.hf = load_hf(self.folder)
-        self.runner = ModelRunner(
-            EngineArgs(model=str(self.folder), block_size=BLOCK_SIZE, kv_cache_memory=1 << 22)
-        )
-        generator = torch.Generator().manual_seed(5)
-        self.prompts = [
-            torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in LENGTHS
-        ]
-        self.expected = [hf_greedy(self.hf, p, MAX_TOKENS) for p in self.prompts]
-
-
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
 def reference(request, tmp_path_factory):
-    return Reference(request.param, tmp_path_factory.mktemp(request.param))
-
-
-def check_matches(requests, expected):
-    for request, (tokens, logprobs) in zip(requests, expected, strict=True):
-        assert request.output == tokens
-        torch.testing.assert_close(
-            torch.tensor(request.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0
-        )
+    folder = build(request.param, tmp_path_factory.mktemp(request.param))
+    return HFReference(folder, LENGTHS, seed=5)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 4])
 def test_llama_family_matches_hf(reference, chunk_size):
-    scheduler = FakeScheduler(reference.runner, chunk_size=chunk_size)
-    requests = [scheduler.add(p, GREEDY) for p in reference.prompts]
-    scheduler.run()
-    check_matches(requests, reference.expected)
+    check_batched(reference, chunk_size)
 
 
 def test_llama_family_prefix_cache_hit_matches_hf(reference):
-    scheduler = FakeScheduler(reference.runner)
-    first = scheduler.add(reference.prompts[-1], GREEDY)
-    scheduler.run()
-    shared = 4  # blocks
-    prompts = [reference.prompts[-1][: shared * BLOCK_SIZE] + reference.prompts[1]]
-    requests = [scheduler.add(p, GREEDY, cached_blocks=first.blocks[:shared]) for p in prompts]
-    scheduler.run()
-    check_matches(requests, [hf_greedy(reference.hf, p, MAX_TOKENS) for p in prompts])
+    check_prefix_hit(reference, shared_blocks=4, tail=reference.prompts[1])
 
 
 def test_llama_family_parameters_are_hf_parameters(reference):
-    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
-    fused |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-    expected = set()
-    for name, _ in reference.hf.named_parameters():
-        parts = name.split(".")
-        if len(parts) > 1:
-            parts[-2] = fused.get(parts[-2], parts[-2])
-        expected.add(".".join(parts))
+    expected = as_our_parameter_names(n for n, _ in reference.hf.named_parameters())
     ours = {n for n, p in reference.runner.model.named_parameters() if p is not None}
     assert ours == expected
 

@@ -6,20 +6,20 @@ import json
 import pytest
 import torch
 import transformers
-from fake_scheduler import FakeScheduler
-from tiny_models import VOCAB_SIZE, build_checkpoint, hf_greedy, load_hf
+from hf_parity import (
+    HFReference,
+    as_our_parameter_names,
+    check_batched,
+    check_prefix_hit,
+)
+from tiny_models import build_checkpoint
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from aieng.config import ModelConfig
 from aieng.engine_args import EngineArgs
 from aieng.layers.rotary import rope_inv_freq
 from aieng.models.registry import MODEL_CLASSES
-from aieng.runner import ModelRunner
-from aieng.sampling import SamplingParams
 
-MAX_TOKENS = 8
-BLOCK_SIZE = 4
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
 ORIGINAL = 16  # original_max_position_embeddings of the scaled checkpoints
 HALF = 8  # head_dim / 2 of the tiny checkpoints (hidden 64, 4 heads)
 LONGROPE = {
@@ -89,65 +89,28 @@ CHECKPOINTS = {
 }
 
 
-class Reference:
-    def __init__(self, name, folder):
-        arch, overrides, lengths = CHECKPOINTS[name]
-        self.folder = build_checkpoint(arch, folder, **overrides)
-        self.hf = load_hf(self.folder)
-        self.runner = ModelRunner(
-            EngineArgs(model=str(self.folder), block_size=BLOCK_SIZE, kv_cache_memory=1 << 22)
-        )
-        generator = torch.Generator().manual_seed(3)
-        self.prompts = [
-            torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in lengths
-        ]
-        self.expected = [hf_greedy(self.hf, p, MAX_TOKENS) for p in self.prompts]
-
-
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
 def reference(request, tmp_path_factory):
-    return Reference(request.param, tmp_path_factory.mktemp(request.param))
-
-
-def check_matches(requests, expected):
-    for request, (tokens, logprobs) in zip(requests, expected, strict=True):
-        assert request.output == tokens
-        torch.testing.assert_close(
-            torch.tensor(request.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0
-        )
+    arch, overrides, lengths = CHECKPOINTS[request.param]
+    folder = build_checkpoint(arch, tmp_path_factory.mktemp(request.param), **overrides)
+    return HFReference(folder, lengths, seed=3)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 4])
 def test_scaled_rope_and_bias_models_match_hf(reference, chunk_size):
-    scheduler = FakeScheduler(reference.runner, chunk_size=chunk_size)
-    requests = [scheduler.add(p, GREEDY) for p in reference.prompts]
-    scheduler.run()
-    check_matches(requests, reference.expected)
+    check_batched(reference, chunk_size)
 
 
 def test_scaled_rope_prefix_cache_hit_matches_hf(reference):
-    scheduler = FakeScheduler(reference.runner)
-    first = scheduler.add(reference.prompts[-1], GREEDY)  # 40 tokens
-    scheduler.run()
-    shared = 5  # blocks: 20 tokens, past the original context of the scaled checkpoints
-    prompts = [reference.prompts[-1][: shared * BLOCK_SIZE] + reference.prompts[0]]
-    requests = [scheduler.add(p, GREEDY, cached_blocks=first.blocks[:shared]) for p in prompts]
-    scheduler.run()
-    check_matches(requests, [hf_greedy(reference.hf, p, MAX_TOKENS) for p in prompts])
+    # 5 blocks: 20 tokens of the 40-token prompt, past the scaled checkpoints' original context
+    check_prefix_hit(reference, shared_blocks=5, tail=reference.prompts[0])
 
 
 def test_bias_parameters_are_created_where_hf_has_them(reference):
     model = reference.runner.model
     hf_names = {n for n, _ in reference.hf.named_parameters() if n.endswith(".bias")}
     ours = {n for n, p in model.named_parameters() if n.endswith(".bias") and p is not None}
-    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
-    fused |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-    expected = set()
-    for name in hf_names:
-        parts = name.split(".")
-        parts[-2] = fused.get(parts[-2], parts[-2])
-        expected.add(".".join(parts))
-    assert ours == expected
+    assert ours == as_our_parameter_names(hf_names)
 
 
 BASE = dict(
