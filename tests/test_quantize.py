@@ -331,22 +331,19 @@ def _assert_aieng_loads(folder: Path) -> None:
     from aieng.models.loader import load_model
     from aieng.quantization import linear_method
     from aieng.quantization.linear_method import dequantize as aieng_dequantize
+    from aieng.quantization.methods import checkpoint_layer_names
 
     with mock.patch.object(linear_method, "int4_kernel_available", lambda: False):
         model, _ = load_model(folder, dtype=torch.float32)
     ours = _dequantized(folder, torch.float32)
-    packed = model.packed_modules
     checked = 0
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or name == "lm_head":
             continue
-        prefix, _, fused = name.rpartition(".")
-        names = sorted((shard, hf) for hf, (f, shard) in packed.items() if f == fused) or [
-            (0, fused)
-        ]
         blocks = aieng_dequantize(module).split(module.output_sizes)
-        for (_, hf), block in zip(names, blocks, strict=True):
-            assert torch.equal(block, ours[f"{prefix}.{hf}.weight"]), f"{prefix}.{hf}"
+        parts = checkpoint_layer_names(name, model.packed_modules)
+        for part, block in zip(parts, blocks, strict=True):
+            assert torch.equal(block, ours[f"{part}.weight"]), part
             checked += 1
     assert checked == 2 * len(LINEAR_NAMES)
 

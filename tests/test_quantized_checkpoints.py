@@ -21,6 +21,7 @@ from aieng.models.loader import load_model
 from aieng.quantization import linear_method
 from aieng.quantization.config import QuantizationConfigError
 from aieng.quantization.linear_method import dequantize
+from aieng.quantization.methods import checkpoint_layer_names
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
 
@@ -96,14 +97,12 @@ def test_dequantized_weights_equal_the_formats(quantized, monkeypatch):
     monkeypatch.setattr(linear_method, "int4_kernel_available", lambda: False)
     model, _ = load_model(quantized.folder)
     expected = load_file(quantized.reference / "model.safetensors")
-    packed = model.packed_modules
     checked = 0
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or not hasattr(module, "qvalues"):
             continue
-        head, _, last = name.rpartition(".")
-        parts = sorted((s, o) for o, (f, s) in packed.items() if f == last) or [(0, last)]
-        want = torch.cat([expected[f"{head}.{original}.weight"] for _, original in parts])
+        parts = checkpoint_layer_names(name, model.packed_modules)
+        want = torch.cat([expected[f"{part}.weight"] for part in parts])
         torch.testing.assert_close(dequantize(module), want, atol=1e-6, rtol=1e-6)
         checked += 1
     assert checked >= 4

@@ -54,6 +54,7 @@ from aieng.quantization.compressed_tensors_writer import (
     write_checkpoint,
 )
 from aieng.quantization.defaults import DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN
+from aieng.quantization.methods import checkpoint_layer_names
 
 METHODS = ("awq", "rtn")
 CALIBRATION_FILE = "calibration_kjv.txt"
@@ -449,14 +450,10 @@ def _check_group_size(model: Any, linears: dict[str, Any], scheme: QuantScheme) 
 
 def _hf_names(model: Any, fused_name: str, output_sizes: list[int]) -> list[str]:
     """Our fused layer name -> the checkpoint's layer names of its output blocks, in order."""
-    packed = getattr(model, "packed_modules", {})
-    prefix, _, last = fused_name.rpartition(".")
-    parts = sorted((shard, hf) for hf, (fused, shard) in packed.items() if fused == last)
-    if not parts:
-        return [fused_name]
-    if len(parts) != len(output_sizes):
-        raise QuantizeError(f"{fused_name}: {len(output_sizes)} output blocks, {len(parts)} names")
-    return [f"{prefix}.{hf}" for _, hf in parts]
+    names = checkpoint_layer_names(fused_name, getattr(model, "packed_modules", {}))
+    if len(names) != len(output_sizes):
+        raise QuantizeError(f"{fused_name}: {len(output_sizes)} output blocks, {len(names)} names")
+    return names
 
 
 def _split_rows(weight: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
