@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from server_fixtures import ThreadServer, make_model_dir
-from text_fixtures import byte_level_bpe, save_model_dir
+from text_fixtures import PROMPTS, byte_level_bpe, save_model_dir
 from tiny_models import ARCHITECTURES, build_checkpoint
 
 import aieng.runner
@@ -34,16 +34,6 @@ from aieng.models.default import default_model_path
 VOCAB = 384
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-PROMPTS = [
-    "The",
-    "The quick brown fox",
-    "In the beginning was the word",
-    "Paged attention keeps the KV cache in blocks",
-    "日本語のテキスト",
-    "emoji 🙂👍🏽 and accents: café",
-    "Stop strings end a request: STOP here, or END there. The quick brown fox jumps",
-    "0123456789. The lazy dog; the engine, the word, the blocks of sixteen tokens.",
-]
 TEXT = (
     "In the beginning God created the heaven and the earth. And the earth was without form, "
     "and void; and darkness was upon the face of the deep. And the Spirit of God moved upon "

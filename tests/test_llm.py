@@ -9,7 +9,7 @@ import json
 import shutil
 
 import pytest
-from text_fixtures import byte_level_bpe, save_model_dir
+from text_fixtures import PROMPTS, byte_level_bpe, save_model_dir
 from tiny_models import ARCHITECTURES, build_checkpoint, hf_greedy, load_hf
 
 import aieng
@@ -17,16 +17,6 @@ from aieng import LLM, SamplingParams
 
 VOCAB = 384
 MAX_TOKENS = 8
-PROMPTS = [
-    "The",
-    "The quick brown fox",
-    "In the beginning was the word",
-    "Paged attention keeps the KV cache in blocks",
-    "日本語のテキスト",
-    "emoji 🙂👍🏽 and accents: café",
-    "Stop strings end a request: STOP here, or END there. The quick brown fox jumps",
-    "0123456789. The lazy dog; the engine, the word, the blocks of sixteen tokens.",
-]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
 

@@ -45,6 +45,17 @@ CORPUS_LINES = [
     "Numbers 3.14159 2.71828 1,000,000 and symbols @#$%^&*()[]{}<>.",
 ]
 CORPUS = CORPUS_LINES * 12
+# Prompts for end-to-end generation tests: short and long, non-Latin scripts, emoji, stops.
+PROMPTS = [
+    "The",
+    "The quick brown fox",
+    "In the beginning was the word",
+    "Paged attention keeps the KV cache in blocks",
+    "日本語のテキスト",
+    "emoji 🙂👍🏽 and accents: café",
+    "Stop strings end a request: STOP here, or END there. The quick brown fox jumps",
+    "0123456789. The lazy dog; the engine, the word, the blocks of sixteen tokens.",
+]
 
 # ids 0..3 in every fixture
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|eot_id|>"]
