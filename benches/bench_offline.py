@@ -144,12 +144,15 @@ def run_quantized(
     reps: int,
     fp32_run,
 ) -> dict:
+    from aieng.config import ModelConfig
     from aieng.quantization.compressed_tensors_writer import QuantScheme
-    from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
+    from aieng.quantization.quantize import (
+        QuantizeOptions,
+        largest_group_size,
+        quantize_checkpoint,
+    )
 
-    config = json.loads((folder / "config.json").read_text())
-    sizes = (config["hidden_size"], config["intermediate_size"])
-    group = next(g for g in (128, 64, 32) if all(size % g == 0 for size in sizes))
+    group = largest_group_size(ModelConfig.from_pretrained(folder))
     options = QuantizeOptions(
         method=method, scheme=QuantScheme(4, group, symmetric=False), quantize_lm_head=True
     )

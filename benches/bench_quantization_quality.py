@@ -28,10 +28,11 @@ from unittest import mock
 import torch
 
 from aieng.benchmarks.offline import machine
+from aieng.config import ModelConfig
 from aieng.evaluate import perplexity
 from aieng.quantization import linear_method
 from aieng.quantization.compressed_tensors_writer import QuantScheme
-from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
+from aieng.quantization.quantize import QuantizeOptions, largest_group_size, quantize_checkpoint
 
 THREADS = 2
 
@@ -72,7 +73,7 @@ def main() -> None:
     for name, model in zip(names, args.models, strict=True):
         folder = Path(model)
         params = _parameters(folder)
-        group = _group_size(folder)
+        group = largest_group_size(ModelConfig.from_pretrained(folder))
         scheme = QuantScheme(bits=4, group_size=group, symmetric=False)
         row: dict = {"model": name, "path": str(folder), "parameters": params, "group": group}
         with tempfile.TemporaryDirectory() as tmp:
@@ -144,14 +145,6 @@ def main() -> None:
     (out / "quantization_quality.json").write_text(
         json.dumps({"machine": info, "args": vars(args), "rows": rows}, indent=2)
     )
-
-
-def _group_size(folder: Path) -> int:
-    """128, or the largest smaller group dividing every linear's input (the default model's MLP
-    width, 704, takes 64)."""
-    config = json.loads((folder / "config.json").read_text())
-    sizes = (config["hidden_size"], config["intermediate_size"])
-    return next(g for g in (128, 64, 32) if all(size % g == 0 for size in sizes))
 
 
 def _parameters(folder: Path) -> int:

@@ -522,3 +522,14 @@ def test_awq_refuses_post_norm_architectures(tmp_path, calib_file):
     quantize_checkpoint(
         folder, tmp_path / "rtn", QuantizeOptions("rtn", QuantScheme(4, 32, False)), None
     )
+
+
+def test_largest_group_size_divides_every_input_width():
+    from aieng.config import ModelConfig
+    from aieng.models.default import default_model_path
+    from aieng.quantization.quantize import largest_group_size
+
+    config = ModelConfig.from_pretrained(default_model_path())  # MLP width 704 = 5.5 x 128
+    assert largest_group_size(config) == 64
+    with pytest.raises(QuantizeError, match="no group size"):
+        largest_group_size(config, candidates=(128, 256))

@@ -432,6 +432,20 @@ def _quantized_linears(model: Any) -> dict[str, Any]:
     }
 
 
+def largest_group_size(config: Any, candidates: tuple[int, ...] = (128, 64, 32)) -> int:
+    """The largest candidate group size that divides every decoder linear's input width (the
+    default model's MLP width, 704, takes 64 rather than 128)."""
+    widths = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads * config.head_dim,
+    )
+    fits = [g for g in candidates if all(width % g == 0 for width in widths)]
+    if not fits:
+        raise QuantizeError(f"no group size in {candidates} divides the input widths {widths}")
+    return fits[0]
+
+
 def _check_group_size(model: Any, linears: dict[str, Any], scheme: QuantScheme) -> None:
     if scheme.group_size is None:
         return
