@@ -3,6 +3,7 @@ transformers running the same weights dequantized to float32."""
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -156,20 +157,16 @@ def _set_quantization_config(folder, **changes):
 )
 def test_unsupported_configs_are_refused_by_name(awq_folder, changes, message):
     _set_quantization_config(awq_folder, **changes)
-    with pytest.raises(QuantizationConfigError, match=rf"quantization_config.*{_escape(message)}"):
+    with pytest.raises(
+        QuantizationConfigError, match=rf"quantization_config.*{re.escape(message)}"
+    ):
         load_model(awq_folder)
-
-
-def _escape(text):
-    import re
-
-    return re.escape(text)
 
 
 def test_a_misshapen_packed_tensor_is_named(awq_folder):
     name = "model.layers.0.self_attn.q_proj.qweight"
     _rewrite_tensor(awq_folder, name, torch.zeros(64, 4, dtype=torch.int32))
-    with pytest.raises(ValueError, match=rf"tensor {_escape(name)} has shape \[64, 4\]"):
+    with pytest.raises(ValueError, match=rf"tensor {re.escape(name)} has shape \[64, 4\]"):
         load_model(awq_folder)
 
 
@@ -177,7 +174,7 @@ def test_a_packed_tensor_is_never_cast(awq_folder):
     name = "model.layers.1.mlp.down_proj.qweight"
     stored = load_file(awq_folder / "model.safetensors")[name]
     _rewrite_tensor(awq_folder, name, stored.to(torch.int64))
-    with pytest.raises(ValueError, match=rf"{_escape(name)} has dtype torch.int64"):
+    with pytest.raises(ValueError, match=rf"{re.escape(name)} has dtype torch.int64"):
         load_model(awq_folder)
 
 
