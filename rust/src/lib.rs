@@ -12,6 +12,7 @@ mod prefix_hash;
 pub mod request;
 pub mod scheduler;
 pub mod step_plan;
+pub mod structured;
 pub mod text;
 
 #[cfg(feature = "python")]
@@ -23,3 +24,4 @@ pub use error::{CoreError, Result};
 pub use request::{FinishReason, RequestParams, StopReason};
 pub use scheduler::{EngineCore, SchedulerConfig, StepUpdate};
 pub use step_plan::StepPlan;
+pub use structured::{Grammar, GrammarCompiler, GrammarSpec};

@@ -1,6 +1,7 @@
 //! A request as the scheduler sees it: its tokens, its limits, and why it ended.
 
 use crate::error::{CoreError, Result};
+use crate::structured::SharedMatcher;
 use crate::text::{IncrementalDetokenizer, StopStep, StopStrings, Tokenizer};
 
 /// Per-request limits and stop conditions (text-level stops come with the tokenizer).
@@ -61,6 +62,8 @@ pub enum FinishReason {
     Length,
     /// Aborted by the caller.
     Abort,
+    /// The request's grammar refused a token it had allowed (an internal failure).
+    Error,
 }
 
 impl FinishReason {
@@ -69,6 +72,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
         }
     }
 }
@@ -110,6 +114,9 @@ pub(crate) struct Request {
     pub(crate) status: Status,
     /// Streaming text state, when the core has a tokenizer.
     pub(crate) text: Option<Box<TextState>>,
+    /// The matcher of its structured-output grammar, advanced with every token it takes
+    /// (generated tokens are kept across preemption, so the matcher never rolls back).
+    pub(crate) grammar: Option<SharedMatcher>,
 }
 
 /// When a request ends, as lengths of its whole sequence, from its params.
@@ -205,6 +212,7 @@ impl Request {
             num_preemptions: 0,
             status: Status::Waiting,
             text,
+            grammar: None,
         }
     }
 
@@ -220,6 +228,11 @@ impl Request {
     /// Whether min_tokens are out, so a stop id or string may end it.
     pub(crate) fn may_stop(&self) -> bool {
         self.tokens.len() >= self.stops.min_len
+    }
+
+    /// The ids that may end it: EOS (unless ignore_eos), then the stop ids.
+    pub(crate) fn stop_ids(&self) -> &[u32] {
+        &self.stops.ids
     }
 
     /// Checks the stop conditions after a token was appended: the stop ids, then

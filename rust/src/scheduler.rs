@@ -20,6 +20,7 @@ use crate::block_pool::{BlockPool, PoolInner, PoolStats};
 use crate::error::{CoreError, Result};
 use crate::request::{FinishReason, Request, RequestParams, Status, StopReason, TextState};
 use crate::step_plan::StepPlan;
+use crate::structured::{Grammar, PendingMasks};
 use crate::text::Tokenizer;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,6 +122,8 @@ pub struct EngineCore {
     running: Vec<u32>,
     next_arrival: u64,
     in_flight: Option<Vec<Scheduled>>,
+    /// The in-flight step's masks: update() waits for them before advancing matchers.
+    in_flight_masks: Option<PendingMasks>,
     num_preemptions: u64,
     num_steps: u64,
     tokenizer: Option<Arc<Tokenizer>>,
@@ -152,6 +155,7 @@ impl EngineCore {
             running: Vec::new(),
             next_arrival: 0,
             in_flight: None,
+            in_flight_masks: None,
             num_preemptions: 0,
             num_steps: 0,
             tokenizer,
@@ -207,6 +211,17 @@ impl EngineCore {
 
     /// Queues a request; returns its slot. Refuses what could never be served.
     pub fn add_request(&mut self, id: &str, prompt: &[u32], params: RequestParams) -> Result<u32> {
+        self.add_request_with_grammar(id, prompt, params, None)
+    }
+
+    /// Queues a request whose output `grammar` constrains (a fresh matcher of its own).
+    pub fn add_request_with_grammar(
+        &mut self,
+        id: &str,
+        prompt: &[u32],
+        params: RequestParams,
+        grammar: Option<&Grammar>,
+    ) -> Result<u32> {
         params.validate()?;
         if self.slot_of.contains_key(id) {
             return Err(CoreError::InvalidArgument(format!(
@@ -251,8 +266,11 @@ impl EngineCore {
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         self.waiting.insert((params.priority, arrival, slot));
-        self.requests[slot as usize] =
-            Some(Request::new(id, arrival, prompt, params, max_len, text));
+        let mut request = Request::new(id, arrival, prompt, params, max_len, text);
+        if let Some(grammar) = grammar {
+            request.grammar = Some(grammar.matcher(request.stop_ids().to_vec()).shared());
+        }
+        self.requests[slot as usize] = Some(request);
         self.slot_of.insert(id.to_string(), slot);
         Ok(slot)
     }
@@ -340,11 +358,27 @@ impl EngineCore {
         if !preempted {
             self.schedule_waiting(&mut guard, &mut entries, &mut budget);
         }
-        let plan = self.build_plan(&guard, &entries);
+        let mut plan = self.build_plan(&guard, &entries);
         drop(guard);
+        plan.grammar_masks = self.start_masks(&entries);
+        self.in_flight_masks = plan.grammar_masks.clone();
         self.in_flight = Some(entries);
         self.debug_check();
         Ok(plan)
+    }
+
+    /// Starts the masks of the sampling rows whose requests have a grammar.
+    fn start_masks(&self, entries: &[Scheduled]) -> Option<PendingMasks> {
+        let rows: Vec<_> = entries
+            .iter()
+            .filter(|e| e.samples)
+            .enumerate()
+            .filter_map(|(row, e)| {
+                let grammar = self.req(e.slot).grammar.as_ref()?;
+                Some((row as i32, Arc::clone(grammar)))
+            })
+            .collect();
+        (!rows.is_empty()).then(|| PendingMasks::start(rows))
     }
 
     fn remaining(&self, slot: u32) -> usize {
@@ -544,6 +578,7 @@ impl EngineCore {
             new_block_slots: Vec::new(),
             new_block_indices: Vec::new(),
             new_block_ids: Vec::new(),
+            grammar_masks: None,
         };
         plan.query_start_loc.push(0);
         for (row, e) in entries.iter().enumerate() {
@@ -616,6 +651,9 @@ impl EngineCore {
             texts: Vec::new(),
             finished: Vec::new(),
         };
+        if let Some(masks) = self.in_flight_masks.take() {
+            masks.wait(); // its worker must not read a matcher this update advances
+        }
         let mut finished_slots = Vec::new();
         let mut counts = num_sampled.map(|c| c.iter());
         let mut rest = sampled;
@@ -645,7 +683,7 @@ impl EngineCore {
                 out.rows.push(row as u32);
                 out.slots.push(e.slot);
                 out.token_ids.push(token);
-                let stop = match tokenizer.as_deref() {
+                let mut stop = match tokenizer.as_deref() {
                     Some(tok) => {
                         let (text, stop) = Self::append_text(r, tok, token);
                         out.texts.push(text);
@@ -653,6 +691,9 @@ impl EngineCore {
                     }
                     None => r.check_stop(),
                 };
+                if stop.is_none() {
+                    stop = Self::advance_grammar(r, tokenizer.as_deref(), token, &mut out.texts);
+                }
                 if let Some(stop) = stop {
                     finished_slots.push((e.slot, stop));
                     break;
@@ -676,6 +717,32 @@ impl EngineCore {
         self.num_steps += 1;
         self.debug_check();
         Ok(out)
+    }
+
+    /// Advances a request's grammar by a token that did not stop it: a complete grammar
+    /// ends it (a stop, releasing its held-back text), a refused token is an error.
+    fn advance_grammar(
+        r: &mut Request,
+        tokenizer: Option<&Tokenizer>,
+        token: u32,
+        texts: &mut [String],
+    ) -> Option<(FinishReason, Option<StopReason>)> {
+        let accepted = r.grammar.as_ref()?.lock().accept(token);
+        let mut stop = match accepted {
+            Ok(false) => return None,
+            Ok(true) => (FinishReason::Stop, None),
+            Err(why) => (FinishReason::Error, Some(StopReason::Text(why))),
+        };
+        if let (Some(tok), Some(text)) = (tokenizer, r.text.as_mut()) {
+            let tail = text.finish(tok);
+            if let Some(last) = texts.last_mut() {
+                last.push_str(&tail.emit);
+            }
+            if let (FinishReason::Stop, Some(s)) = (stop.0, tail.stopped) {
+                stop.1 = Some(StopReason::Text(s));
+            }
+        }
+        Some(stop)
     }
 
     /// Detokenizes a new token and checks every stop condition: a stop string

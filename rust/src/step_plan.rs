@@ -9,6 +9,8 @@
 //! entries of `table[slots[r]]` are then its block ids. [`crate::block_tables`]
 //! keeps such tables and rebuilds a plan's dense block tables from them.
 
+use crate::structured::PendingMasks;
+
 /// The work of one step. Rows are requests, in the order the arrays list them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepPlan {
@@ -37,6 +39,9 @@ pub struct StepPlan {
     pub new_block_indices: Vec<i32>,
     /// Its block id. (N,)
     pub new_block_ids: Vec<i32>,
+    /// The token masks of the sampling rows with a structured-output grammar, computed
+    /// while the model runs; None when no row has one.
+    pub grammar_masks: Option<PendingMasks>,
 }
 
 impl StepPlan {

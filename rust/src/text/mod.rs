@@ -14,7 +14,7 @@ mod tokenizer;
 #[cfg(test)]
 mod chat_template_parity;
 #[cfg(test)]
-mod test_tokenizers;
+pub(crate) mod test_tokenizers;
 
 pub use chat_template::ChatTemplate;
 pub use config::TokenizerConfig;

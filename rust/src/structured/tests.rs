@@ -1,0 +1,282 @@
+//! The grammar engine over the test tokenizers: valid outputs are allowed token by token and
+//! complete their grammar; random walks under the masks always produce a valid output.
+
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use super::*;
+use crate::error::CoreError;
+use crate::text::test_tokenizers::{byte_fallback_bpe, byte_level_bpe};
+use crate::text::{Tokenizer, TokenizerConfig};
+
+const EOS: u32 = 0;
+
+fn compiler(vocab_size: usize) -> GrammarCompiler {
+    let tok = Tokenizer::new(byte_level_bpe(), TokenizerConfig::default());
+    GrammarCompiler::new(&tok, vocab_size).unwrap()
+}
+
+fn allowed(words: &[u32]) -> Vec<u32> {
+    (0..words.len() * 32)
+        .filter(|&t| words[t / 32] >> (t % 32) & 1 == 1)
+        .map(|t| t as u32)
+        .collect()
+}
+
+fn mask_of(m: &mut GrammarMatcher) -> Vec<u32> {
+    let mut words = vec![0; m.mask_words()];
+    m.fill_mask(&mut words);
+    allowed(&words)
+}
+
+/// xorshift64*: a seeded generator, so a failure replays.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) as usize % n
+    }
+}
+
+/// Draws allowed tokens at random until the grammar completes or a stop token is drawn;
+/// returns the text and whether it ended by completion or an allowed stop.
+fn random_walk(compiler: &GrammarCompiler, spec: &GrammarSpec, seed: u64) -> (String, bool) {
+    let grammar = compiler.compile(spec).unwrap();
+    let mut m = grammar.matcher(vec![EOS]);
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut bytes = Vec::new();
+    for _ in 0..400 {
+        let options = mask_of(&mut m);
+        assert!(!options.is_empty(), "{spec:?}: empty mask after {bytes:?}");
+        let token = options[rng.below(options.len())];
+        if token == EOS {
+            assert!(m.is_accepting());
+            return (String::from_utf8(bytes).unwrap(), true);
+        }
+        bytes.extend_from_slice(compiler.vocab().token_bytes(token));
+        if m.accept(token).unwrap() {
+            return (String::from_utf8(bytes).unwrap(), true);
+        }
+    }
+    (String::from_utf8(bytes).unwrap(), false)
+}
+
+fn feed(compiler: &GrammarCompiler, spec: &GrammarSpec, text: &str) -> Result<bool, String> {
+    let grammar = compiler.compile(spec).unwrap();
+    let mut m = grammar.matcher(vec![EOS]);
+    let tok = Tokenizer::new(byte_level_bpe(), TokenizerConfig::default());
+    for token in tok.encode(text, false).unwrap() {
+        if !mask_of(&mut m).contains(&token) {
+            return Err(format!("token {token} refused"));
+        }
+        if m.accept(token)? {
+            return Ok(true);
+        }
+    }
+    Ok(m.is_accepting())
+}
+
+fn json_spec(schema: Value) -> GrammarSpec {
+    GrammarSpec::Json(schema.to_string())
+}
+
+#[test]
+fn valid_outputs_pass_and_invalid_ones_are_refused() {
+    let c = compiler(700);
+    let schema = json_spec(json!({
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": false,
+    }));
+    assert_eq!(feed(&c, &schema, r#"{"name":"Ann","age":42}"#), Ok(true));
+    assert!(feed(&c, &schema, r#"{"name":"Ann","age":"x"}"#).is_err());
+    assert!(feed(&c, &schema, r#"{"age":42}"#).is_err());
+    let rx = GrammarSpec::Regex("[0-9]{3}-[a-z]+".into());
+    assert_eq!(feed(&c, &rx, "123-abc"), Ok(true));
+    assert!(feed(&c, &rx, "12-abc").is_err());
+    let choice = GrammarSpec::Choice(vec!["yes".into(), "no".into()]);
+    assert_eq!(feed(&c, &choice, "no"), Ok(true));
+    assert!(feed(&c, &choice, "maybe").is_err());
+}
+
+#[test]
+fn random_walks_under_the_masks_give_valid_json() {
+    let c = compiler(700);
+    let schemas = [
+        json!({"type": "object", "properties": {
+            "a": {"type": "integer", "minimum": -5, "maximum": 500},
+            "b": {"type": "string", "maxLength": 6},
+            "c": {"enum": ["red", "green", 3]},
+            "d": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        }, "required": ["a", "b", "c", "d"], "additionalProperties": false}),
+        json!({"type": "array", "items": {"type": "number", "minimum": -1e6, "maximum": 1e6},
+            "minItems": 1, "maxItems": 4}),
+        json!({"type": "string", "pattern": "^[A-Z][a-z]{1,5}$"}),
+    ];
+    for (i, schema) in schemas.iter().enumerate() {
+        for seed in 0..8 {
+            let (text, done) = random_walk(&c, &json_spec(schema.clone()), seed);
+            assert!(
+                done,
+                "schema {i} seed {seed}: no end in 400 tokens: {text:?}"
+            );
+            let value: Value = serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("schema {i} seed {seed}: {text:?}: {e}"));
+            match i {
+                0 => {
+                    let a = value["a"].as_i64().unwrap();
+                    assert!((-5..=500).contains(&a), "{text}");
+                    assert!(value["b"].as_str().unwrap().chars().count() <= 6, "{text}");
+                    assert!([json!("red"), json!("green"), json!(3)].contains(&value["c"]));
+                    let d = value["d"].as_array().unwrap();
+                    assert!(d.len() <= 3 && d.iter().all(Value::is_boolean), "{text}");
+                }
+                1 => {
+                    let items = value.as_array().unwrap();
+                    assert!((1..=4).contains(&items.len()) && items.iter().all(Value::is_number));
+                }
+                _ => {
+                    let s = value.as_str().unwrap();
+                    assert!(s.len() >= 2 && s.len() <= 6, "{text}");
+                    assert!(s.chars().next().unwrap().is_ascii_uppercase(), "{text}");
+                    assert!(
+                        s.chars().skip(1).all(|ch| ch.is_ascii_lowercase()),
+                        "{text}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn random_walks_fullmatch_regexes_and_choices() {
+    let c = compiler(700);
+    for seed in 0..16 {
+        let (text, _) = random_walk(&c, &GrammarSpec::Regex("(ab|cd)[0-9]{2}x?".into()), seed);
+        let b = text.as_bytes();
+        assert!(text.len() == 4 || text.len() == 5, "{text:?}");
+        assert!(&text[..2] == "ab" || &text[..2] == "cd", "{text:?}");
+        assert!(b[2].is_ascii_digit() && b[3].is_ascii_digit(), "{text:?}");
+        assert!(text.len() == 4 || b[4] == b'x', "{text:?}");
+        let choices = vec!["alpha".to_string(), "alphabet".into(), "b \"q\"".into()];
+        let (text, done) = random_walk(&c, &GrammarSpec::Choice(choices.clone()), seed);
+        assert!(done && choices.contains(&text), "{text:?}");
+    }
+}
+
+#[test]
+fn lark_grammars_constrain_too() {
+    let c = compiler(700);
+    let lark = GrammarSpec::Grammar("start: item (\",\" item)*\nitem: /[0-9]/ | \"x\"\n".into());
+    assert_eq!(feed(&c, &lark, "1,x,3"), Ok(true));
+    assert!(feed(&c, &lark, "1,,3").is_err());
+}
+
+#[test]
+fn stop_ids_are_allowed_only_where_the_grammar_may_end() {
+    let c = compiler(700);
+    let grammar = c.compile(&GrammarSpec::Regex("[0-9]+".into())).unwrap();
+    let mut m = grammar.matcher(vec![EOS, 5]);
+    let first = mask_of(&mut m);
+    assert!(!first.contains(&EOS) && !first.contains(&5));
+    let tok = Tokenizer::new(byte_level_bpe(), TokenizerConfig::default());
+    let seven = tok.encode("7", false).unwrap();
+    assert_eq!(seven.len(), 1);
+    assert_eq!(m.accept(seven[0]), Ok(false));
+    let next = mask_of(&mut m);
+    assert!(next.contains(&EOS) && next.contains(&5) && next.contains(&seven[0]));
+    // No special token other than the stop ids.
+    assert!(!next.contains(&1) && !next.contains(&2));
+}
+
+#[test]
+fn masks_have_the_models_width() {
+    let wide = compiler(1000);
+    let grammar = wide.compile(&GrammarSpec::JsonObject).unwrap();
+    let mut m = grammar.matcher(vec![EOS]);
+    assert_eq!(m.mask_words(), 1000usize.div_ceil(32));
+    assert!(mask_of(&mut m).iter().all(|&t| t < 700));
+    let narrow = compiler(100); // a model narrower than its tokenizer
+    let grammar = narrow.compile(&GrammarSpec::JsonObject).unwrap();
+    let mut m = grammar.matcher(vec![EOS]);
+    assert_eq!(m.mask_words(), 4);
+    assert!(mask_of(&mut m).iter().all(|&t| t < 100));
+}
+
+#[test]
+fn invalid_constraints_are_invalid_arguments_naming_the_problem() {
+    let c = compiler(700);
+    let cases = [
+        (GrammarSpec::Regex("[a-".into()), "regex: "),
+        (GrammarSpec::Grammar("start: foo\n".into()), "grammar: "),
+        (json_spec(json!({"type": "frobnicate"})), "json: "),
+        (
+            json_spec(json!({"$ref": "#/definitions/missing"})),
+            "json: ",
+        ),
+    ];
+    for (spec, prefix) in cases {
+        match c.compile(&spec) {
+            Err(CoreError::InvalidArgument(m)) => {
+                assert!(
+                    m.starts_with(prefix) && m.len() > prefix.len(),
+                    "{spec:?}: {m}"
+                )
+            }
+            Err(other) => panic!("{spec:?}: wrong error {other:?}"),
+            Ok(_) => panic!("{spec:?}: compiled"),
+        }
+    }
+}
+
+#[test]
+fn compiled_grammars_are_shared_and_matchers_are_not() {
+    let c = compiler(700);
+    let spec = GrammarSpec::Choice(vec!["ab".into(), "cd".into()]);
+    let (g1, g2) = (c.compile(&spec).unwrap(), c.compile(&spec).unwrap());
+    assert!(Arc::ptr_eq(&g1, &g2));
+    let tok = Tokenizer::new(byte_level_bpe(), TokenizerConfig::default());
+    let mut a = g1.matcher(vec![EOS]);
+    let b_mask_before = mask_of(&mut g1.matcher(vec![EOS]));
+    for t in tok.encode("ab", false).unwrap() {
+        a.accept(t).unwrap();
+    }
+    assert!(a.is_finished());
+    assert_eq!(mask_of(&mut g1.matcher(vec![EOS])), b_mask_before);
+}
+
+#[test]
+fn byte_fallback_vocabularies_work() {
+    let tok = Tokenizer::new(byte_fallback_bpe(), TokenizerConfig::default());
+    let c = GrammarCompiler::new(&tok, 700).unwrap();
+    for seed in 0..4 {
+        let spec = GrammarSpec::Regex("[é€]{2}[a-c]".into());
+        let (text, _) = random_walk(&c, &spec, seed);
+        let chars: Vec<char> = text.chars().collect();
+        assert_eq!(chars.len(), 3, "{text:?}");
+        assert!(chars[..2].iter().all(|ch| "é€".contains(*ch)) && "abc".contains(chars[2]));
+    }
+}
+
+#[test]
+fn pending_masks_are_computed_off_thread_and_joined_once() {
+    let c = compiler(700);
+    let grammar = c.compile(&GrammarSpec::Regex("[0-9]+".into())).unwrap();
+    let rows = vec![
+        (2, grammar.matcher(vec![EOS]).shared()),
+        (5, grammar.matcher(vec![]).shared()),
+    ];
+    let pending = PendingMasks::start(rows);
+    let masks = pending.wait();
+    assert_eq!(masks.rows, vec![2, 5]);
+    assert_eq!(masks.words.len(), 2 * masks.words_per_row);
+    let digits = allowed(&masks.words[..masks.words_per_row]);
+    assert!(!digits.is_empty() && !digits.contains(&EOS));
+    assert!(std::ptr::eq(masks, pending.clone().wait()));
+}
