@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from aieng.layers.linear import DenseLinearMethod, Linear, LinearMethod, LinearMethodChooser
 from aieng.quantization.config import QuantizationConfig
+from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
 from aieng.quantization.linear_method import QuantizedLinearMethod
 
 
@@ -38,7 +40,11 @@ def quantized_linear_methods(
         scheme = quantization.scheme_for(checkpoint_layer_names(prefix, packed_modules))
         if scheme is None:
             return DenseLinearMethod()
-        return QuantizedLinearMethod(scheme, prefix, use_kernels)
+        # 4-bit layers on a machine with an NVIDIA GPU: the CUDA kernels (checked at load; on
+        # a CPU device the method is the torch one).
+        cuda_int4 = scheme.bits == 4 and torch.cuda.is_available()
+        method = CudaInt4LinearMethod if cuda_int4 else QuantizedLinearMethod
+        return method(scheme, prefix, use_kernels)
 
     return choose
 

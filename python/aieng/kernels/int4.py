@@ -1,0 +1,205 @@
+"""aieng's CUDA INT4 weight layout, its repack and references, and the launches of the fused
+dequantize-matmul kernels (`cuda/int4_gemv.cu`, `cuda/int4_gemm.cu`).
+
+Layout (`Int4Weights`), for a weight w (N, K) = (q - z) * s group by group:
+- `qweight` (N, K / 2) uint8: byte j of row n holds q[n, 2j] in its low nibble and q[n, 2j + 1]
+  in its high one — the byte order `QuantizedLinearMethod` already keeps, so a 16-byte load is
+  32 consecutive weights of one row and a warp reads 512 contiguous bytes;
+- `scale_zero` (N, K / group_size, 2) float16: each group's (scale, zero), one 32-bit load.
+K and the group size must be multiples of 32 (a 16-byte chunk never straddles two groups).
+Scales are held in float16: a scale float16 cannot hold within 1e-3 refuses the layout.
+
+Paths: `gemv` (CUDA cores; M <= 16 in one pass over the weights, any M in passes of 16 rows;
+float16, bfloat16 or float32 activations) and `gemm` (tensor cores, 64 x 64 tiles; float16 and
+bfloat16). `reference_matmul` is the math both compute, in float32; `gemv_reference` is the
+GEMV's own algebra (weights read as 1 + q/16, scale and zero applied once per 32-weight chunk),
+checked against it on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aieng.kernels.errors import KernelError
+
+CHUNK = 32  # weights per 16-byte load of one row
+GEMV_MAX_M = 16  # the decode path: every weight byte read once for up to this many rows
+GEMV_TILES = (1, 2, 4, 8, 16)  # rows of x per GEMV launch tile (compiled variants)
+GEMV_ROWS = {1: 4, 2: 2, 4: 2, 8: 1, 16: 1}  # output rows per thread, by tile (int4_gemv.cu)
+GEMV_THREADS = 128
+GEMM_TILE = 64  # rows of x and of W per GEMM block
+DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+GEMM_DTYPES = (torch.float16, torch.bfloat16)
+SCALE_TOLERANCE = 1e-3  # largest relative change of a scale stored in float16
+
+
+@dataclass
+class Int4Weights:
+    """One layer's weight in aieng's CUDA INT4 layout."""
+
+    qweight: torch.Tensor  # (N, K / 2) uint8
+    scale_zero: torch.Tensor  # (N, G, 2) float16: (scale, zero) per group
+    group_size: int
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return 2 * self.qweight.shape[1]
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) integers in [0, 16), K even -> (N, K / 2) uint8, even k in the low nibble."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def from_packed(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int4Weights:
+    """qweight (N, K / 2) uint8 packed as `pack_nibbles` does (kept, not copied), scales and
+    zeros (N, G) -> the layout. KernelError when the shape or the scales do not fit it."""
+    n, half_k = qweight.shape
+    k, groups = 2 * half_k, scales.shape[1]
+    if qweight.dtype != torch.uint8 or scales.shape != zeros.shape or scales.shape[0] != n:
+        raise KernelError(
+            f"INT4 layout: qweight {tuple(qweight.shape)} {qweight.dtype}, scales "
+            f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not describe one weight"
+        )
+    if k % groups or (k // groups) % CHUNK:
+        raise KernelError(
+            f"INT4 layout: K = {k} in {groups} groups; K and the group size must be "
+            f"multiples of {CHUNK}"
+        )
+    half = scales.to(torch.float16)
+    change = (half.float() - scales.float()).abs() / scales.float().abs().clamp_min(1e-30)
+    if not bool(torch.isfinite(half).all()) or float(change.max()) > SCALE_TOLERANCE:
+        raise KernelError(
+            f"INT4 layout: scales out of float16's range (largest relative change "
+            f"{float(change.max()):.2e} > {SCALE_TOLERANCE})"
+        )
+    if bool((zeros != zeros.round()).any()) or bool((zeros.abs() > 2048).any()):
+        raise KernelError("INT4 layout: zero points must be integers float16 holds exactly")
+    scale_zero = torch.stack([half, zeros.to(torch.float16)], dim=-1).contiguous()
+    return Int4Weights(qweight.contiguous(), scale_zero, k // groups)
+
+
+def repack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int4Weights:
+    """(q (N, K) in [0, 16), scales (N, G), zeros (N, G)), the weight being (q - z) * s group by
+    group -> aieng's CUDA INT4 layout. Pure torch, any device."""
+    if bool((q < 0).any()) or bool((q > 15).any()):
+        raise KernelError("INT4 layout: q must lie in [0, 16)")
+    if q.shape[1] % 2:
+        raise KernelError(f"INT4 layout: K = {q.shape[1]} is odd")
+    return from_packed(pack_nibbles(q), scales, zeros)
+
+
+def unpack(weights: Int4Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout -> (q (N, K) int32, scales (N, G) float32, zeros (N, G) float32)."""
+    packed = weights.qweight
+    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    scale_zero = weights.scale_zero.float()
+    return q.to(torch.int32), scale_zero[..., 0].contiguous(), scale_zero[..., 1].contiguous()
+
+
+def dequantize_weights(weights: Int4Weights) -> torch.Tensor:
+    """(N, K) float32: (q - z) * s with the layout's float16 scales and zeros."""
+    q, scales, zeros = unpack(weights)
+    n, k = q.shape
+    grouped = q.float().view(n, -1, weights.group_size)
+    return ((grouped - zeros[:, :, None]) * scales[:, :, None]).reshape(n, k)
+
+
+def reference_matmul(x: torch.Tensor, weights: Int4Weights) -> torch.Tensor:
+    """What both kernels compute: x (..., K) @ W^T in float32, returned in x's dtype."""
+    y = x.float() @ dequantize_weights(weights).t()
+    return y.to(x.dtype)
+
+
+def gemv_reference(x: torch.Tensor, weights: Int4Weights) -> torch.Tensor:
+    """int4_gemv.cu's algebra in float32, (M, K) -> (M, N): each weight read as the float
+    1 + q/16 (its nibble in the top of a mantissa under 1.0's exponent), and per 32-weight chunk
+    sum((q - z) s x) = s * (16 * sum((1 + q/16) x) - (16 + z) * sum(x))."""
+    q, scales, zeros = unpack(weights)
+    n, k = q.shape
+    encoded = (1 + q.float() / 16).view(n, k // CHUNK, CHUNK)  # (N, C, 32)
+    xf = x.float().view(x.shape[0], k // CHUNK, CHUNK)  # (M, C, 32)
+    dot = torch.einsum("mci,nci->mnc", xf, encoded)  # (M, N, C)
+    xsum = xf.sum(-1)[:, None, :]  # (M, 1, C)
+    per_chunk = weights.group_size // CHUNK
+    s = scales.repeat_interleave(per_chunk, dim=1)[None]  # (1, N, C)
+    z = zeros.repeat_interleave(per_chunk, dim=1)[None]
+    return (s * (16 * dot - (16 + z) * xsum)).sum(-1)
+
+
+# ------------------------------------------------------------------ launch parameters
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    source: str
+    grid: tuple[int, int]
+    block: tuple[int, int]
+
+
+def choose_path(m: int, dtype: torch.dtype, gemv: bool = True, gemm: bool = True) -> str | None:
+    """Which kernel multiplies M rows of `dtype` ("gemv", "gemm"), given the paths that passed
+    their check; None: neither can (the caller falls back to the reference)."""
+    if dtype not in DTYPE_NAMES:
+        return None
+    tensor_cores = gemm and dtype in GEMM_DTYPES
+    if gemv and (m <= GEMV_MAX_M or not tensor_cores):
+        return "gemv"
+    return "gemm" if tensor_cores else None
+
+
+def gemv_launch(m: int, n: int, k: int, dtype: torch.dtype) -> Launch:
+    """The GEMV kernel and its grid for (M, K) x (N, K)^T: the smallest compiled row tile that
+    holds M (M > 16: tiles of 16, the weights read once per tile); blockDim.x threads walk K in
+    16-byte chunks — the largest of 128, 64, 32 not above the chunk count — and the block's
+    other dimension takes row groups of GEMV_ROWS[tile] rows."""
+    tile = next((t for t in GEMV_TILES if t >= m), GEMV_TILES[-1])
+    chunks = k // CHUNK
+    threads_x = next((t for t in (128, 64) if t <= chunks), 32)
+    threads_y = GEMV_THREADS // threads_x
+    rows_per_block = GEMV_ROWS[tile] * threads_y
+    grid = (-(-n // rows_per_block), -(-m // tile))
+    return Launch(
+        f"int4_gemv_{DTYPE_NAMES[dtype]}_m{tile}", "int4_gemv", grid, (threads_x, threads_y)
+    )
+
+
+def gemm_launch(m: int, n: int, dtype: torch.dtype) -> Launch:
+    grid = (-(-n // GEMM_TILE), -(-m // GEMM_TILE))
+    return Launch(f"int4_gemm_{DTYPE_NAMES[dtype]}", "int4_gemm", grid, (128, 1))
+
+
+def launch_for(path: str, m: int, weights: Int4Weights, dtype: torch.dtype) -> Launch:
+    n, k = weights.out_features, weights.in_features
+    return gemv_launch(m, n, k, dtype) if path == "gemv" else gemm_launch(m, n, dtype)
+
+
+# ------------------------------------------------------------------ the GPU entry point
+
+
+def int4_matmul(x: torch.Tensor, weights: Int4Weights, path: str) -> torch.Tensor:
+    """x (..., K) on a CUDA device @ W^T with `path`'s kernel ("gemv" or "gemm") -> (..., N) in
+    x's dtype, on torch's current stream."""
+    from aieng.kernels.launch import load_module
+
+    k, n = weights.in_features, weights.out_features
+    if x.shape[-1] != k:
+        raise KernelError(f"int4_matmul: x has {x.shape[-1]} features, the weight {k}")
+    flat = x.reshape(-1, k)
+    if not flat.is_contiguous() or flat.data_ptr() % 16:  # the kernels load 16 bytes at once
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    m = flat.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        launch = launch_for(path, m, weights, x.dtype)
+        args = [flat, weights.qweight, weights.scale_zero, y, m, n, k, weights.group_size]
+        load_module(launch.source).launch(launch.kernel, launch.grid, launch.block, args)
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,263 @@
+"""CPU checks of the CUDA INT4 path (issue 12): the layout's repack and its round trip, the
+kernels' math against `dequantize(layer)`, the launch parameters (the GEMV's thread-to-weight
+mapping simulated over its grid), the start-up self-check turning a failing kernel off, and the
+method's selection. The kernels themselves run in tests/test_cuda_int4_gpu.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from quantized_checkpoints import min_max_quantize
+
+from aieng.kernels.errors import KernelCompileError, KernelError
+from aieng.kernels.int4 import (
+    CHUNK,
+    GEMM_TILE,
+    GEMV_ROWS,
+    GEMV_THREADS,
+    choose_path,
+    dequantize_weights,
+    from_packed,
+    gemm_launch,
+    gemv_launch,
+    gemv_reference,
+    reference_matmul,
+    repack,
+    unpack,
+)
+from aieng.layers.linear import Linear
+from aieng.quantization import methods
+from aieng.quantization.config import QuantizationConfig, WeightScheme
+from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
+from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
+from aieng.quantization.packing import pack_int32
+
+
+def random_int4(n: int, k: int, group: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int32)
+    scales = torch.rand(n, k // group, generator=generator) * 0.02 + 1e-3
+    zeros = torch.randint(0, 16, (n, k // group), generator=generator).float()
+    return q, scales, zeros
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize(("n", "k"), [(5, 128), (64, 256), (33, 384)])
+def test_repack_round_trip(group: int, n: int, k: int) -> None:
+    if k % group:
+        pytest.skip("K not a multiple of the group")
+    q, scales, zeros = random_int4(n, k, group, seed=n + k)
+    weights = repack(q, scales, zeros)
+    assert weights.qweight.shape == (n, k // 2) and weights.qweight.dtype == torch.uint8
+    assert weights.scale_zero.shape == (n, k // group, 2)
+    assert weights.scale_zero.dtype == torch.float16 and weights.group_size == group
+    # The byte layout the kernels read: row-major, even k in the low nibble.
+    assert int(weights.qweight[2, 3]) == int(q[2, 6]) | int(q[2, 7]) << 4
+    q2, scales2, zeros2 = unpack(weights)
+    assert torch.equal(q2, q)
+    assert torch.equal(zeros2, zeros)
+    assert torch.equal(scales2, scales.half().float())
+    assert float(((scales2 - scales) / scales).abs().max()) <= 2**-11
+
+
+def test_repack_refuses_what_the_kernels_cannot_read() -> None:
+    q, scales, zeros = random_int4(4, 64, 32)
+    with pytest.raises(KernelError, match="multiples of 32"):
+        repack(q[:, :48], scales[:, :3], zeros[:, :3])  # group of 16
+    with pytest.raises(KernelError, match="float16's range"):
+        repack(q, scales * 1e-6, zeros)  # subnormal in float16
+    with pytest.raises(KernelError, match=r"\[0, 16\)"):
+        repack(q + 1, scales, zeros)
+    with pytest.raises(KernelError, match="integers"):
+        repack(q, scales, zeros + 0.5)
+
+
+def quantized_layer(
+    n: int, k: int, group: int | None, symmetric: bool, method: QuantizedLinearMethod
+) -> Linear:
+    """A compressed-tensors INT4 layer of random weights, loaded and processed by `method`."""
+    generator = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=generator)
+    q, s, z = min_max_quantize(w, 4, group, symmetric)
+    layer = Linear(k, n, methods=lambda prefix: method)
+    layer.weight_packed.data.copy_(pack_int32(q, 4, dim=1))
+    layer.weight_scale.data.copy_(s)
+    if not symmetric:
+        layer.weight_zero_point.data.copy_(pack_int32(z, 4, dim=0))
+    method.process_weights_after_loading(layer)
+    return layer
+
+
+def scheme(group: int | None, symmetric: bool) -> WeightScheme:
+    return WeightScheme("compressed-tensors", 4, group, symmetric)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, None])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_kernel_math_on_the_layout_matches_dequantize(group: int | None, symmetric: bool) -> None:
+    n, k = 72, 512
+    method = QuantizedLinearMethod(scheme(group, symmetric), "layer", use_kernel=False)
+    layer = quantized_layer(n, k, group, symmetric, method)
+    weights = from_packed(layer.qvalues, layer.scales, layer.zeros)
+    assert weights.qweight.data_ptr() == layer.qvalues.data_ptr()  # the bytes are shared
+    assert weights.group_size == (group or k)
+    reference = dequantize(layer)
+    # float16 scales: each weight within 2^-11 of its magnitude
+    assert bool(((dequantize_weights(weights) - reference).abs() <= reference.abs() * 2**-11).all())
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = x @ reference.double().t()
+    for got in (reference_matmul(x.float(), weights), gemv_reference(x.float(), weights)):
+        error = float((got.double() - want).norm() / want.norm())
+        assert error < 1e-3, error  # the float16 scales
+    # The GEMV's 1 + q/16 algebra is exact up to float32 rounding
+    exact = reference_matmul(x.float(), weights).double()
+    error = float((gemv_reference(x.float(), weights).double() - exact).norm() / exact.norm())
+    assert error < 1e-5, error
+
+
+def simulate_gemv_coverage(m: int, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Counts, per (x row, output row, K chunk), how often int4_gemv.cu's indexing visits it
+    over the launch's grid and block (rows and x rows past the end are not stored)."""
+    launch = gemv_launch(m, n, k, dtype)
+    tile = int(launch.kernel.rsplit("_m", 1)[1])
+    rows = GEMV_ROWS[tile]
+    (grid_x, grid_y), (threads_x, threads_y) = launch.grid, launch.block
+    assert threads_x * threads_y == GEMV_THREADS and threads_x % 32 == 0
+    visits = torch.zeros(m, n, k // CHUNK, dtype=torch.int32)
+    chunks = torch.arange(k // CHUNK)
+    for bx in range(grid_x):
+        for by in range(grid_y):
+            for ty in range(threads_y):
+                row0 = (bx * threads_y + ty) * rows
+                for tx in range(threads_x):
+                    mine = chunks[tx::threads_x]
+                    for r in range(rows):
+                        for mi in range(tile):
+                            if row0 + r < n and by * tile + mi < m:
+                                visits[by * tile + mi, row0 + r, mine] += 1
+    return visits
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "dtype", "kernel", "block"),
+    [
+        (1, 100, 4096, torch.bfloat16, "int4_gemv_bf16_m1", (128, 1)),
+        (2, 40, 1024, torch.float16, "int4_gemv_f16_m2", (32, 4)),
+        (3, 17, 2048, torch.float16, "int4_gemv_f16_m4", (64, 2)),
+        (9, 13, 96, torch.bfloat16, "int4_gemv_bf16_m16", (32, 4)),
+        (37, 9, 64, torch.float32, "int4_gemv_f32_m16", (32, 4)),
+    ],
+)
+def test_gemv_launch_covers_every_weight_once(m, n, k, dtype, kernel, block) -> None:
+    launch = gemv_launch(m, n, k, dtype)
+    assert (launch.kernel, launch.block, launch.source) == (kernel, block, "int4_gemv")
+    visits = simulate_gemv_coverage(m, n, k, dtype)
+    assert bool((visits == 1).all())
+    if m <= 16:  # one pass over the weights: a single tile of x rows
+        assert launch.grid[1] == 1
+
+
+def test_gemm_launch_tiles_the_output() -> None:
+    launch = gemm_launch(200, 4097, torch.bfloat16)
+    assert launch.kernel == "int4_gemm_bf16" and launch.block == (128, 1)
+    assert launch.grid == (-(-4097 // GEMM_TILE), -(-200 // GEMM_TILE)) == (65, 4)
+
+
+def test_path_choice() -> None:
+    assert choose_path(1, torch.bfloat16) == "gemv"
+    assert choose_path(16, torch.float16) == "gemv"
+    assert choose_path(17, torch.float16) == "gemm"
+    assert choose_path(512, torch.float32) == "gemv"  # no tensor-core path for float32
+    assert choose_path(512, torch.bfloat16, gemm=False) == "gemv"
+    assert choose_path(1, torch.bfloat16, gemv=False) == "gemm"
+    assert choose_path(1, torch.float32, gemv=False) is None
+    assert choose_path(4, torch.float64) is None
+
+
+def reference_kernel(x: torch.Tensor, weights, path: str) -> torch.Tensor:
+    """The kernels' math on the CPU, standing in for the GPU launch."""
+    return reference_matmul(x, weights)
+
+
+def cpu_method(group: int | None, matmul=reference_kernel) -> CudaInt4LinearMethod:
+    return CudaInt4LinearMethod(
+        scheme(group, False), "model.layers.0.mlp.down_proj", matmul=matmul, runs_on=lambda d: True
+    )
+
+
+def test_method_takes_the_layer_when_its_kernels_pass() -> None:
+    method = cpu_method(64)
+    layer = Linear(256, 48, dtype=torch.bfloat16, methods=lambda prefix: method)
+    quantized_layer_from(layer, method, 64)
+    assert method.kernel == "cuda_int4" and method.paths == ("gemv", "gemm")
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    want = x.float() @ dequantize(layer).t()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want).norm() / want.norm()) < 1e-2
+
+
+def quantized_layer_from(layer: Linear, method: CudaInt4LinearMethod, group: int | None) -> None:
+    n, k = sum(layer.output_sizes), layer.input_size
+    q, s, z = min_max_quantize(
+        torch.randn(n, k, generator=torch.Generator().manual_seed(3)), 4, group, False
+    )
+    layer.weight_packed.data.copy_(pack_int32(q, 4, dim=1))
+    layer.weight_scale.data.copy_(s)
+    layer.weight_zero_point.data.copy_(pack_int32(z, 4, dim=0))
+    method.process_weights_after_loading(layer)
+
+
+def test_a_kernel_that_disagrees_is_turned_off_by_name(caplog) -> None:
+    def broken_gemm(x, weights, path):
+        y = reference_matmul(x, weights)
+        return y * 1.1 if path == "gemm" else y
+
+    method = cpu_method(32, broken_gemm)
+    layer = Linear(128, 32, dtype=torch.bfloat16, methods=lambda prefix: method)
+    with caplog.at_level(logging.WARNING):
+        quantized_layer_from(layer, method, 32)
+    assert method.kernel == "cuda_int4" and method.paths == ("gemv",)
+    assert "int4_gemm_bf16 differs from its reference" in caplog.text
+    assert "model.layers.0.mlp.down_proj" in caplog.text
+    x = torch.randn(40, 128, dtype=torch.bfloat16)  # a prefill: served by the GEMV, not the GEMM
+    want = x.float() @ dequantize(layer).t()
+    assert float((layer(x).float() - want).norm() / want.norm()) < 1e-2
+
+
+def test_a_kernel_that_cannot_compile_leaves_the_reference(caplog) -> None:
+    def no_compiler(x, weights, path):
+        raise KernelCompileError("int4_gemv.cu", 90, "error: injected")
+
+    method = cpu_method(None, no_compiler)
+    layer = Linear(128, 32, dtype=torch.float32, methods=lambda prefix: method)
+    with caplog.at_level(logging.WARNING):
+        quantized_layer_from(layer, method, None)
+    assert method.kernel == "dequant" and method.paths == ()
+    assert "kernel int4_gemv_f32_m4 cannot run" in caplog.text and "injected" in caplog.text
+    x = torch.randn(3, 128)
+    assert torch.allclose(layer(x), x @ dequantize(layer).t(), atol=1e-5)
+
+
+def test_nan_output_fails_the_check(caplog) -> None:
+    method = cpu_method(32, lambda x, w, p: reference_matmul(x, w) * float("nan"))
+    layer = Linear(64, 16, dtype=torch.float16, methods=lambda prefix: method)
+    with caplog.at_level(logging.WARNING):
+        quantized_layer_from(layer, method, 32)
+    assert method.kernel == "dequant"
+    assert "int4_gemv_f16_m4 differs" in caplog.text and "int4_gemm_f16 differs" in caplog.text
+
+
+def test_the_cuda_method_is_chosen_only_where_cuda_is(monkeypatch) -> None:
+    config = QuantizationConfig("compressed-tensors", ((("Linear",), scheme(32, True)),))
+    for available, expected in ((True, CudaInt4LinearMethod), (False, QuantizedLinearMethod)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        method = methods.quantized_linear_methods(config, {})("model.layers.0.mlp.up_proj")
+        assert type(method) is expected
+    # On a CPU device the CUDA method is the torch one: the CPU INT4 kernel or dequant.
+    method = CudaInt4LinearMethod(scheme(32, False), "cpu")
+    layer = Linear(128, 32, methods=lambda prefix: method)
+    quantized_layer_from(layer, method, 32)
+    assert method.kernel in ("int4pack", "dequant") and method.paths == ()
