@@ -38,9 +38,19 @@ ARCHS = (80, 90)
 REGISTER_BUDGETS: dict[str, int] = {
     "int4_gemv_*": 168,  # M_TILE 16: 16 rows of float32 accumulators and dot products
     "int4_gemm_*": 128,
+    "paged_decode_*_g[12]": 96,  # acc: 8 floats per query head of the CTA
+    "paged_decode_*_g4": 128,
+    "paged_decode_*_g8": 160,
+    "paged_decode_reduce_*": 40,
+    "paged_prefill_*_d64": 128,  # O: D / 2 floats, Q fragments: D / 4 registers
+    "paged_prefill_*_d128": 192,
 }
 
 SOURCES = sorted(path.name for path in cuda_source_dir().glob("*.cu"))
+
+
+def test_the_kernel_sources_are_found() -> None:
+    assert {"paged_attention_decode.cu", "paged_attention_prefill.cu"} <= set(SOURCES)
 
 
 @pytest.fixture(autouse=True)

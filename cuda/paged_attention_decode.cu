@@ -1,0 +1,267 @@
+// Paged decode attention: one query token per request over its cached context, read through
+// the request's block table (python/aieng/attention/cuda_paged.py launches it; the reference is
+// paged_attention in python/aieng/attention/torch_paged.py).
+//
+// Cache layout (one layer): K and V (num_blocks, block_size, num_kv_heads, D) in the model's
+// dtype T, or int8 with one scale per token per KV head, (num_blocks, block_size, num_kv_heads)
+// in T (value = q * scale, dequantized here in registers). Token position t of request r lives
+// in block block_tables[r][t / block_size] at offset t % block_size (block_size a power of two).
+//
+// Grid (num_kv_heads * head_chunks, R, num_splits), 128 threads. A CTA owns one KV head, up to
+// HG query heads of its GQA group (so each KV head's context is read once per group of up to 8
+// query heads), and one split of the context (flash-decoding: the positions
+// [start + s * split_tokens, start + (s + 1) * split_tokens) with start the sliding window's
+// first position). It walks its split in tiles of TILE tokens, online softmax in float32:
+//   1. scores: LPT lanes per token, 8 dims (one 16-byte K load) per lane, shuffle-reduced;
+//   2. per head: tile max, p = 2^(s - m), running max / sum rescaled;
+//   3. V: acc[h][8 dims] += p * v, each thread over its own tokens of the tile;
+// then the threads' partial sums are added in shared memory. With one split the CTA writes the
+// normalized output; with several it writes the unnormalized sum and (max, sum) per split, and
+// paged_decode_reduce_* combines them: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+#include "common.cuh"
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kPasses = 4;  // tokens per thread per tile
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <int D>
+struct DecodeShape {
+  static constexpr int kLanesPerToken = D / 8;                    // 8 dims per lane
+  static constexpr int kTokenGroups = kThreads / kLanesPerToken;  // tokens per pass
+  static constexpr int kTile = kTokenGroups * kPasses;            // tokens per tile
+};
+
+template <typename T, typename C, int D, int HG>
+__device__ __forceinline__ void decode_attention(
+    T* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    const T* __restrict__ q, int q_stride, const C* __restrict__ k_cache,
+    const C* __restrict__ v_cache, const T* __restrict__ k_scale, const T* __restrict__ v_scale,
+    const int* __restrict__ block_tables, int table_stride, const int* __restrict__ seq_lens,
+    const int* __restrict__ rows, int num_heads, int num_kv_heads, int group, int head_chunks,
+    int block_shift, int window, float scale, int split_tokens) {
+  using Shape = DecodeShape<D>;
+  constexpr int LPT = Shape::kLanesPerToken;
+  constexpr int NG = Shape::kTokenGroups;
+  constexpr int TILE = Shape::kTile;
+  constexpr bool kQuantized = sizeof(C) == 1;
+
+  __shared__ float q_s[HG][D];
+  __shared__ float score_s[HG][TILE];
+  __shared__ float max_s[HG], sum_s[HG], alpha_s[HG];
+  __shared__ float reduce_s[NG][HG][D];
+
+  const int tid = threadIdx.x;
+  const int kv_head = blockIdx.x / head_chunks;
+  const int first_head = kv_head * group + (blockIdx.x % head_chunks) * HG;
+  const int heads = min(HG, kv_head * group + group - first_head);
+  const int r = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
+  const int seq_len = seq_lens[r];
+  const int start = window > 0 ? max(0, seq_len - window) : 0;
+  const int begin = start + split * split_tokens;
+  const int end = min(seq_len, begin + split_tokens);
+  if (begin >= end) return;  // the reduction counts only the splits that hold tokens
+  const int row = rows[r];
+  const int* table = block_tables + static_cast<long long>(r) * table_stride;
+  const int block_mask = (1 << block_shift) - 1;
+
+  // q of the CTA's heads, scaled so that exp2 of a score is the softmax numerator.
+  for (int i = tid; i < HG * D; i += kThreads) {
+    const int h = i / D, d = i % D;
+    const float value = h < heads ? to_float(q[static_cast<long long>(row) * q_stride +
+                                              (first_head + h) * D + d])
+                                  : 0.f;
+    q_s[h][d] = value * scale * kLog2e;
+  }
+  if (tid < HG) {
+    max_s[tid] = AIENG_NEG_INF;
+    sum_s[tid] = 0.f;
+  }
+
+  const int lane_d = (tid % LPT) * 8;  // this thread's 8 dims
+  const int token_group = tid / LPT;
+  float acc[HG][8];
+#pragma unroll
+  for (int h = 0; h < HG; ++h)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
+
+  for (int tile = begin; tile < end; tile += TILE) {
+    __syncthreads();  // q_s written / the previous tile's scores read
+    // 1. scores of this thread's kPasses tokens, for every head
+    long long offset[kPasses];
+    float kf[kPasses][8];
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int t = tile + p * NG + token_group;
+      const int slot = t < end ? table[t >> block_shift] * (block_mask + 1) + (t & block_mask) : 0;
+      offset[p] = static_cast<long long>(slot) * num_kv_heads + kv_head;  // (slot, kv head)
+      if (t < end) {
+        load8(k_cache + offset[p] * D + lane_d, kf[p]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) kf[p][i] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int t = tile + p * NG + token_group;
+      const float k_mul = kQuantized && t < end ? to_float(k_scale[offset[p]]) : 1.f;
+#pragma unroll
+      for (int h = 0; h < HG; ++h) {
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dot += q_s[h][lane_d + i] * kf[p][i];
+#pragma unroll
+        for (int lanes = LPT / 2; lanes > 0; lanes >>= 1)
+          dot += __shfl_xor_sync(0xffffffffu, dot, lanes);
+        if (tid % LPT == 0) score_s[h][p * NG + token_group] = t < end ? dot * k_mul : AIENG_NEG_INF;
+      }
+    }
+    __syncthreads();
+    // 2. online softmax, one warp per head
+    for (int h = tid / 32; h < HG; h += kThreads / 32) {
+      float tile_max = AIENG_NEG_INF;
+      for (int j = tid % 32; j < TILE; j += 32) tile_max = fmaxf(tile_max, score_s[h][j]);
+      const float old_max = max_s[h];
+      const float new_max = fmaxf(old_max, warp_max(tile_max));
+      float tile_sum = 0.f;
+      for (int j = tid % 32; j < TILE; j += 32) {
+        const float p = exp2f(score_s[h][j] - new_max);
+        score_s[h][j] = p;
+        tile_sum += p;
+      }
+      tile_sum = warp_sum(tile_sum);
+      if (tid % 32 == 0) {
+        const float alpha = exp2f(old_max - new_max);
+        alpha_s[h] = alpha;
+        sum_s[h] = sum_s[h] * alpha + tile_sum;
+        max_s[h] = new_max;
+      }
+    }
+    __syncthreads();
+    // 3. acc = acc * alpha + p V
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+      const float alpha = alpha_s[h];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[h][i] *= alpha;
+    }
+    float vf[kPasses][8];
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int t = tile + p * NG + token_group;
+      if (t < end) {
+        load8(v_cache + offset[p] * D + lane_d, vf[p]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) vf[p][i] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int t = tile + p * NG + token_group;
+      const float v_mul = kQuantized && t < end ? to_float(v_scale[offset[p]]) : 1.f;
+#pragma unroll
+      for (int h = 0; h < HG; ++h) {
+        const float weight = score_s[h][p * NG + token_group] * v_mul;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[h][i] += weight * vf[p][i];
+      }
+    }
+  }
+
+  // The token groups' partial sums, added up.
+#pragma unroll
+  for (int h = 0; h < HG; ++h)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) reduce_s[token_group][h][lane_d + i] = acc[h][i];
+  __syncthreads();
+  for (int i = tid; i < heads * D; i += kThreads) {
+    const int h = i / D, d = i % D;
+    float total = 0.f;
+#pragma unroll
+    for (int g = 0; g < NG; ++g) total += reduce_s[g][h][d];
+    const int head = first_head + h;
+    if (num_splits == 1) {
+      out[(static_cast<long long>(row) * num_heads + head) * D + d] =
+          from_float<T>(total / sum_s[h]);
+    } else {
+      const long long part = (static_cast<long long>(r) * num_heads + head) * num_splits + split;
+      part_acc[part * D + d] = total;
+      if (d == 0) {
+        part_ml[2 * part] = max_s[h];
+        part_ml[2 * part + 1] = sum_s[h];
+      }
+    }
+  }
+}
+
+// Grid (num_heads, R), D threads: the splits of one (request, head) combined.
+template <typename T>
+__device__ __forceinline__ void decode_reduce(T* __restrict__ out,
+                                              const float* __restrict__ part_acc,
+                                              const float* __restrict__ part_ml,
+                                              const int* __restrict__ seq_lens,
+                                              const int* __restrict__ rows, int num_splits,
+                                              int window, int split_tokens) {
+  const int head = blockIdx.x, num_heads = gridDim.x, r = blockIdx.y, d = threadIdx.x;
+  const int D = blockDim.x;
+  const int seq_len = seq_lens[r];
+  const int start = window > 0 ? max(0, seq_len - window) : 0;
+  const int used = ceil_div(seq_len - start, split_tokens);
+  const long long first = (static_cast<long long>(r) * num_heads + head) * num_splits;
+  float global_max = AIENG_NEG_INF;
+  for (int s = 0; s < used; ++s) global_max = fmaxf(global_max, part_ml[2 * (first + s)]);
+  float numerator = 0.f, denominator = 0.f;
+  for (int s = 0; s < used; ++s) {
+    const float weight = exp2f(part_ml[2 * (first + s)] - global_max);
+    numerator += weight * part_acc[(first + s) * D + d];
+    denominator += weight * part_ml[2 * (first + s) + 1];
+  }
+  out[(static_cast<long long>(rows[r]) * num_heads + head) * D + d] =
+      from_float<T>(numerator / denominator);
+}
+
+}  // namespace
+
+#define AIENG_DECODE(NAME, T, C, D, HG)                                                        \
+  extern "C" __global__ void __launch_bounds__(kThreads) NAME(                                \
+      T* out, float* part_acc, float* part_ml, const T* q, int q_stride, const C* k_cache,    \
+      const C* v_cache, const T* k_scale, const T* v_scale, const int* block_tables,          \
+      int table_stride, const int* seq_lens, const int* rows, int num_heads, int num_kv_heads, \
+      int group, int head_chunks, int block_shift, int window, float scale,                   \
+      int split_tokens) {                                                                     \
+    decode_attention<T, C, D, HG>(out, part_acc, part_ml, q, q_stride, k_cache, v_cache,      \
+                                  k_scale, v_scale, block_tables, table_stride, seq_lens,     \
+                                  rows, num_heads, num_kv_heads, group, head_chunks,          \
+                                  block_shift, window, scale, split_tokens);                  \
+  }
+
+// paged_decode_<dtype>_<cache: kv = dtype, i8 = int8>_d<head_dim>_g<query heads per CTA>
+#define AIENG_DECODE_GROUPS(DT, T, KV, C, D)        \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g1, T, C, D, 1) \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g2, T, C, D, 2) \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g4, T, C, D, 4) \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g8, T, C, D, 8)
+
+AIENG_DECODE_GROUPS(f16, f16_t, kv, f16_t, 64)
+AIENG_DECODE_GROUPS(f16, f16_t, kv, f16_t, 128)
+AIENG_DECODE_GROUPS(f16, f16_t, i8, signed char, 64)
+AIENG_DECODE_GROUPS(f16, f16_t, i8, signed char, 128)
+AIENG_DECODE_GROUPS(bf16, bf16_t, kv, bf16_t, 64)
+AIENG_DECODE_GROUPS(bf16, bf16_t, kv, bf16_t, 128)
+AIENG_DECODE_GROUPS(bf16, bf16_t, i8, signed char, 64)
+AIENG_DECODE_GROUPS(bf16, bf16_t, i8, signed char, 128)
+
+#define AIENG_DECODE_REDUCE(NAME, T)                                                          \
+  extern "C" __global__ void __launch_bounds__(256)                                           \
+      NAME(T* out, const float* part_acc, const float* part_ml, const int* seq_lens,          \
+           const int* rows, int num_splits, int window, int split_tokens) {                   \
+    decode_reduce<T>(out, part_acc, part_ml, seq_lens, rows, num_splits, window,              \
+                     split_tokens);                                                           \
+  }
+
+AIENG_DECODE_REDUCE(paged_decode_reduce_f16, f16_t)
+AIENG_DECODE_REDUCE(paged_decode_reduce_bf16, bf16_t)
