@@ -185,9 +185,11 @@ def launch_for(path: str, m: int, weights: Int4Weights, dtype: torch.dtype) -> L
 # ------------------------------------------------------------------ the GPU entry point
 
 
-def int4_matmul(x: torch.Tensor, weights: Int4Weights, path: str) -> torch.Tensor:
+def int4_matmul(
+    x: torch.Tensor, weights: Int4Weights, path: str, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """x (..., K) on a CUDA device @ W^T with `path`'s kernel ("gemv" or "gemm") -> (..., N) in
-    x's dtype, on torch's current stream."""
+    x's dtype, on torch's current stream; into `out` ((M, N) contiguous) when given."""
     from aieng.kernels.launch import load_module
 
     k, n = weights.in_features, weights.out_features
@@ -197,7 +199,9 @@ def int4_matmul(x: torch.Tensor, weights: Int4Weights, path: str) -> torch.Tenso
     if not flat.is_contiguous() or flat.data_ptr() % 16:  # the kernels load 16 bytes at once
         flat = flat.clone(memory_format=torch.contiguous_format)
     m = flat.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if y.shape != (m, n) or y.dtype != x.dtype or not y.is_contiguous():
+        raise KernelError(f"int4_matmul: out must be a contiguous ({m}, {n}) {x.dtype} tensor")
     if m:
         launch = launch_for(path, m, weights, x.dtype)
         args = [flat, weights.qweight, weights.scale_zero, y, m, n, k, weights.group_size]
