@@ -9,6 +9,7 @@ import ctypes
 import fnmatch
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +31,22 @@ from aieng.kernels import (
 )
 from aieng.kernels import compiler as compiler_module
 from aieng.kernels.launch import dim3, pack_args
+from aieng.kernels.paged_attention import (
+    MAX_SPLITS,
+    MIN_SPLIT_TOKENS,
+    PREFILL_BLOCK_M,
+    WAVES,
+    SplitPlan,
+    attended_lengths,
+    block_shift,
+    choose_splits,
+    decode_kernel_name,
+    decode_reduce_kernel_name,
+    decode_tile,
+    heads_per_cta,
+    prefill_kernel_name,
+    prefill_tiles,
+)
 
 ARCHS = (80, 90)
 
@@ -38,6 +55,9 @@ ARCHS = (80, 90)
 REGISTER_BUDGETS: dict[str, int] = {
     "int4_gemv_*": 168,  # M_TILE 16: 16 rows of float32 accumulators and dot products
     "int4_gemm_*": 128,
+    "add_rms_norm_*": 48,
+    "rope_kv_write_*": 64,
+    "silu_and_mul_*": 48,
     "paged_decode_*_g[12]": 96,  # acc: 8 floats per query head of the CTA
     "paged_decode_*_g4": 128,
     "paged_decode_*_g8": 160,
@@ -195,3 +215,100 @@ def test_launch_dimensions_are_checked() -> None:
         dim3((1, 70000), "grid")
     with pytest.raises(KernelError, match="non-negative"):
         dim3((-1,), "grid")
+
+
+# --- the paged attention kernels' launch parameters (aieng.kernels.paged_attention) ---
+
+
+def test_heads_per_cta_covers_the_group_with_the_fewest_ctas() -> None:
+    assert [heads_per_cta(g) for g in (1, 2, 3, 4, 5, 7, 8)] == [
+        (1, 1), (2, 1), (4, 1), (4, 1), (8, 1), (8, 1), (8, 1),
+    ]  # fmt: skip
+    assert heads_per_cta(12) == (8, 2) and heads_per_cta(16) == (8, 2) and heads_per_cta(17)[1] == 3
+    with pytest.raises(KernelError):
+        heads_per_cta(0)
+
+
+def test_kernel_names_exist_in_the_compiled_sources() -> None:
+    decode = compile_kernel_source("paged_attention_decode", 90).resources
+    prefill = compile_kernel_source("paged_attention_prefill", 90).resources
+    for dtype in (torch.float16, torch.bfloat16):
+        assert decode_reduce_kernel_name(dtype) in decode
+        for int8 in (False, True):
+            for head_dim in (64, 128):
+                assert prefill_kernel_name(dtype, int8, head_dim) in prefill
+                for group in (1, 2, 3, 4, 6, 8, 16):
+                    assert decode_kernel_name(dtype, int8, head_dim, group) in decode
+    with pytest.raises(KernelError, match="head_dim"):
+        decode_kernel_name(torch.float16, False, 256, 1)
+    with pytest.raises(KernelError, match="float16"):
+        prefill_kernel_name(torch.float32, False, 64)
+
+
+def test_decode_tile_matches_the_kernel() -> None:
+    # kTile = (128 threads / (D / 8) lanes per token) * 4 passes
+    assert decode_tile(64) == 64 and decode_tile(128) == 32
+
+
+def split_ranges(seq_len: int, window: int | None, plan: SplitPlan) -> list[range]:
+    """The positions each split reads, as the decode kernel and its reduction compute them."""
+    start = max(0, seq_len - window) if window else 0
+    used = -(-(seq_len - start) // plan.split_tokens)
+    assert used <= plan.num_splits
+    return [
+        range(start + s * plan.split_tokens, min(seq_len, start + (s + 1) * plan.split_tokens))
+        for s in range(used)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("batch", "context", "kv_heads", "num_sms"),
+    [(64, 1024, 8, 132), (16, 4096, 8, 132), (1, 32768, 8, 132), (1, 32768, 2, 108),
+     (3, 300, 4, 132), (1, 1, 8, 132), (2, 700, 1, 16), (1, 100_000, 1, 132)],
+)  # fmt: skip
+@pytest.mark.parametrize("window", [None, 500])
+def test_split_plan_covers_every_context_once(
+    batch: int, context: int, kv_heads: int, num_sms: int, window: int | None
+) -> None:
+    rng = np.random.default_rng(context)
+    seq_lens = np.concatenate([[context], rng.integers(1, context + 1, batch - 1)])
+    longest = int(attended_lengths(seq_lens, window).max())
+    plan = choose_splits(batch * kv_heads, longest, num_sms, decode_tile(128))
+    assert 1 <= plan.num_splits <= MAX_SPLITS
+    if plan.num_splits > 1:
+        assert plan.split_tokens % decode_tile(128) == 0
+        assert plan.split_tokens >= MIN_SPLIT_TOKENS
+        assert batch * kv_heads < WAVES * num_sms  # split only a batch that leaves SMs idle
+    for seq_len in seq_lens:
+        ranges = split_ranges(int(seq_len), window, plan)
+        positions = [p for r in ranges for p in r]
+        first = max(0, int(seq_len) - window) if window else 0
+        assert positions == list(range(first, int(seq_len)))
+        assert all(len(r) > 0 for r in ranges)
+
+
+def test_split_plan_examples() -> None:
+    # the benchmark's shapes on an H200 (132 SMs), 8 KV heads
+    assert choose_splits(64 * 8, 1024, 132, 32).num_splits == 1
+    assert choose_splits(16 * 8, 4096, 132, 32) == SplitPlan(3, 1376)
+    assert choose_splits(1 * 8, 32768, 132, 32) == SplitPlan(32, 1024)
+    assert choose_splits(8, 255, 132, 32).num_splits == 1  # too short to split
+    with pytest.raises(KernelError):
+        choose_splits(0, 10, 132, 32)
+
+
+def test_prefill_tiles_enumerate_every_query_block() -> None:
+    query_lens = np.array([1, 64, 1, 65, 200, 2, 1])
+    requests = np.flatnonzero(query_lens > 1)
+    tile_request, tile_first = prefill_tiles(query_lens, requests)
+    want = [(r, first) for r in requests for first in range(0, query_lens[r], PREFILL_BLOCK_M)]
+    assert list(zip(tile_request.tolist(), tile_first.tolist(), strict=True)) == want
+    assert tile_request.dtype == np.int32 and tile_first.dtype == np.int32
+    empty = prefill_tiles(query_lens, np.array([], np.int64))
+    assert empty[0].size == 0 and empty[1].size == 0
+
+
+def test_block_shift_needs_a_power_of_two() -> None:
+    assert block_shift(16) == 4 and block_shift(32) == 5 and block_shift(1) == 0
+    with pytest.raises(KernelError, match="power-of-two"):
+        block_shift(24)

@@ -12,6 +12,14 @@ import torch
 from quantized_checkpoints import min_max_quantize
 
 from aieng.kernels.errors import KernelCompileError, KernelError
+from aieng.kernels.fused import check_cases as fused_check_cases
+from aieng.kernels.fused import (
+    check_fused_ops,
+    check_head_layout,
+    elementwise_grid,
+    norm_threads,
+    rope_grid,
+)
 from aieng.kernels.int4 import (
     CHUNK,
     GEMM_TILE,
@@ -27,6 +35,7 @@ from aieng.kernels.int4 import (
     repack,
     unpack,
 )
+from aieng.kernels.self_check import passes_check
 from aieng.layers.linear import Linear
 from aieng.quantization import methods
 from aieng.quantization.config import QuantizationConfig, WeightScheme
@@ -261,3 +270,45 @@ def test_the_cuda_method_is_chosen_only_where_cuda_is(monkeypatch) -> None:
     layer = Linear(128, 32, methods=lambda prefix: method)
     quantized_layer_from(layer, method, 32)
     assert method.kernel in ("int4pack", "dequant") and method.paths == ()
+
+
+# --- the fused element-wise kernels' launch logic and start-up check ------------------------------
+
+
+def test_fused_launch_parameters() -> None:
+    assert [norm_threads(h) for h in (1, 32, 33, 100, 256, 5000)] == [32, 32, 64, 128, 256, 256]
+    assert rope_grid(7, 32, 8) == (7, 48)
+    assert elementwise_grid(0) == 1 and elementwise_grid(257) == 2
+    assert elementwise_grid(10**9) == 65535  # grid-stride beyond
+
+
+def test_rope_kv_write_refuses_layouts_it_cannot_read() -> None:
+    qkv = torch.zeros(3, (4 + 2 * 2) * 64)
+    q = qkv[:, :256].view(3, 4, 64)
+    assert check_head_layout("q", q, torch.float32) == qkv.stride(0)  # a view of the fused qkv
+    with pytest.raises(KernelError, match="contiguous heads"):
+        check_head_layout("q", q.transpose(0, 1), torch.float32)
+    with pytest.raises(KernelError, match="contiguous heads"):
+        check_head_layout("q", q, torch.float16)
+    with pytest.raises(KernelError, match="head_dim 512"):
+        check_head_layout("k", torch.zeros(2, 1, 512), torch.float32)
+
+
+def test_fused_kernels_that_cannot_run_are_turned_off_by_name(caplog) -> None:
+    """Without a GPU every launch fails: each kernel is named as turned off, none is kept — the
+    same path a failed compile or a mismatch takes on a GPU."""
+    with caplog.at_level(logging.WARNING):
+        assert check_fused_ops(torch.device("cpu"), torch.bfloat16) == set()
+    for name in ("add_rms_norm_bf16", "rope_kv_write_bf16", "silu_and_mul_bf16"):
+        assert f"kernel {name} cannot run" in caplog.text
+
+
+def test_fused_references_run_and_a_wrong_kernel_fails_its_check(caplog) -> None:
+    cases = fused_check_cases(torch.device("cpu"), torch.float32)
+    for name, (_, reference) in cases.items():
+        want = reference()
+        assert bool(torch.isfinite(want).all()), name
+        assert passes_check(name, lambda want=want: want.clone(), reference, 1e-5)
+        with caplog.at_level(logging.WARNING):
+            assert not passes_check(name, lambda want=want: want * 1.01, reference, 1e-5)
+        assert f"kernel {name} differs from its reference" in caplog.text

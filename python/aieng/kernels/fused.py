@@ -1,0 +1,262 @@
+"""Launches of the fused element-wise kernels (`cuda/fused_ops.cu`), their pure-PyTorch
+references (the model's own functions, step for step) and their start-up check.
+
+- `add_rms_norm(x, branch, weight, eps)`: x += branch in place, returns RMSNorm(x) — the
+  residual add and the next norm of a decoder layer in one pass (branch None: the norm alone);
+- `rope_kv_write(q, k, v, positions, cos, sin, slot_mapping, kv_cache)`: neox RoPE on q and k in
+  place, then k and v into their cache slots — quantized to INT8 with a scale per token and KV
+  head when the cache is a `QuantizedKVCache` (as `write_quantized_kv_cache` does);
+- `silu_and_mul(x)`: SwiGLU's silu(gate) * up over a fused [gate | up] projection.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+
+from aieng.attention.backend import KVCache, QuantizedKVCache
+from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
+from aieng.kernels.errors import KernelError
+from aieng.kernels.int4 import DTYPE_NAMES
+from aieng.kernels.self_check import passes_check
+from aieng.layers.activation import silu_and_mul as silu_and_mul_reference
+from aieng.layers.norm import rms_norm
+from aieng.layers.rotary import apply_rotary
+
+SOURCE = "fused_ops"
+NORM_THREADS = 256  # most threads of an add_rms_norm block (fused_ops.cu's kNormThreads)
+MAX_HEAD_DIM = 256  # rope_kv_write: 4 pairs per lane of a warp
+ELEMENTWISE_THREADS = 256
+MAX_ELEMENTWISE_BLOCKS = 65535
+# Relative error of each kernel against its reference beyond which it is turned off.
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _kernel(op: str, dtype: torch.dtype) -> str:
+    if dtype not in DTYPE_NAMES:
+        raise KernelError(f"{op}: no kernel for {dtype}")
+    return f"{op}_{DTYPE_NAMES[dtype]}"
+
+
+def _launch(kernel: str, grid, block, args) -> None:
+    from aieng.kernels.launch import load_module
+
+    load_module(SOURCE).launch(kernel, grid, block, args)
+
+
+# ------------------------------------------------------------------ residual add + RMSNorm
+
+
+def norm_threads(hidden: int) -> int:
+    """Threads of an add_rms_norm block: a whole number of warps, at most NORM_THREADS, no more
+    than the row has elements (rounded up to a warp)."""
+    return min(NORM_THREADS, 32 * -(-hidden // 32))
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor,
+    branch: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_float32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (x + branch, rms_norm(x + branch)), out of place."""
+    summed = x if branch is None else x + branch
+    return summed, rms_norm(summed, weight, eps, weight_in_float32)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    branch: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_float32: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x (..., H) += branch in place (when given); returns the RMSNorm of the sum."""
+    hidden = x.shape[-1]
+    tensors = [x, weight] + ([] if branch is None else [branch])
+    if any(t.dtype != x.dtype or not t.is_contiguous() for t in tensors):
+        raise KernelError("add_rms_norm: x, branch and weight must be contiguous, of one dtype")
+    if branch is not None and branch.shape != x.shape:
+        raise KernelError(f"add_rms_norm: branch {tuple(branch.shape)} is not x's shape")
+    out = torch.empty_like(x) if out is None else out
+    rows = x.numel() // hidden
+    args = [x, branch, weight, out, hidden, float(eps), int(weight_in_float32)]
+    _launch(_kernel("add_rms_norm", x.dtype), rows, norm_threads(hidden), args)
+    return out
+
+
+# ------------------------------------------------------------------ RoPE + KV-cache write
+
+
+def rope_kv_write_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache: KVCache,
+    rotate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rotated q, rotated k), out of place; writes k and v into the cache as the torch
+    backend does."""
+    if rotate:
+        q, k = (
+            apply_rotary(q, cos[positions], sin[positions]),
+            apply_rotary(k, cos[positions], sin[positions]),
+        )
+    if isinstance(kv_cache, QuantizedKVCache):
+        write_quantized_kv_cache(k, v, kv_cache, slot_mapping)
+    else:
+        write_kv_cache(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+    return q, k
+
+
+def rope_grid(num_tokens: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """One warp per (token, head) of q, k and v."""
+    return num_tokens, num_heads + 2 * num_kv_heads
+
+
+def check_head_layout(name: str, x: torch.Tensor, dtype: torch.dtype) -> int:
+    """x (T, heads, D) with heads contiguous and token rows `stride(0)` apart -> that stride."""
+    head_dim = x.shape[2]
+    if x.dtype != dtype or x.stride(2) != 1 or x.stride(1) != head_dim:
+        raise KernelError(
+            f"rope_kv_write: {name} must be {dtype} with contiguous heads, got {x.dtype} "
+            f"strides {x.stride()}"
+        )
+    if head_dim % 2 or head_dim > MAX_HEAD_DIM:
+        raise KernelError(f"rope_kv_write: head_dim {head_dim} must be even and <= {MAX_HEAD_DIM}")
+    return x.stride(0)
+
+
+def rope_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache: KVCache,
+    rotate: bool = True,
+) -> None:
+    """q (T, H, D), k and v (T, H_kv, D) (views of one qkv projection are fine): rotates q and k
+    in place by cos/sin (max_positions, D / 2) float32 at `positions` (T,) int64, then writes k
+    and v to `slot_mapping` (T,) int64 of the cache (a negative slot: not written)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    strides = [check_head_layout(n, t, q.dtype) for n, t in (("q", q), ("k", k), ("v", v))]
+    for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if index.dtype != torch.int64 or not index.is_contiguous():
+            raise KernelError(f"rope_kv_write: {name} must be contiguous int64")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise KernelError("rope_kv_write: cos and sin must be float32 tables")
+    quantized = isinstance(kv_cache, QuantizedKVCache)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_scale = kv_cache.k_scale if isinstance(kv_cache, QuantizedKVCache) else None
+    v_scale = kv_cache.v_scale if isinstance(kv_cache, QuantizedKVCache) else None
+    cache_dtype = torch.int8 if quantized else q.dtype
+    parts = [k_cache, v_cache] + ([k_scale, v_scale] if quantized else [])
+    if any(not t.is_contiguous() for t in parts if t is not None) or k_cache.dtype != cache_dtype:
+        raise KernelError(f"rope_kv_write: the cache must be contiguous {cache_dtype}")
+    if k_scale is not None and k_scale.dtype != q.dtype:
+        raise KernelError(f"rope_kv_write: INT8 cache scales must be {q.dtype}")
+    tiny = torch.finfo(q.dtype).tiny
+    args = [q, k, v, *strides, positions, slot_mapping, cos.contiguous(), sin.contiguous()]
+    args += [int(rotate), k_cache, v_cache, k_scale, v_scale, num_heads, num_kv_heads, head_dim]
+    args.append(float(tiny))
+    _launch(
+        _kernel("rope_kv_write", q.dtype), rope_grid(num_tokens, num_heads, num_kv_heads), 32, args
+    )
+
+
+# ------------------------------------------------------------------ SiLU * mul
+
+
+def elementwise_grid(elements: int) -> int:
+    return max(1, min(MAX_ELEMENTWISE_BLOCKS, -(-elements // ELEMENTWISE_THREADS)))
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., 2I) = [gate | up] -> silu(gate) * up (..., I)."""
+    if not x.is_contiguous() or x.shape[-1] % 2:
+        raise KernelError("silu_and_mul: x must be contiguous with an even last dimension")
+    inter = x.shape[-1] // 2
+    rows = x.numel() // max(1, x.shape[-1])
+    out = x.new_empty(*x.shape[:-1], inter) if out is None else out
+    grid = elementwise_grid(rows * inter)
+    args = [x, out, ctypes.c_int64(rows), inter]
+    _launch(_kernel("silu_and_mul", x.dtype), grid, ELEMENTWISE_THREADS, args)
+    return out
+
+
+# ------------------------------------------------------------------ the start-up check
+
+
+def check_cases(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
+    """Per kernel: (run it, run its reference), each returning one tensor to compare."""
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    x, branch, weight = randn(5, 200), randn(5, 200), randn(200)
+    tokens, heads, kv_heads, head_dim, block = 6, 4, 2, 64, 4
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    positions = torch.tensor([0, 3, 9, 1, 30, 2], device=device)
+    angles = torch.arange(32, dtype=torch.float32)[:, None] * torch.rand(
+        head_dim // 2, generator=generator
+    )
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    slots = torch.tensor([5, 0, 11, 2, 7, 9], device=device)
+    gate_up = randn(7, 2 * 96)
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return q.view(tokens, heads, -1), k.view(tokens, kv_heads, -1), v.view(tokens, kv_heads, -1)
+
+    def cache() -> QuantizedKVCache:
+        shape = (4, block, kv_heads, head_dim)
+        values = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2)]
+        scales = [torch.zeros(*shape[:-1], 1, dtype=dtype, device=device) for _ in range(2)]
+        return QuantizedKVCache(values[0], values[1], scales[0], scales[1])
+
+    def rope_run() -> torch.Tensor:
+        q, k, v = split(qkv.clone())
+        c = cache()
+        rope_kv_write(q, k, v, positions, cos, sin, slots, c)
+        return torch.cat([q.flatten(), c.k.flatten().to(dtype), c.v_scale.flatten()])
+
+    def rope_reference() -> torch.Tensor:
+        q, k, v = split(qkv.clone())
+        c = cache()
+        q, _ = rope_kv_write_reference(q, k, v, positions, cos, sin, slots, c)
+        return torch.cat([q.flatten(), c.k.flatten().to(dtype), c.v_scale.flatten()])
+
+    return {
+        _kernel("add_rms_norm", dtype): (
+            lambda: add_rms_norm(x.clone(), branch, weight, 1e-6),
+            lambda: add_rms_norm_reference(x, branch, weight, 1e-6)[1],
+        ),
+        _kernel("rope_kv_write", dtype): (rope_run, rope_reference),
+        _kernel("silu_and_mul", dtype): (
+            lambda: silu_and_mul(gate_up),
+            lambda: silu_and_mul_reference(gate_up),
+        ),
+    }
+
+
+def check_fused_ops(device: torch.device, dtype: torch.dtype) -> set[str]:
+    """Run each fused kernel once against its reference; -> the names of those that pass (the
+    others are logged, by name, as turned off)."""
+    passed = set()
+    for name, (run, reference) in check_cases(device, dtype).items():
+        if passes_check(name, run, reference, TOLERANCES.get(dtype, 1e-2)):
+            passed.add(name)
+    return passed
