@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import fnmatch
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ except ImportError as error:  # pragma: no cover - a broken install
     )
 
 from aieng.kernels import (
+    CompiledModule,
     KernelCompileError,
     KernelError,
     compile_kernel_source,
@@ -79,6 +81,12 @@ def kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "kernels"
 
 
+@functools.cache
+def shipped(source: str, arch: int) -> CompiledModule:
+    """A shipped source compiled once per test session (no disk cache: each test has its own)."""
+    return compile_kernel_source(source, arch, use_cache=False)
+
+
 def budget_of(kernel: str) -> int | None:
     for pattern, budget in REGISTER_BUDGETS.items():
         if fnmatch.fnmatchcase(kernel, pattern):
@@ -89,7 +97,7 @@ def budget_of(kernel: str) -> int | None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", SOURCES)
 def test_kernel_compiles_without_spills_within_budget(source: str, arch: int) -> None:
-    module = compile_kernel_source(source, arch, use_cache=False)
+    module = shipped(source, arch)
     assert module.cubin and module.resources, module.log
     for name, resources in module.resources.items():
         assert not resources.spills, f"{name} spills on sm_{arch}: {resources}"
@@ -103,7 +111,7 @@ def test_kernel_compiles_without_spills_within_budget(source: str, arch: int) ->
 
 
 def test_every_budget_names_a_shipped_kernel() -> None:
-    names = [n for s in SOURCES for n in compile_kernel_source(s, 90).resources]
+    names = [n for s in SOURCES for n in shipped(s, 90).resources]
     for pattern in REGISTER_BUDGETS:
         assert fnmatch.filter(names, pattern), f"budget {pattern!r} matches no kernel"
 
@@ -230,8 +238,8 @@ def test_heads_per_cta_covers_the_group_with_the_fewest_ctas() -> None:
 
 
 def test_kernel_names_exist_in_the_compiled_sources() -> None:
-    decode = compile_kernel_source("paged_attention_decode", 90).resources
-    prefill = compile_kernel_source("paged_attention_prefill", 90).resources
+    decode = shipped("paged_attention_decode.cu", 90).resources
+    prefill = shipped("paged_attention_prefill.cu", 90).resources
     for dtype in (torch.float16, torch.bfloat16):
         assert decode_reduce_kernel_name(dtype) in decode
         for int8 in (False, True):
