@@ -1,0 +1,203 @@
+"""Paged attention on aieng's CUDA kernels — the `cuda` backend.
+
+Same cache layout and semantics as the torch reference (`torch_paged`): the step's new K/V are
+written into the cache first (the reference's own `write_kv_cache` / `write_quantized_kv_cache`,
+so an INT8 cache is quantized exactly as the reference quantizes it), then every query reads its
+context from the cache. Decode rows (one new token) go to `paged_attention_decode.cu`
+(GQA-aware, split-K over long contexts when the batch is small); rows of requests with more than
+one new token (prefills and prefill chunks) go to `paged_attention_prefill.cu`.
+
+`build_metadata` runs on the host once per step: it splits the requests into decodes and
+prefills, lists the prefill tiles and uploads the int32 arrays the kernels read. The split-K
+plan depends on the layer's shape and sliding window, so it is made (and its float32 partial
+buffers allocated) by the first layer of each kind in a step and shared by the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from aieng.attention.backend import AttentionBackend, AttentionInputs, KVCache, QuantizedKVCache
+from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
+from aieng.kernels import KernelError, load_module
+from aieng.kernels.paged_attention import (
+    DECODE_SOURCE,
+    PREFILL_SOURCE,
+    PagedCache,
+    SplitPlan,
+    attended_lengths,
+    check_supported,
+    choose_splits,
+    decode_tile,
+    heads_per_cta,
+    launch_decode,
+    launch_prefill,
+    prefill_tiles,
+)
+
+if TYPE_CHECKING:
+    from aieng.layers.attention import Attention
+
+
+@dataclass
+class DecodeBatch:
+    """The step's requests with one new token (R_d of them), as the decode kernel reads them."""
+
+    rows: torch.Tensor  # (R_d,) int32: each one's token row in q and out
+    seq_lens: torch.Tensor  # (R_d,) int32
+    block_tables: torch.Tensor  # (R_d, W) int32
+    seq_lens_host: np.ndarray  # (R_d,) int64
+    # (window, num_heads, num_kv_heads, head_dim) -> the split plan and its partial buffers
+    plans: dict[tuple[int | None, int, int, int], tuple[SplitPlan, tuple[torch.Tensor, ...]]] = (
+        field(default_factory=dict)
+    )
+
+
+@dataclass
+class PrefillBatch:
+    """The step's requests with several new tokens, as the prefill kernel reads them: the step's
+    whole arrays (indexed by request) and the CTA tiles that cover the prefill requests."""
+
+    query_start: torch.Tensor  # (R + 1,) int32
+    num_computed: torch.Tensor  # (R,) int32
+    seq_lens: torch.Tensor  # (R,) int32
+    block_tables: torch.Tensor  # (R, W) int32
+    tile_request: torch.Tensor  # (tiles,) int32
+    tile_first: torch.Tensor  # (tiles,) int32
+
+
+@dataclass
+class CudaAttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) cache slot of each new token's K/V
+    num_tokens: int
+    decode: DecodeBatch | None
+    prefill: PrefillBatch | None
+
+
+def build_cuda_metadata(inputs: AttentionInputs) -> CudaAttentionMetadata:
+    """Host arrays of a step -> the kernels' int32 device arrays (nothing waits on the device)."""
+    device = inputs.slot_mapping.device
+    query_start = np.asarray(inputs.query_start_loc, np.int64)
+    num_computed = np.asarray(inputs.num_computed_tokens, np.int64)
+    seq_lens = np.asarray(inputs.seq_lens, np.int64)
+    block_tables = np.asarray(inputs.block_tables, np.int32)
+    query_lens = np.diff(query_start)
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        contiguous = np.ascontiguousarray(array, dtype=np.int32)
+        return torch.from_numpy(contiguous).to(device, non_blocking=True)
+
+    decode = prefill = None
+    decodes = np.flatnonzero(query_lens == 1)
+    if len(decodes):
+        decode = DecodeBatch(
+            rows=to_device(query_start[decodes]),
+            seq_lens=to_device(seq_lens[decodes]),
+            block_tables=to_device(block_tables[decodes]),
+            seq_lens_host=seq_lens[decodes],
+        )
+    prefills = np.flatnonzero(query_lens > 1)
+    if len(prefills):
+        tile_request, tile_first = prefill_tiles(query_lens, prefills)
+        prefill = PrefillBatch(
+            query_start=to_device(query_start),
+            num_computed=to_device(num_computed),
+            seq_lens=to_device(seq_lens),
+            block_tables=to_device(block_tables),
+            tile_request=to_device(tile_request),
+            tile_first=to_device(tile_first),
+        )
+    return CudaAttentionMetadata(inputs.slot_mapping, int(query_start[-1]), decode, prefill)
+
+
+def split_plan(
+    decode: DecodeBatch, window: int | None, num_heads: int, num_kv_heads: int, head_dim: int,
+    num_sms: int,
+) -> SplitPlan:  # fmt: skip
+    """The split-K plan of a decode batch for one layer shape and window."""
+    _, chunks = heads_per_cta(num_heads // num_kv_heads)
+    base_ctas = len(decode.seq_lens_host) * num_kv_heads * chunks
+    longest = int(attended_lengths(decode.seq_lens_host, window).max())
+    return choose_splits(base_ctas, longest, num_sms, decode_tile(head_dim))
+
+
+class CudaPagedAttention(AttentionBackend):
+    """The paged attention kernels: float16/bfloat16, head_dim 64 or 128, the model's dtype or
+    an INT8 cache, any power-of-two block size, each layer's own sliding window."""
+
+    name = "cuda"
+    kv_cache_dtypes = ("auto", "int8")
+
+    def __init__(self, device: torch.device):
+        """Compiles (or reads from the cache) and loads both kernel sources on `device`;
+        KernelError when that fails."""
+        if device.type != "cuda":
+            raise KernelError(f"the cuda attention backend runs on a CUDA device, not {device}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self.decode = load_module(DECODE_SOURCE, device=index)
+        self.prefill = load_module(PREFILL_SOURCE, device=index)
+        self.num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+
+    def build_metadata(self, inputs: AttentionInputs) -> CudaAttentionMetadata:
+        return build_cuda_metadata(inputs)
+
+    def forward(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache | None,
+        metadata: CudaAttentionMetadata,
+    ) -> torch.Tensor:
+        if kv_cache is None:
+            raise ValueError("the paged attention backend needs a KV cache")
+        if getattr(layer, "logit_softcap", None) is not None:
+            raise KernelError("the cuda attention kernels do not soft-cap scores")
+        num_tokens, num_heads, head_dim = q.shape
+        check_supported(q.dtype, head_dim)
+        if isinstance(kv_cache, QuantizedKVCache):
+            write_quantized_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+            cache = PagedCache(kv_cache.k, kv_cache.v, kv_cache.k_scale, kv_cache.v_scale)
+        else:
+            write_kv_cache(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping)
+            cache = PagedCache(kv_cache[0], kv_cache[1])
+        if q.stride(2) != 1 or q.stride(1) != head_dim:  # the kernels step rows by q.stride(0)
+            q = q.contiguous()
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        window = layer.sliding_window
+        if (decode := metadata.decode) is not None:
+            plan, partials = self._plan(decode, window, num_heads, cache.k.shape[2], head_dim)
+            launch_decode(
+                self.decode, out, q, cache, decode.block_tables, decode.seq_lens, decode.rows,
+                plan, layer.scale, window, (partials[0], partials[1]) if partials else None,
+            )  # fmt: skip
+        if (prefill := metadata.prefill) is not None:
+            launch_prefill(
+                self.prefill, out, q, cache, prefill.block_tables, prefill.query_start,
+                prefill.num_computed, prefill.seq_lens, prefill.tile_request, prefill.tile_first,
+                layer.scale, window,
+            )  # fmt: skip
+        return out
+
+    def _plan(
+        self, decode: DecodeBatch, window: int | None, num_heads: int, num_kv_heads: int,
+        head_dim: int,
+    ) -> tuple[SplitPlan, tuple[torch.Tensor, ...]]:  # fmt: skip
+        key = (window, num_heads, num_kv_heads, head_dim)
+        if key not in decode.plans:
+            plan = split_plan(decode, window, num_heads, num_kv_heads, head_dim, self.num_sms)
+            partials: tuple[torch.Tensor, ...] = ()
+            if plan.num_splits > 1:
+                shape = (len(decode.seq_lens_host), num_heads, plan.num_splits)
+                partials = (
+                    torch.empty((*shape, head_dim), dtype=torch.float32, device=self.device),
+                    torch.empty((*shape, 2), dtype=torch.float32, device=self.device),
+                )
+            decode.plans[key] = (plan, partials)
+        return decode.plans[key]
