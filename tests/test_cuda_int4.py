@@ -5,12 +5,27 @@ method's selection. The kernels themselves run in tests/test_cuda_int4_gpu.py.""
 
 from __future__ import annotations
 
+import itertools
 import logging
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from quantized_checkpoints import min_max_quantize
 
+from aieng.attention.backend import AttentionInputs, QuantizedKVCache
+from aieng.attention.torch_paged import TorchPagedAttention, quantize_int8
+from aieng.cuda_graphs import (
+    GraphDecodeInputs,
+    capture_sizes,
+    graph_metadata,
+    graphs_wanted,
+    is_decode_only,
+    pad_decode,
+    padded_size,
+)
+from aieng.engine_args import EngineArgs
 from aieng.kernels.errors import KernelCompileError, KernelError
 from aieng.kernels.fused import check_cases as fused_check_cases
 from aieng.kernels.fused import (
@@ -36,12 +51,15 @@ from aieng.kernels.int4 import (
     unpack,
 )
 from aieng.kernels.self_check import passes_check
+from aieng.layers.attention import Attention
 from aieng.layers.linear import Linear
+from aieng.models.default import default_model_path
 from aieng.quantization import methods
 from aieng.quantization.config import QuantizationConfig, WeightScheme
 from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
 from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
 from aieng.quantization.packing import pack_int32
+from aieng.runner import ModelRunner
 
 
 def random_int4(n: int, k: int, group: int, seed: int = 0):
@@ -312,3 +330,117 @@ def test_fused_references_run_and_a_wrong_kernel_fails_its_check(caplog) -> None
         with caplog.at_level(logging.WARNING):
             assert not passes_check(name, lambda want=want: want * 1.01, reference, 1e-5)
         assert f"kernel {name} differs from its reference" in caplog.text
+
+
+# --- CUDA graphs: capture sizes, padding, and the graph metadata's math ---------------------------
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    sizes = capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 4 + 16
+    assert all(b - a == 16 for a, b in itertools.pairwise(sizes[4:]))
+    with pytest.raises(ValueError, match="at least 1"):
+        capture_sizes(0)
+
+
+def test_padding_to_a_captured_size() -> None:
+    sizes = capture_sizes(40)
+    assert [padded_size(r, sizes) for r in (1, 3, 5, 9, 16, 17, 33, 40)] == [
+        1, 4, 8, 16, 16, 32, 40, 40,
+    ]  # fmt: skip
+    assert padded_size(41, sizes) is None
+    assert is_decode_only(np.array([0, 1, 2, 3]))
+    assert not is_decode_only(np.array([0, 1, 5]))  # a prefill in the step
+    assert not is_decode_only(np.array([0]))
+    assert graphs_wanted(False, torch.device("cuda")) and not graphs_wanted(
+        True, torch.device("cuda")
+    )
+    assert not graphs_wanted(False, torch.device("cpu"))
+
+
+def test_pad_decode_fills_padding_rows_with_the_scratch_block() -> None:
+    plan = SimpleNamespace(
+        input_ids=np.array([5, 6, 7]),
+        positions=np.array([10, 3, 20]),
+        slot_mapping=np.array([42, 19, 84]),
+        seq_lens=np.array([11, 4, 21], np.int32),
+    )
+    tables = np.array([[2, 1], [1, 0], [5, 3]], np.int32)
+    padded = pad_decode(plan, tables, size=4, width=3, pad_block=9, block_size=16)
+    assert padded.input_ids.tolist() == [5, 6, 7, 0]
+    assert padded.positions.tolist() == [10, 3, 20, 0]
+    assert padded.slot_mapping.tolist() == [42, 19, 84, 9 * 16]
+    assert padded.seq_lens.tolist() == [11, 4, 21, 1]
+    assert padded.block_tables.tolist() == [[2, 1, 9], [1, 0, 9], [5, 3, 9], [9, 9, 9]]
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("window", [None, 6])
+def test_graph_metadata_attends_as_the_eager_step(int8: bool, window: int | None) -> None:
+    """The torch backend over the graph's persistent, padded inputs (one group over the whole
+    table width, masked by length) gives the eager step's attention for the real rows."""
+    block, blocks, kv_heads, heads, dim = 4, 12, 2, 4, 8
+    backend = TorchPagedAttention(sliding_windows=(window,))
+    layer = Attention(heads, kv_heads, dim, 0, sliding_window=window)
+    generator = torch.Generator().manual_seed(0)
+    shape = (blocks, block, kv_heads, dim)
+
+    def cache():
+        k, v = (torch.randn(shape, generator=generator) for _ in range(2))
+        if not int8:
+            return k, v
+        (kq, ks), (vq, vs) = quantize_int8(k, torch.float32), quantize_int8(v, torch.float32)
+        return QuantizedKVCache(kq, vq, ks, vs)
+
+    eager_cache = cache()
+    copies = [t.clone() for t in eager_cache]
+    graph_cache = QuantizedKVCache(*copies) if int8 else tuple(copies)
+    seq_lens = np.array([7, 3, 10], np.int32)  # decode rows: their last token is new
+    tables = np.array([[3, 5, 0], [8, 0, 0], [1, 2, 4]], np.int32)
+    slots = np.array(
+        [tables[r, (n - 1) // block] * block + (n - 1) % block for r, n in enumerate(seq_lens)],
+        np.int64,
+    )
+    q = torch.randn(3, heads, dim, generator=generator)
+    k = torch.randn(3, kv_heads, dim, generator=generator)
+    v = torch.randn(3, kv_heads, dim, generator=generator)
+
+    eager_inputs = AttentionInputs(
+        slot_mapping=torch.from_numpy(slots),
+        query_start_loc=np.arange(4),
+        num_computed_tokens=seq_lens - 1,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        block_size=block,
+    )
+    want = backend.forward(layer, q, k, v, eager_cache, backend.build_metadata(eager_inputs))
+
+    plan = SimpleNamespace(
+        input_ids=np.zeros(3), positions=seq_lens - 1, slot_mapping=slots, seq_lens=seq_lens
+    )
+    padded = pad_decode(plan, tables, size=4, width=4, pad_block=blocks - 1, block_size=block)
+    graph_inputs = GraphDecodeInputs(
+        torch.from_numpy(padded.slot_mapping),
+        torch.from_numpy(padded.seq_lens),
+        torch.from_numpy(padded.block_tables),
+        block,
+    )
+    pad = lambda t: torch.cat([t, t[:1]])  # noqa: E731 - the padding row's own q/k/v
+    got = backend.forward(
+        layer, pad(q), pad(k), pad(v), graph_cache, graph_metadata(backend, graph_inputs)
+    )
+    torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(eager_cache, graph_cache, strict=True):  # only the scratch block differs
+        assert torch.equal(a[: blocks - 1], b[: blocks - 1])
+
+
+def test_runner_on_cpu_runs_eagerly() -> None:
+    model = str(default_model_path())
+    runner = ModelRunner(EngineArgs(model, device="cpu", kv_cache_memory=1 << 20, max_num_seqs=4))
+    assert runner.graphs is None
+    assert runner.kv_caches[0][0].shape[0] == runner.num_blocks  # no scratch block on CPU

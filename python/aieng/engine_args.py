@@ -194,6 +194,11 @@ class EngineArgs:
         "on any device",
         choices=ATTENTION_BACKENDS,
     )
+    enforce_eager: bool = option(
+        False,
+        "run every step eagerly, without CUDA graphs (which replay decode steps of 1, 2, 4, 8, "
+        "16, 32, ... up to max_num_seqs rows); no effect on CPU",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from aieng.attention import AttentionInputs, ForwardContext, KVCache, select_attention_backend
+from aieng.cuda_graphs import GRAPH_PAD_BLOCKS, capture_decode_graphs, graphs_wanted
 from aieng.engine_args import EngineArgs, torch_dtype
 from aieng.input_buffers import InputBuffers
 from aieng.kv_cache import KVCacheSpec
@@ -65,7 +66,12 @@ class ModelRunner:
                 f"{self.attention.name!r} reads only {', '.join(self.attention.kv_cache_dtypes)}"
             )
         self.num_blocks = self._num_blocks(args)
-        self.kv_caches = self.kv_spec.allocate(self.num_blocks, self.device, self.attention)
+        # CUDA graphs pad decode steps with rows that write a scratch block past the core's.
+        graphs = graphs_wanted(args.enforce_eager, self.device)
+        pad_blocks = GRAPH_PAD_BLOCKS if graphs else 0
+        self.kv_caches = self.kv_spec.allocate(
+            self.num_blocks + pad_blocks, self.device, self.attention
+        )
         logger.info(
             "KV cache: %s, %d blocks of %d tokens = %d tokens (%.1f MiB, %d bytes per token) on "
             "%s; attention backend %s",
@@ -84,6 +90,9 @@ class ModelRunner:
             self.config.vocab_size, self.device, capacity=max(64, args.max_num_seqs)
         )
         self.sampler = Sampler(self.device, args.seed)
+        self.graphs = (
+            capture_decode_graphs(self, args.max_num_seqs, self.num_blocks) if graphs else None
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -125,7 +134,10 @@ class ModelRunner:
             return ModelRunnerOutput.empty()
         width = -(-int(np.max(plan.seq_lens)) // self.block_size)
         block_tables = self.inputs.block_tables(np.asarray(plan.slots, np.int64), width)
-        hidden = self._forward(plan, block_tables, self.kv_caches)  # (T, hidden)
+        if self.graphs is not None and self.graphs.can_run(plan):
+            hidden = self.graphs.run(plan, block_tables)  # (T, hidden), replayed
+        else:
+            hidden = self._forward(plan, block_tables, self.kv_caches)  # (T, hidden)
         logits_indices = plan.logits_indices
         if len(logits_indices) == 0:  # only partial prefills this step
             return ModelRunnerOutput.empty()
