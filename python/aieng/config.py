@@ -20,12 +20,19 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 # Architectures whose `attention_bias` also puts a bias on o_proj, as in their HF modeling code
 # (Qwen2 has q/k/v bias only, Mistral none); `mlp_bias` is read where HF reads it.
 O_PROJ_BIAS_ARCHITECTURES = (
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     "GraniteForCausalLM",
     "LlamaForCausalLM",
     "Olmo2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM",
 )
+# Architectures whose HF modeling code has no attention or MLP bias whatever the config says.
+NO_BIAS_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 MLP_BIAS_ARCHITECTURES = ("GraniteForCausalLM", "LlamaForCausalLM", "SmolLM3ForCausalLM")
 # Defaults from generation_config.json that map onto SamplingParams fields (vLLM reads the same).
 GENERATION_DEFAULT_FIELDS = {
@@ -54,8 +61,9 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
-    # longrope only: per-frequency divisors (head_dim / 2 each); `use_long_factor` says which
-    # set rotates every position (long when max_position_embeddings > original)
+    # longrope only: per-frequency divisors (head_dim / 2 each); `use_long_factor`: positions
+    # from the original context on rotate with the long factors (max_position_embeddings >
+    # original), the others always with the short ones
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     use_long_factor: bool = False
@@ -100,6 +108,23 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     quantization: QuantizationConfig | None = None  # from `quantization_config`
+    # Mixture-of-experts (Qwen3-MoE, Mixtral): the layers in `moe_layers` replace their MLP with
+    # `num_experts` experts of `moe_intermediate_size`, `num_experts_per_tok` chosen per token;
+    # `norm_topk_prob` renormalises the chosen experts' weights to sum to 1.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    # Gemma 2 and 3 (`_gemma_fields`; the √hidden embedding scale, (1 + w) norms and GeGLU are the
+    # Gemma definition's own, `query_pre_attn_scalar` ** -0.5 is `attention_scale`): each layer's
+    # sliding window (None on full_attention layers; empty: `sliding_window` on every layer),
+    # Gemma 3's RoPE of the sliding layers (None: `rope` on every layer), and the soft-caps
+    # cap * tanh(x / cap) of the attention scores and of the final logits (None: not capped).
+    layer_sliding_windows: tuple[int | None, ...] = ()
+    rope_local: RopeConfig | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -131,6 +156,9 @@ class ModelConfig:
         from aieng.models.registry import model_class
 
         model_class(architecture, source)
+        if architecture in GEMMA_DEFAULTS:  # absent fields take transformers' Gemma defaults
+            raw = {**GEMMA_DEFAULTS[architecture], **raw}
+            fields = _Fields(raw, source)
         quantization = parse_quantization_config(raw.get("quantization_config"), source)
         hidden_size = fields.positive_int("hidden_size")
         num_heads = fields.positive_int("num_attention_heads")
@@ -141,9 +169,8 @@ class ModelConfig:
                 f"'num_attention_heads' ({num_heads})"
             )
         is_qwen2 = architecture == "Qwen2ForCausalLM"
-        is_qwen3 = architecture == "Qwen3ForCausalLM"
-        is_mistral = architecture == "MistralForCausalLM"
-        if is_qwen3:
+        is_qwen3 = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        if architecture == "Qwen3ForCausalLM":
             # Qwen3 sets head_dim independently of hidden_size / num_heads (HF default 128).
             head_dim = fields.positive_int("head_dim", default=128)
         else:
@@ -151,10 +178,11 @@ class ModelConfig:
         if fields.get("use_sliding_window", bool, default=False):
             raise ValueError(f"{source}: field 'use_sliding_window' = true is not supported")
         sliding_window = None
-        if architecture == "MistralForCausalLM":
+        if architecture in SLIDING_WINDOW_ARCHITECTURES:
             sliding_window = fields.optional_positive_int("sliding_window")
         hidden_act = fields.get("hidden_act", str, default="silu")
-        if hidden_act != "silu":
+        # Gemma's activation is `hidden_activation` (`_gemma_fields`); HF ignores its hidden_act.
+        if hidden_act != "silu" and architecture not in GEMMA_DEFAULTS:
             raise ValueError(
                 f"{source}: field 'hidden_act' = {hidden_act!r} is not supported (only 'silu' is)"
             )
@@ -167,7 +195,9 @@ class ModelConfig:
         for where, data in ((source, raw), (generation_source, generation)):
             _check_special_ids(data, where, vocab_size)
         # HF Mistral has no attention/MLP biases whatever the config says; Qwen2 always has q/k/v.
-        attention_bias = not is_mistral and fields.get("attention_bias", bool, default=False)
+        attention_bias = architecture not in NO_BIAS_ARCHITECTURES and fields.get(
+            "attention_bias", bool, default=False
+        )
         has_o_bias = attention_bias and architecture in O_PROJ_BIAS_ARCHITECTURES
         mlp_bias = architecture in MLP_BIAS_ARCHITECTURES and fields.get(
             "mlp_bias", bool, default=False
@@ -190,20 +220,68 @@ class ModelConfig:
             attention_bias=is_qwen2 or attention_bias,
             o_proj_bias=has_o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=is_qwen3,
+            qk_norm=is_qwen3 or architecture == "Gemma3ForCausalLM",
             qk_norm_across_heads=is_olmo2,
-            post_norms=is_olmo2,
+            post_norms=is_olmo2 or architecture in GEMMA_DEFAULTS,  # Gemma: pre- and post-norms
             norm_weight_in_float32=is_olmo2,
             no_rope_layers=_no_rope_layers(fields, architecture, num_layers),
             **_granite_multipliers(fields, architecture),
+            **_gemma_fields(fields, architecture, num_layers, max_positions, head_dim),
             sliding_window=sliding_window,
-            rope=_rope_config(raw, source, max_positions, head_dim),
+            rope=_rope_config(
+                _gemma3_rope(raw, source, architecture, "full_attention"),
+                source,
+                max_positions,
+                head_dim,
+                architecture,
+            ),
             dtype=dtype.removeprefix("torch."),
             bos_token_id=_optional_int(raw, "bos_token_id", source),
             eos_token_ids=_eos_token_ids(raw, generation, source, generation_source),
             generation_defaults=_generation_defaults(generation),
             quantization=quantization,
+            **_moe_fields(fields, architecture, num_layers),
         )
+
+
+def _moe_fields(fields: _Fields, architecture: str, num_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE (`num_experts`, `decoder_sparse_step`, `mlp_only_layers`, `norm_topk_prob`) and
+    Mixtral (`num_local_experts`, every layer sparse, weights always renormalised)."""
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    # transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`; read either.
+    key = "num_experts" if fields.raw.get("num_experts") is not None else "num_local_experts"
+    num_experts = fields.positive_int(key)
+    top_k = fields.positive_int("num_experts_per_tok")
+    if top_k > num_experts:
+        raise ValueError(
+            f"{fields.source}: field 'num_experts_per_tok' ({top_k}) exceeds '{key}' "
+            f"({num_experts})"
+        )
+    if architecture == "MixtralForCausalLM":
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=fields.positive_int("intermediate_size"),
+            norm_topk_prob=True,
+            moe_layers=tuple(range(num_layers)),
+        )
+    step = fields.positive_int("decoder_sparse_step", default=1)
+    dense = fields.raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in dense
+    ):
+        raise ValueError(
+            f"{fields.source}: field 'mlp_only_layers' must be a list of layer indices, "
+            f"got {dense!r}"
+        )
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=fields.positive_int("moe_intermediate_size"),
+        norm_topk_prob=fields.get("norm_topk_prob", bool, default=False),
+        moe_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+    )
 
 
 def _no_rope_layers(fields: _Fields, architecture: str, num_layers: int) -> tuple[int, ...]:
@@ -236,6 +314,121 @@ def _granite_multipliers(fields: _Fields, architecture: str) -> dict[str, Any]:
         attention_scale=fields.positive_float("attention_multiplier", default=1.0),
         logits_scaling=fields.positive_float("logits_scaling", default=1.0),
     )
+
+
+# Gemma 2 and Gemma 3 (text): transformers' Gemma2Config / Gemma3TextConfig defaults, which a
+# config.json that leaves a field out gets.
+_GEMMA_COMMON = dict(
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6,
+    bos_token_id=2,
+    eos_token_id=1,
+    tie_word_embeddings=True,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+)
+GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": dict(
+        _GEMMA_COMMON,
+        vocab_size=256000,
+        max_position_embeddings=8192,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+    ),
+    "Gemma3ForCausalLM": dict(_GEMMA_COMMON, vocab_size=262208, max_position_embeddings=131072),
+}
+GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma_fields(
+    fields: _Fields, architecture: str, num_layers: int, max_positions: int, head_dim: int
+) -> dict[str, Any]:
+    """Gemma 2 and 3 as transformers reads them: GELU-tanh only, the scale
+    `query_pre_attn_scalar` ** -0.5, `sliding_window` on the sliding_attention layers
+    (`layer_types`, else every `sliding_window_pattern`-th layer global: 2 for Gemma 2, default 6
+    for Gemma 3), Gemma 3's local RoPE, the soft-caps (HF's Gemma 3 attention never applies
+    `attn_logit_softcapping`, so neither does aieng)."""
+    if architecture not in GEMMA_DEFAULTS:
+        return {}
+    source = fields.source
+    activation = fields.get("hidden_activation", str)
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"{source}: field 'hidden_activation' = {activation!r} is not supported "
+            "(only 'gelu_pytorch_tanh' is)"
+        )
+    if fields.raw.get("use_bidirectional_attention"):
+        raise ValueError(
+            f"{source}: field 'use_bidirectional_attention' = true is not supported "
+            "(causal attention only)"
+        )
+    is_gemma3 = architecture == "Gemma3ForCausalLM"
+    types = fields.raw.get("layer_types")
+    if types is None:
+        pattern = fields.positive_int("sliding_window_pattern", default=6) if is_gemma3 else 2
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    elif (
+        not isinstance(types, list)
+        or len(types) != num_layers
+        or any(t not in GEMMA_LAYER_TYPES for t in types)
+    ):
+        raise ValueError(
+            f"{source}: field 'layer_types' must be {num_layers} entries (one per layer) of "
+            f"{' or '.join(map(repr, GEMMA_LAYER_TYPES))}, got {types!r}"
+        )
+    window = fields.optional_positive_int("sliding_window")
+    caps = {
+        name: None if fields.raw.get(name) is None else fields.positive_float(name)
+        for name in ("attn_logit_softcapping", "final_logit_softcapping")
+    }
+    if is_gemma3:
+        caps["attn_logit_softcapping"] = None
+    local = _gemma3_rope(fields.raw, source, architecture, "sliding_attention")
+    return dict(
+        layer_sliding_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        attention_scale=fields.positive_float("query_pre_attn_scalar") ** -0.5,
+        rope_local=_rope_config(local, source, max_positions, head_dim) if is_gemma3 else None,
+        **caps,
+    )
+
+
+def _gemma3_rope(
+    raw: dict[str, Any], source: str, architecture: str, layer_type: str
+) -> dict[str, Any]:
+    """Gemma 3 keys its RoPE by layer type: `rope_parameters.full_attention` and
+    `.sliding_attention`, or in older configs `rope_theta` + `rope_scaling` for the global layers
+    and `rope_local_base_freq` for the sliding ones (defaults 1e6 and 1e4, as Gemma3TextConfig)
+    -> `raw` with `layer_type`'s parameters as a flat `rope_parameters`, which `_rope_config`
+    reads. Other architectures' `raw` comes back unchanged."""
+    if architecture != "Gemma3ForCausalLM":
+        return raw
+    nested = raw.get("rope_parameters") or {}
+    if not isinstance(nested, dict) or not set(nested) <= set(GEMMA_LAYER_TYPES):
+        raise ValueError(
+            f"{source}: field 'rope_parameters' must be keyed by layer type "
+            f"({', '.join(GEMMA_LAYER_TYPES)}), got {nested!r}"
+        )
+    params = nested.get(layer_type) or {"rope_type": "default"}
+    scaling = raw.get("rope_scaling")
+    if not isinstance(params, dict) or not isinstance(scaling, dict | None):
+        bad = f"rope_parameters.{layer_type}" if not isinstance(params, dict) else "rope_scaling"
+        raise ValueError(f"{source}: field '{bad}' must be an object")
+    params = dict(params)
+    if layer_type == "full_attention":
+        params.update(scaling or {})
+        params.setdefault("rope_theta", raw.get("rope_theta") or 1_000_000.0)
+    else:
+        params.setdefault("rope_theta", raw.get("rope_local_base_freq") or 10_000.0)
+    return {**raw, "rope_parameters": params}
 
 
 class _Fields:
@@ -284,7 +477,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _rope_config(raw: dict[str, Any], source: str, max_positions: int, head_dim: int) -> RopeConfig:
+def _rope_config(
+    raw: dict[str, Any], source: str, max_positions: int, head_dim: int, architecture: str = ""
+) -> RopeConfig:
     """RoPE as transformers' rope utilities compute it (`_compute_*_parameters`), per type."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     name = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
@@ -292,6 +487,8 @@ def _rope_config(raw: dict[str, Any], source: str, max_positions: int, head_dim:
         raise ValueError(f"{source}: field '{name}' must be an object, got {params!r}")
     fields = _Fields(params, f"{source} ({name})")
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if architecture == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # early Phi-3 configs' names for it, as transformers reads them
     if rope_type not in ROPE_TYPES:
         raise ValueError(
             f"{source}: field '{name}.rope_type' = {rope_type!r} is not supported "

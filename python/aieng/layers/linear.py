@@ -101,14 +101,13 @@ def fused_output_param(
 ) -> nn.Parameter:
     """Give `param` a weight loader that puts shard i of a fused layer at its block of rows
     (`dim` is the output dimension in this parameter's layout; `pack_factor` output columns
-    share one stored element, as in packed INT4)."""
+    share one stored element, as in packed INT4). A tensor without a shard id is the whole fused
+    layer, as checkpoints that store it fused (Phi-3's qkv_proj and gate_up_proj) have it."""
     starts = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
         destination = param.data
-        if len(output_sizes) > 1:
-            if shard_id is None:
-                raise WeightLoadError("is a fused layer's tensor without a shard")
+        if len(output_sizes) > 1 and shard_id is not None:
             start, size = starts[shard_id] // pack_factor, output_sizes[shard_id] // pack_factor
             destination = destination.narrow(dim, start, size)
         copy_into(destination, loaded, convert_dtype)

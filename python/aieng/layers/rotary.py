@@ -6,14 +6,18 @@ A position's rotation is fixed (one table for the whole context), which is what 
 computes for every sequence within `max_position_embeddings` — the only ones aieng serves:
 - dynamic NTK rescales the base only once a sequence exceeds `max_position_embeddings`, so within
   the context its frequencies are the formula's at seq_len = max_position_embeddings;
-- longrope uses the long factors when `max_position_embeddings` exceeds the original context,
-  for every position. transformers picks the set per forward pass (long once the longest position
-  in the pass is past the original context), so it agrees for prompts longer than the original
-  context and not for shorter ones; a table that depends on the request would break batching and
-  prefix caching.
+- longrope rotates positions before the original context with the short factors and positions
+  from it on with the long factors (when `max_position_embeddings` exceeds the original context).
+  transformers instead picks one set for a whole sequence: the long factors once it is longer
+  than the original context — for a prompt that long, all of it; and for Phi-3, when generation
+  crosses that length, it drops the cache and recomputes every position with the long factors.
+  The two agree exactly on every sequence within the original context; past it, aieng's earlier
+  positions keep their short-factor rotation. A table per position, not per request, keeps
+  batching and prefix caching exact (a cached block's keys never depend on what follows them).
 """
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -92,6 +96,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
         freqs = torch.arange(max_positions).float()[:, None] * rope_inv_freq(head_dim, rope)[None]
+        if rope.type == "longrope" and rope.use_long_factor:
+            # positions before the original context keep the short factors (module docstring)
+            short = replace(rope, use_long_factor=False)
+            original = min(rope.original_max_position_embeddings, max_positions)
+            positions = torch.arange(original).float()[:, None]
+            freqs[:original] = positions * rope_inv_freq(head_dim, short)[None]
         # yarn / longrope scale cos and sin by the attention factor (1 otherwise).
         scale = rope.attention_factor
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)  # (max_positions, D / 2)

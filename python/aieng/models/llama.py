@@ -23,6 +23,7 @@ from aieng.config import ModelConfig
 from aieng.layers.activation import silu_and_mul
 from aieng.layers.attention import Attention
 from aieng.layers.linear import Embedding, Linear, LinearMethodChooser, dense_everywhere
+from aieng.layers.moe import MIXTRAL_EXPERT_NAMES, ExpertNames, SparseMoE
 from aieng.layers.norm import RMSNorm
 from aieng.layers.rotary import RotaryEmbedding
 
@@ -140,7 +141,27 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(
             config, rotary, dtype, methods, layer_index, f"{prefix}.self_attn"
         )
-        self.mlp = LlamaMLP(config, dtype, methods, f"{prefix}.mlp")
+        # A MoE layer keeps the checkpoint's module name (Mixtral's `block_sparse_moe`).
+        self.mlp_name = "mlp"
+        mlp: nn.Module
+        if layer_index in config.moe_layers:
+            mixtral = config.architecture == "MixtralForCausalLM"
+            self.mlp_name = "block_sparse_moe" if mixtral else "mlp"
+            mlp = SparseMoE(
+                size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+                dtype,
+                methods,
+                f"{prefix}.{self.mlp_name}",
+                names=MIXTRAL_EXPERT_NAMES if mixtral else ExpertNames(),
+                weights_in_model_dtype=not mixtral,
+            )
+        else:
+            mlp = LlamaMLP(config, dtype, methods, f"{prefix}.mlp")
+        self.add_module(self.mlp_name, mlp)
         # HF's names: pre-norm layers norm the attention input with `input_layernorm` and the MLP
         # input with `post_attention_layernorm`; OLMo 2 norms the attention output with
         # `post_attention_layernorm` and the MLP output with `post_feedforward_layernorm`.
@@ -155,9 +176,14 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(positions, x, ctx))
-            return x + self.post_feedforward_layernorm(self.mlp(x))
+            return x + self.post_feedforward_layernorm(self.mlp_module(x))
         x = x + self._residual(self.self_attn(positions, self.input_layernorm(x), ctx))
-        return x + self._residual(self.mlp(self.post_attention_layernorm(x)))
+        return x + self._residual(self.mlp_module(self.post_attention_layernorm(x)))
+
+    @property
+    def mlp_module(self) -> nn.Module:
+        """The layer's MLP: dense, or a SparseMoE (under the checkpoint's module name)."""
+        return self._modules[self.mlp_name]
 
     def _residual(self, branch: torch.Tensor) -> torch.Tensor:
         m = self.residual_multiplier  # Granite's; 1.0 elsewhere, skipped
@@ -194,6 +220,8 @@ class LlamaForCausalLM(nn.Module):
         "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
+        "w1": ("w13", 0),  # Mixtral's experts: w1 (gate) and w3 (up)
+        "w3": ("w13", 1),
     }
 
     def __init__(

@@ -137,12 +137,15 @@ def load_weights(model: nn.Module, folder: Path) -> LoadTimes:
                     read_at = time.perf_counter()
                     loader = getattr(param, "weight_loader", default_weight_loader)
                     try:
-                        loader(param, tensor, shard if _num_shards(param) > 1 else None)
+                        loader(param, tensor, shard)
                     except WeightLoadError as e:
                         raise ValueError(f"{file}: tensor {name} {e}") from None
                     times.reading_s += read_at - start
                     times.placing_s += time.perf_counter() - read_at
-                    filled[target].add(shard)
+                    if shard is None:  # the whole (possibly fused) parameter
+                        filled[target].update(range(_num_shards(param)))
+                    else:
+                        filled[target].add(shard)
         except SafetensorError as e:
             raise ValueError(f"{file}: cannot read safetensors file: {e}") from e
     missing = [
@@ -157,14 +160,15 @@ def load_weights(model: nn.Module, folder: Path) -> LoadTimes:
     return times
 
 
-def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int]:
-    """HF tensor name -> (our parameter name, shard index within a fused layer)."""
+def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """HF tensor name -> (our parameter name, shard index within a fused layer; None: the whole
+    parameter — also a fused one the checkpoint stores fused)."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in packed:
             fused, shard = packed[part]
             return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard
-    return name, 0
+    return name, None
 
 
 def _num_shards(param: nn.Parameter) -> int:

@@ -149,7 +149,8 @@ class QuantizedLinearMethod(LinearMethod):
         param = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
 
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
-            expected = [output_sizes[shard_id or 0], input_size]
+            rows = sum(output_sizes) if shard_id is None else output_sizes[shard_id]
+            expected = [rows, input_size]
             if loaded.dtype.is_floating_point or loaded.tolist() != expected:
                 raise WeightLoadError(f"= {loaded.tolist()}, expected {expected}")
 
