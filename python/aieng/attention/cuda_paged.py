@@ -125,6 +125,12 @@ def split_plan(
     return choose_splits(base_ctas, longest, num_sms, decode_tile(head_dim))
 
 
+def paged_cache(kv_cache: KVCache) -> PagedCache:
+    if isinstance(kv_cache, QuantizedKVCache):
+        return PagedCache(kv_cache.k, kv_cache.v, kv_cache.k_scale, kv_cache.v_scale)
+    return PagedCache(kv_cache[0], kv_cache[1])
+
+
 class CudaPagedAttention(AttentionBackend):
     """The paged attention kernels: float16/bfloat16, head_dim 64 or 128, the model's dtype or
     an INT8 cache, any power-of-two block size, each layer's own sliding window."""
@@ -159,17 +165,28 @@ class CudaPagedAttention(AttentionBackend):
             raise ValueError("the paged attention backend needs a KV cache")
         if getattr(layer, "logit_softcap", None) is not None:
             raise KernelError("the cuda attention kernels do not soft-cap scores")
-        num_tokens, num_heads, head_dim = q.shape
-        check_supported(q.dtype, head_dim)
+        check_supported(q.dtype, q.shape[2])
         if isinstance(kv_cache, QuantizedKVCache):
             write_quantized_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-            cache = PagedCache(kv_cache.k, kv_cache.v, kv_cache.k_scale, kv_cache.v_scale)
         else:
             write_kv_cache(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping)
-            cache = PagedCache(kv_cache[0], kv_cache[1])
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.attend(layer, q, paged_cache(kv_cache), metadata, out)
+        return out
+
+    def attend(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        cache: PagedCache,
+        metadata: CudaAttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """The kernels alone: q (T, H, D) over the cache (the new K/V already written) into
+        out (T, H, D), contiguous; only the step's rows are written."""
+        num_heads, head_dim = q.shape[1:]
         if q.stride(2) != 1 or q.stride(1) != head_dim:  # the kernels step rows by q.stride(0)
             q = q.contiguous()
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         window = layer.sliding_window
         if (decode := metadata.decode) is not None:
             plan, partials = self._plan(decode, window, num_heads, cache.k.shape[2], head_dim)
@@ -183,7 +200,6 @@ class CudaPagedAttention(AttentionBackend):
                 prefill.num_computed, prefill.seq_lens, prefill.tile_request, prefill.tile_first,
                 layer.scale, window,
             )  # fmt: skip
-        return out
 
     def _plan(
         self, decode: DecodeBatch, window: int | None, num_heads: int, num_kv_heads: int,
