@@ -26,6 +26,13 @@ from aieng.cuda_graphs import (
     padded_size,
 )
 from aieng.engine_args import EngineArgs
+from aieng.gpu_memory import (
+    GpuMemory,
+    gpu_memory_figures,
+    kv_cache_tensors,
+    model_tensors,
+    tensor_bytes,
+)
 from aieng.kernels.errors import KernelCompileError, KernelError
 from aieng.kernels.fused import check_cases as fused_check_cases
 from aieng.kernels.fused import (
@@ -444,3 +451,53 @@ def test_runner_on_cpu_runs_eagerly() -> None:
     runner = ModelRunner(EngineArgs(model, device="cpu", kv_cache_memory=1 << 20, max_num_seqs=4))
     assert runner.graphs is None
     assert runner.kv_caches[0][0].shape[0] == runner.num_blocks  # no scratch block on CPU
+
+
+# --- GPU memory figures: the byte counts, the log line and the /metrics gauges -------------------
+
+
+def test_tensor_bytes_count_each_storage_once() -> None:
+    embedding = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight  # tied
+    model = torch.nn.ModuleDict({"embed": embedding, "head": head})
+    model.register_buffer("table", torch.zeros(3, dtype=torch.float16))
+    assert tensor_bytes(model_tensors(model)) == 10 * 4 * 4 + 3 * 2
+    cache = [(torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8))] * 2
+    assert tensor_bytes(kv_cache_tensors(cache)) == 2 * 2 * 4 * 2 * 8 * 4  # the same layer twice
+
+
+FIGURES = GpuMemory(
+    weights=3 << 30, kv_cache=5 << 30, activation_peak=1 << 29, allocated=8 << 30,
+    reserved=9 << 30, used=10 << 30, total=141 << 30,
+)  # fmt: skip
+
+
+def test_gpu_memory_log_line_and_gauges() -> None:
+    assert FIGURES.describe() == (
+        "GPU memory: weights 3.00 GiB, KV cache 5.00 GiB, activation peak 0.50 GiB, CUDA "
+        "context and other n/a (no pynvml); device 10.00 GiB used of 141.00 GiB"
+    )
+    assert "process" not in FIGURES.gauges() and FIGURES.gauges()["kv_cache"] == 5 << 30
+
+
+def test_gpu_memory_gauges_in_metrics_only_on_a_gpu() -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from aieng.server.metrics import ServerMetrics
+
+    def gauges(metrics: ServerMetrics) -> dict[str, float]:
+        text = generate_latest(metrics.registry).decode()
+        return {
+            sample.labels["component"]: sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "aieng_gpu_memory_bytes"
+            for sample in family.samples
+        }
+
+    on_gpu = gauges(ServerMetrics("m", lambda: None, lambda: FIGURES))
+    assert on_gpu == {name: float(value) for name, value in FIGURES.gauges().items()}
+    assert on_gpu["weights"] == 3 << 30 and "cuda_context" not in on_gpu
+    assert gauges(ServerMetrics("m", lambda: None)) == {}
+    assert gpu_memory_figures(SimpleNamespace(device=torch.device("cpu"))) is None

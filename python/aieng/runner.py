@@ -24,6 +24,7 @@ import torch
 from aieng.attention import AttentionInputs, ForwardContext, KVCache, select_attention_backend
 from aieng.cuda_graphs import GRAPH_PAD_BLOCKS, capture_decode_graphs, graphs_wanted
 from aieng.engine_args import EngineArgs, torch_dtype
+from aieng.gpu_memory import log_gpu_memory
 from aieng.input_buffers import InputBuffers
 from aieng.kv_cache import KVCacheSpec
 from aieng.models.loader import load_model, resolve_dtype
@@ -93,6 +94,7 @@ class ModelRunner:
         self.graphs = (
             capture_decode_graphs(self, args.max_num_seqs, self.num_blocks) if graphs else None
         )
+        log_gpu_memory(self)
 
     @property
     def block_bytes(self) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from aieng.async_engine import AsyncLLMEngine, EngineStats
+from aieng.gpu_memory import GpuMemory, gpu_memory_figures
 from aieng.server.admission import Admission, ServerState
 from aieng.server.config import ServerConfig
 from aieng.server.errors import ApiError, invalid
@@ -24,13 +25,16 @@ class ServerContext:
         self.model_defaults: dict[str, Any] = {}
         self.created = int(time.time())
         self.admission = Admission(config, self.stats)
-        self.metrics = ServerMetrics(config.served_model_name, self.stats)
+        self.metrics = ServerMetrics(config.served_model_name, self.stats, self.gpu_memory)
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}
         self.warned_fields: set[str] = set()  # unknown request fields already logged
 
     def stats(self) -> EngineStats | None:
         return None if self.engine is None else self.engine.stats
+
+    def gpu_memory(self) -> GpuMemory | None:
+        return None if self.engine is None else gpu_memory_figures(self.engine.engine.runner)
 
     def attach(self, engine: AsyncLLMEngine) -> None:
         self.engine = engine

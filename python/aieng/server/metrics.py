@@ -8,12 +8,16 @@ observed as requests finish.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from aieng.async_engine import EngineStats
+
+if TYPE_CHECKING:
+    from aieng.gpu_memory import GpuMemory
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -65,11 +69,39 @@ class EngineCollector(Collector):
             yield info
 
 
+class GpuMemoryCollector(Collector):
+    """aieng_gpu_memory_bytes{component}: weights, KV cache, activation peak, CUDA context and
+    the device's totals (aieng.gpu_memory), read at scrape time; nothing off a GPU."""
+
+    def __init__(self, figures: Callable[[], GpuMemory | None], model_name: str):
+        self.figures, self.model_name = figures, model_name
+
+    def collect(self) -> Iterable[Metric]:
+        figures = self.figures()
+        if figures is None:
+            return
+        metric = GaugeMetricFamily(
+            "aieng_gpu_memory_bytes",
+            "GPU memory by component: weights, kv_cache, activation_peak, cuda_context (NVML), "
+            "torch's allocated and reserved, the device's used and total.",
+            labels=["model_name", "component"],
+        )
+        for component, value in figures.gauges().items():
+            metric.add_metric([self.model_name, component], value)
+        yield metric
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats | None],
+        gpu_memory: Callable[[], GpuMemory | None] = lambda: None,
+    ):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(stats, model_name))
+        self.registry.register(GpuMemoryCollector(gpu_memory, model_name))
         model = ["model_name"]
 
         def counter(name: str, doc: str, *labels: str) -> Counter:
