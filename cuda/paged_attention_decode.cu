@@ -14,7 +14,7 @@
 // first position). It walks its split in tiles of TILE tokens, online softmax in float32:
 //   1. scores: LPT lanes per token, 8 dims (one 16-byte K load) per lane, shuffle-reduced;
 //   2. per head: tile max, p = 2^(s - m), running max / sum rescaled;
-//   3. V: acc[h][8 dims] += p * v, each thread over its own tokens of the tile;
+//   3. V (loaded with K in step 1): acc[h][8 dims] += p * v, each thread over its own tokens;
 // then the threads' partial sums are added in shared memory. With one split the CTA writes the
 // normalized output; with several it writes the unnormalized sum and (max, sum) per split, and
 // paged_decode_reduce_* combines them: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
@@ -90,8 +90,10 @@ __device__ __forceinline__ void decode_attention(
   for (int tile = begin; tile < end; tile += TILE) {
     __syncthreads();  // q_s written / the previous tile's scores read
     // 1. scores of this thread's kPasses tokens, for every head
+    // K and V of the tile are both requested here, so that twice the bytes are in flight
+    // while the scores and the softmax are computed.
     long long offset[kPasses];
-    float kf[kPasses][8];
+    float kf[kPasses][8], vf[kPasses][8];
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int t = tile + p * NG + token_group;
@@ -99,9 +101,10 @@ __device__ __forceinline__ void decode_attention(
       offset[p] = static_cast<long long>(slot) * num_kv_heads + kv_head;  // (slot, kv head)
       if (t < end) {
         load8(k_cache + offset[p] * D + lane_d, kf[p]);
+        load8(v_cache + offset[p] * D + lane_d, vf[p]);
       } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) kf[p][i] = 0.f;
+        for (int i = 0; i < 8; ++i) kf[p][i] = vf[p][i] = 0.f;
       }
     }
 #pragma unroll
@@ -147,17 +150,6 @@ __device__ __forceinline__ void decode_attention(
       const float alpha = alpha_s[h];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[h][i] *= alpha;
-    }
-    float vf[kPasses][8];
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      const int t = tile + p * NG + token_group;
-      if (t < end) {
-        load8(v_cache + offset[p] * D + lane_d, vf[p]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) vf[p][i] = 0.f;
-      }
     }
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {

@@ -60,9 +60,9 @@ REGISTER_BUDGETS: dict[str, int] = {
     "add_rms_norm_*": 48,
     "rope_kv_write_*": 64,
     "silu_and_mul_*": 48,
-    "paged_decode_*_g[12]": 96,  # acc: 8 floats per query head of the CTA
-    "paged_decode_*_g4": 128,
-    "paged_decode_*_g8": 160,
+    "paged_decode_*_g[12]": 128,  # K and V of 4 tokens (64 floats), 8 acc floats per head
+    "paged_decode_*_g4": 144,
+    "paged_decode_*_g8": 176,
     "paged_decode_reduce_*": 40,
     "paged_prefill_*_d64": 128,  # O: D / 2 floats, Q fragments: D / 4 registers
     "paged_prefill_*_d128": 192,
