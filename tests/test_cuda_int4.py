@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -501,3 +504,42 @@ def test_gpu_memory_gauges_in_metrics_only_on_a_gpu() -> None:
     assert on_gpu["weights"] == 3 << 30 and "cuda_context" not in on_gpu
     assert gauges(ServerMetrics("m", lambda: None)) == {}
     assert gpu_memory_figures(SimpleNamespace(device=torch.device("cpu"))) is None
+
+
+# --- the GPU benchmarks parse their arguments and refuse to run without a GPU --------------------
+
+BENCHES = Path(__file__).resolve().parents[1] / "benches" / "gpu"
+
+
+@pytest.mark.parametrize("bench", ["bench_int4.py", "bench_e2e.py"])
+def test_gpu_bench_scripts_parse_their_arguments(bench: str) -> None:
+    run = subprocess.run(
+        [sys.executable, str(BENCHES / bench), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "--out" in run.stdout
+    if not torch.cuda.is_available():
+        run = subprocess.run(
+            [sys.executable, str(BENCHES / bench)], capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode == 2 and "needs an NVIDIA GPU" in run.stderr
+
+
+def test_e2e_workload_is_nano_vllms_shape() -> None:
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import bench_e2e
+    finally:
+        sys.path.remove(str(BENCHES))
+    prompts, output_lens = bench_e2e.workload(256, 100, 1024)
+    assert len(prompts) == len(output_lens) == 256
+    assert all(100 <= len(p) <= 1024 for p in prompts) and all(
+        100 <= n <= 1024 for n in output_lens
+    )
+    assert bench_e2e.workload(256, 100, 1024) == (prompts, output_lens)  # seed 0
+    assert (
+        bench_e2e.QWEN3_0_6B["num_hidden_layers"] == 28 and bench_e2e.QWEN3_0_6B["head_dim"] == 128
+    )
