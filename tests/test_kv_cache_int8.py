@@ -114,7 +114,7 @@ def run_paged_step(requests, num_heads, num_kv_heads, head_dim, sliding_window, 
     generator = torch.Generator().manual_seed(seed)
     num_blocks = 1 + sum(-(-length // BLOCK) for length, _ in requests)
     order = torch.randperm(num_blocks - 1, generator=generator) + 1  # block 0: padding
-    backend = TorchPagedAttention(sliding_window, token_bytes=1 << 16)  # several decode groups
+    backend = TorchPagedAttention([sliding_window], token_bytes=1 << 16)  # several decode groups
     if int8:
         spec = KVCacheSpec(1, num_kv_heads, head_dim, BLOCK, torch.int8, torch.float32)
     else:
@@ -154,7 +154,7 @@ def run_paged_step(requests, num_heads, num_kv_heads, head_dim, sliding_window, 
         block_size=BLOCK,
     )
     meta = backend.build_metadata(inputs)
-    layer = SimpleNamespace(scale=head_dim**-0.5)
+    layer = SimpleNamespace(scale=head_dim**-0.5, sliding_window=sliding_window, logit_softcap=None)
     q = torch.cat([d[0] for d in data])
     k = torch.cat([d[1][d[3] :] for d in data])
     v = torch.cat([d[2][d[3] :] for d in data])

@@ -2,8 +2,10 @@
 
 A training step is B rows of L tokens, no KV cache (`ForwardContext.kv_caches` is None): the
 model's flat (B * L, H, D) q/k/v are viewed back as rows, each row attends causally to itself
-with `scaled_dot_product_attention`, and everything stays differentiable. Not a serving backend
-(the selector never picks it): the trainer constructs it itself.
+with `scaled_dot_product_attention`, and everything stays differentiable. Each layer brings its
+own sliding window (one mask per distinct window, built by the first layer that needs it) and
+its own score soft-capping (`aieng.attention.sdpa`, as the paged backend computes it). Not a
+serving backend (the selector never picks it): the trainer constructs it itself.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from aieng.attention.backend import AttentionBackend, KVCache
+from aieng.attention.sdpa import attend
 
 if TYPE_CHECKING:
     from aieng.layers.attention import Attention
@@ -39,7 +41,8 @@ class DenseBatch:
 
 
 class CausalAttention(AttentionBackend):
-    """Each row of a dense batch attends causally to itself (within the layer's sliding window)."""
+    """Each row of a dense batch attends causally to itself (within the layer's sliding window,
+    its scores soft-capped where the layer says)."""
 
     name = "causal"
 
@@ -65,13 +68,5 @@ class CausalAttention(AttentionBackend):
         v = v.view(b, length, -1, head_dim).transpose(1, 2)
         window = layer.sliding_window
         mask = None if window is None else metadata.window_mask(window, q.device)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=layer.scale,
-            enable_gqa=num_heads != k.shape[1],
-        )
+        out = attend(q, k, v, mask, mask is None, layer.scale, layer.logit_softcap)
         return out.transpose(1, 2).reshape(b * length, num_heads, head_dim)  # (T, H, D)

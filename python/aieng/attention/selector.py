@@ -26,4 +26,6 @@ def select_attention_backend(
     # Decode groups are sized by the context as attention reads it: in the model's dtype (an
     # INT8 cache's context is dequantized to it).
     token_bytes = config.num_key_value_heads * config.head_dim * dtype.itemsize
-    return TorchPagedAttention(sliding_window=config.sliding_window, token_bytes=token_bytes)
+    # One set of masks per step for each sliding window the layers use (Gemma: two).
+    windows = config.layer_sliding_windows or (config.sliding_window,)
+    return TorchPagedAttention(sliding_windows=windows, token_bytes=token_bytes)

@@ -12,6 +12,12 @@ prefill row is its own `scaled_dot_product_attention` — causal over the new to
 nothing of the request is cached yet, else over its cached context with the causal mask offset by
 the cached length. The index tensors and masks are built once per step, not per layer.
 
+Layers may differ in their sliding window (Gemma alternates windowed and global layers): the
+backend is built with every window the model uses, each step builds one mask per window (only
+the masks differ; the gathers are shared), and each layer reads the masks of its own
+`Attention.sliding_window`. A layer with `Attention.logit_softcap` (Gemma 2) has its scores
+capped, written out in `aieng.attention.sdpa` since SDPA cannot; the other layers keep SDPA.
+
 INT8 cache (`kv_cache_dtype="int8"`, a `QuantizedKVCache`): each new token's K and V are
 quantized symmetrically per KV head as they are written — scale = max|x| / 127 over head_dim
 (at least the scale dtype's smallest normal, so an all-zero vector is fine), q = round(x / scale)
@@ -32,12 +38,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from aieng.attention.backend import AttentionBackend, AttentionInputs, KVCache, QuantizedKVCache
+from aieng.attention.sdpa import attend
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from aieng.layers.attention import Attention
+
+# A layer's sliding window (None: the whole context) -> a mask built for it this step.
+Window = int | None
 
 
 @dataclass
@@ -48,7 +59,8 @@ class PrefillSpan:
     end: int
     context_len: int  # L: its sequence length after this step
     blocks: torch.Tensor | None  # (ceil(L / block_size),) its blocks; None: attend to new K/V only
-    mask: torch.Tensor | None  # (Q, L) True where query i may attend to position j; None: causal
+    # per window: (Q, L) True where query i may attend to position j; None: causal
+    masks: dict[Window, torch.Tensor | None]
 
 
 @dataclass
@@ -58,7 +70,8 @@ class DecodeGroup:
     rows: slice | torch.Tensor  # their rows of the step's T
     blocks: torch.Tensor  # (R_g, B) their block tables
     context_len: int  # L_g: the longest context in the group
-    mask: torch.Tensor | None  # (R_g, 1, 1, L_g) True where attended; None: all of L_g
+    # per window: (R_g, 1, 1, L_g) True where attended; None: all of L_g
+    masks: dict[Window, torch.Tensor | None]
 
 
 @dataclass
@@ -78,11 +91,13 @@ DECODE_GROUP_BYTES = 1 << 21
 
 
 def build_attention_metadata(
-    inputs: AttentionInputs, sliding_window: int | None = None, token_bytes: int = 0
+    inputs: AttentionInputs, sliding_windows: Iterable[Window] = (None,), token_bytes: int = 0
 ) -> AttentionMetadata:
     """Only `inputs.slot_mapping` is on the device; the other arrays are host numpy, so that
-    building this never waits on the device. token_bytes: bytes of one token's K in one layer
-    (sizes the decode groups; 0 puts every decode request in one group)."""
+    building this never waits on the device. sliding_windows: the windows the model's layers use
+    (a mask is built for each). token_bytes: bytes of one token's K in one layer (sizes the
+    decode groups; 0 puts every decode request in one group)."""
+    windows = tuple(dict.fromkeys(sliding_windows))
     slot_mapping, block_size = inputs.slot_mapping, inputs.block_size
     device = slot_mapping.device
     query_start_loc = np.asarray(inputs.query_start_loc, np.int64)
@@ -115,28 +130,34 @@ def build_attention_metadata(
         context_len = int(lens.max())
         blocks = to_device(block_tables[members, : -(-context_len // block_size)])
         positions = np.arange(context_len)
-        mask = positions[None, :] < lens[:, None]
-        if sliding_window is not None:
-            mask &= positions[None, :] > lens[:, None] - 1 - sliding_window
-        dmask = None if mask.all() else to_device(mask[:, None, None, :])
-        groups.append(DecodeGroup(rows, blocks, context_len, dmask))
+        masks: dict[Window, torch.Tensor | None] = {}
+        for window in windows:
+            mask = positions[None, :] < lens[:, None]
+            if window is not None:
+                mask &= positions[None, :] > lens[:, None] - 1 - window
+            masks[window] = None if mask.all() else to_device(mask[:, None, None, :])
+        groups.append(DecodeGroup(rows, blocks, context_len, masks))
         lo = hi
 
     prefills = []
     for r in np.flatnonzero(query_lens > 1):
         start, end = int(query_start_loc[r]), int(query_start_loc[r + 1])
         computed, context_len = int(num_computed[r]), int(seq_lens[r])
-        blocks = mask = None
+        blocks = None
         if computed > 0:
             blocks = to_device(block_tables[r, : -(-context_len // block_size)])
-        if computed > 0 or sliding_window is not None:
-            query_pos = computed + np.arange(end - start)[:, None]
-            positions = np.arange(context_len)[None, :]
+        query_pos = computed + np.arange(end - start)[:, None]
+        positions = np.arange(context_len)[None, :]
+        span_masks: dict[Window, torch.Tensor | None] = {}
+        for window in windows:
+            if computed == 0 and window is None:
+                span_masks[window] = None  # causal over the new tokens
+                continue
             allowed = positions <= query_pos
-            if sliding_window is not None:
-                allowed &= positions > query_pos - sliding_window
-            mask = to_device(allowed)
-        prefills.append(PrefillSpan(start, end, context_len, blocks, mask))
+            if window is not None:
+                allowed &= positions > query_pos - window
+            span_masks[window] = to_device(allowed)
+        prefills.append(PrefillSpan(start, end, context_len, blocks, span_masks))
 
     return AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -221,21 +242,20 @@ def paged_attention(
     v: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: Window = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q (T, H, D) over each request's cached context (new tokens already written) -> (T, H, D).
     k, v (T, H_kv, D): the step's new K/V, used directly by prefills with no cached context.
-    k_scale, v_scale: an INT8 cache's scales (the caches are then int8)."""
-    _, num_heads, _ = q.shape
-    gqa = num_heads != k_cache.shape[2]
+    k_scale, v_scale: an INT8 cache's scales (the caches are then int8). sliding_window: the
+    layer's, one of the windows `meta` was built for; softcap: its score cap (None: none)."""
     out = torch.empty_like(q)
     for group in meta.decodes:
         qd = q[group.rows][:, :, None, :]  # (R_g, H, 1, D)
         # (R_g, H_kv, L_g, D)
         kd = _gather_context(k_cache, group.blocks, group.context_len, k_scale, q.dtype)
         vd = _gather_context(v_cache, group.blocks, group.context_len, v_scale, q.dtype)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa
-        )
+        od = attend(qd, kd, vd, _mask(group.masks, sliding_window), False, scale, softcap)
         out[group.rows] = od[:, :, 0, :]
     for span in meta.prefills:
         qp = q[span.start : span.end].transpose(0, 1)  # (H, Q, D)
@@ -248,32 +268,37 @@ def paged_attention(
                 raise ValueError("paged_attention needs k and v for prefills without a context")
             kp = _gather_context(k_cache, blocks, span.context_len, k_scale, q.dtype)
             vp = _gather_context(v_cache, blocks, span.context_len, v_scale, q.dtype)
-        op = F.scaled_dot_product_attention(
-            qp,
-            kp,
-            vp,
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            scale=scale,
-            enable_gqa=gqa,
-        )
+        mask = _mask(span.masks, sliding_window)
+        op = attend(qp, kp, vp, mask, mask is None, scale, softcap)
         out[span.start : span.end] = op.transpose(0, 1)
     return out
 
 
+def _mask(masks: dict[Window, torch.Tensor | None], window: Window) -> torch.Tensor | None:
+    try:
+        return masks[window]
+    except KeyError:
+        raise ValueError(
+            f"sliding window {window}: the attention metadata was built for the windows "
+            f"{sorted(masks, key=str)} only (the backend must be given every layer's window)"
+        ) from None
+
+
 class TorchPagedAttention(AttentionBackend):
-    """The reference backend: any device, any float dtype, sliding window, an INT8 cache."""
+    """The reference backend: any device, any float dtype, per-layer sliding windows, soft-capped
+    scores, an INT8 cache."""
 
     name = "torch"
     kv_cache_dtypes = ("auto", "int8")
 
-    def __init__(self, sliding_window: int | None = None, token_bytes: int = 0):
-        """token_bytes: bytes of one token's K in one layer (sizes the decode groups)."""
-        self.sliding_window = sliding_window
+    def __init__(self, sliding_windows: Iterable[Window] = (None,), token_bytes: int = 0):
+        """sliding_windows: every window the model's layers use (None: whole context);
+        token_bytes: bytes of one token's K in one layer (sizes the decode groups)."""
+        self.sliding_windows = tuple(dict.fromkeys(sliding_windows))
         self.token_bytes = token_bytes
 
     def build_metadata(self, inputs: AttentionInputs) -> AttentionMetadata:
-        return build_attention_metadata(inputs, self.sliding_window, self.token_bytes)
+        return build_attention_metadata(inputs, self.sliding_windows, self.token_bytes)
 
     def forward(
         self,
@@ -286,12 +311,26 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         if kv_cache is None:
             raise ValueError("the paged attention backend needs a KV cache")
+        window, softcap = layer.sliding_window, layer.logit_softcap
         if isinstance(kv_cache, QuantizedKVCache):
             (kq, ks), (vq, vs) = write_quantized_kv_cache(k, v, kv_cache, metadata.slot_mapping)
             if metadata.fresh_prefills:  # they attend to the new K/V as the cache holds them
                 k, v = dequantize_int8(kq, ks, q.dtype), dequantize_int8(vq, vs, q.dtype)
-            scales = {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}
-            return paged_attention(q, kv_cache.k, kv_cache.v, metadata, layer.scale, k, v, **scales)
+            return paged_attention(
+                q,
+                kv_cache.k,
+                kv_cache.v,
+                metadata,
+                layer.scale,
+                k,
+                v,
+                kv_cache.k_scale,
+                kv_cache.v_scale,
+                window,
+                softcap,
+            )
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, metadata, layer.scale, k, v)
+        return paged_attention(
+            q, k_cache, v_cache, metadata, layer.scale, k, v, sliding_window=window, softcap=softcap
+        )

@@ -9,7 +9,11 @@ from aieng.attention.backend import ForwardContext
 
 
 class Attention(nn.Module):
-    """Scaled dot-product attention of one layer over the step's tokens (and their KV cache)."""
+    """Scaled dot-product attention of one layer over the step's tokens (and their KV cache).
+
+    sliding_window: each query sees only the last `sliding_window` positions, itself included
+    (None: the whole context); models may give each layer its own. logit_softcap: the scores are
+    capped as cap * tanh(score / cap) before the mask and the softmax (Gemma 2); None: not."""
 
     def __init__(
         self,
@@ -19,6 +23,7 @@ class Attention(nn.Module):
         layer_index: int,
         scale: float | None = None,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ):
         super().__init__()
         self.num_heads = num_heads
@@ -27,6 +32,7 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext

@@ -1,17 +1,25 @@
-"""RMSNorm (Zhang & Sennrich, 2019), computed in float32 as Hugging Face's Llama does.
+"""RMSNorm (Zhang & Sennrich, 2019), computed in float32 as Hugging Face's norms do.
 
 Llama casts the normalised input back to its dtype and then multiplies by the weight; OLMo 2
-multiplies in float32 and casts the product (`weight_in_float32`), which differs in bfloat16."""
+multiplies in float32 and casts the product (`weight_in_float32`), which differs in bfloat16.
+Gemma stores the weight as an offset from one and multiplies by (1 + w) in float32, then casts
+(`unit_offset`); its weights start at zero."""
 
 import torch
 from torch import nn
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float32: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_float32: bool = False,
+    unit_offset: bool = False,
 ) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
     if weight_in_float32:
         return (weight * x32).to(x.dtype)
     return weight * x32.to(x.dtype)
@@ -24,11 +32,14 @@ class RMSNorm(nn.Module):
         eps: float,
         dtype: torch.dtype | None = None,
         weight_in_float32: bool = False,
+        unit_offset: bool = False,
     ):
         super().__init__()
         self.eps = eps
         self.weight_in_float32 = weight_in_float32
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.unit_offset = unit_offset
+        initial = torch.zeros if unit_offset else torch.ones  # the identity either way
+        self.weight = nn.Parameter(initial(size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.weight_in_float32)
+        return rms_norm(x, self.weight, self.eps, self.weight_in_float32, self.unit_offset)
