@@ -32,21 +32,25 @@ from aieng.kernels import (
     parse_ptxas_report,
 )
 from aieng.kernels import compiler as compiler_module
-from aieng.kernels.launch import dim3, pack_args
+from aieng.kernels.launch import check_arguments, dim3, pack_args
 from aieng.kernels.paged_attention import (
+    HEAD_DIMS,
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
     PREFILL_BLOCK_M,
     WAVES,
+    PagedCache,
     SplitPlan,
     attended_lengths,
     block_shift,
     choose_splits,
     decode_kernel_name,
+    decode_launches,
     decode_reduce_kernel_name,
     decode_tile,
     heads_per_cta,
     prefill_kernel_name,
+    prefill_launch,
     prefill_tiles,
 )
 
@@ -320,3 +324,63 @@ def test_block_shift_needs_a_power_of_two() -> None:
     assert block_shift(16) == 4 and block_shift(32) == 5 and block_shift(1) == 0
     with pytest.raises(KernelError, match="power-of-two"):
         block_shift(24)
+
+
+# --- kernel parameter lists (from the PTX) against the arguments the launchers pack ---
+
+
+def test_ptx_parameters_of_a_probe(tmp_path: Path) -> None:
+    path = tmp_path / "params.cu"
+    path.write_text(
+        'extern "C" __global__ void params(float* x, int n, float s, long long m, double d) '
+        "{ x[n] = s + m + d; }\n"
+    )
+    module = compile_kernel_source(path, 90)
+    assert module.parameters == {"params": ("b64", "b32", "f32", "b64", "f64")}
+    assert compile_kernel_source(path, 90).parameters == module.parameters  # from the cache
+
+
+def test_arguments_are_checked_against_the_parameters() -> None:
+    _, types = pack_args([torch.zeros(1), 3, 0.5])
+    check_arguments("k", ("b64", "b32", "f32"), types)
+    with pytest.raises(KernelError, match=r"k takes 3 arguments \(b64, b32, f32\), got 2"):
+        check_arguments("k", ("b64", "b32", "f32"), types[:2])
+    with pytest.raises(KernelError, match="got 3 \\(b64, b32, b32\\)"):
+        check_arguments("k", ("b64", "b32", "f32"), pack_args([torch.zeros(1), 3, 4])[1])
+
+
+def paged_inputs(dtype: torch.dtype, int8: bool, head_dim: int, heads: int, kv_heads: int):
+    """CPU tensors shaped as the attention kernels take them (only their pointers are read)."""
+    cache_dtype = torch.int8 if int8 else dtype
+    k = torch.zeros(9, 16, kv_heads, head_dim, dtype=cache_dtype)
+    scales = (torch.ones(9, 16, kv_heads, 1, dtype=dtype),) * 2 if int8 else (None, None)
+    q = torch.zeros(5, heads, head_dim, dtype=dtype)
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    lens = torch.ones(3, dtype=torch.int32)
+    return q, PagedCache(k, k.clone(), *scales), table, lens
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_launches_match_the_kernels(dtype: torch.dtype, int8: bool) -> None:
+    decode = shipped("paged_attention_decode.cu", 90).parameters
+    prefill = shipped("paged_attention_prefill.cu", 90).parameters
+    for head_dim in HEAD_DIMS:
+        for heads, kv_heads in ((8, 8), (12, 4), (32, 8), (40, 2)):
+            q, cache, table, lens = paged_inputs(dtype, int8, head_dim, heads, kv_heads)
+            partials = (torch.zeros(3, heads, 4, head_dim), torch.zeros(3, heads, 4, 2))
+            launches = decode_launches(q, q, cache, table, lens, lens, SplitPlan(1, 64), 0.1, None)
+            launches += decode_launches(
+                q, q, cache, table, lens, lens, SplitPlan(4, 256), 0.1, 128, partials
+            )
+            launches.append(
+                prefill_launch(q, q, cache, table, lens, lens, lens, lens, lens, 0.1, 7)
+            )
+            assert [launch.kernel.split("_")[1] for launch in launches] == [
+                "decode", "decode", "decode", "prefill",
+            ]  # fmt: skip
+            for launch in launches:
+                parameters = {**decode, **prefill}[launch.kernel]
+                check_arguments(launch.kernel, parameters, pack_args(launch.args)[1])
+                dim3(launch.grid, "grid")
+                dim3(launch.block, "block")

@@ -31,7 +31,7 @@ DTYPES = {
 }
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_BLOCK_SIZE = 1 << 16  # the Rust core's limit (BlockPool::new)
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "cuda")
 KV_CACHE_DTYPES = ("auto", "int8")
 
 Check = Callable[[Any], str | None]  # -> why the value is refused, or None
@@ -190,8 +190,9 @@ class EngineArgs:
     )
     attention_backend: str = option(
         "auto",
-        "attention implementation; auto: the best for the device; torch: the paged reference, "
-        "on any device",
+        "attention implementation; auto: the best for the device (the CUDA kernels on an NVIDIA "
+        "GPU in float16/bfloat16 once they pass their start-up check); cuda: the kernels; torch: "
+        "the paged reference, on any device",
         choices=ATTENTION_BACKENDS,
     )
     enforce_eager: bool = option(

@@ -32,11 +32,12 @@ from aieng.kernels.paged_attention import (
     attended_lengths,
     check_supported,
     choose_splits,
+    decode_launches,
     decode_tile,
     heads_per_cta,
-    launch_decode,
-    launch_prefill,
+    prefill_launch,
     prefill_tiles,
+    run,
 )
 
 if TYPE_CHECKING:
@@ -190,16 +191,17 @@ class CudaPagedAttention(AttentionBackend):
         window = layer.sliding_window
         if (decode := metadata.decode) is not None:
             plan, partials = self._plan(decode, window, num_heads, cache.k.shape[2], head_dim)
-            launch_decode(
-                self.decode, out, q, cache, decode.block_tables, decode.seq_lens, decode.rows,
-                plan, layer.scale, window, (partials[0], partials[1]) if partials else None,
+            launches = decode_launches(
+                out, q, cache, decode.block_tables, decode.seq_lens, decode.rows, plan,
+                layer.scale, window, (partials[0], partials[1]) if partials else None,
             )  # fmt: skip
+            run(self.decode, launches)
         if (prefill := metadata.prefill) is not None:
-            launch_prefill(
-                self.prefill, out, q, cache, prefill.block_tables, prefill.query_start,
-                prefill.num_computed, prefill.seq_lens, prefill.tile_request, prefill.tile_first,
-                layer.scale, window,
+            launch = prefill_launch(
+                out, q, cache, prefill.block_tables, prefill.query_start, prefill.num_computed,
+                prefill.seq_lens, prefill.tile_request, prefill.tile_first, layer.scale, window,
             )  # fmt: skip
+            run(self.prefill, [launch])
 
     def _plan(
         self, decode: DecodeBatch, window: int | None, num_heads: int, num_kv_heads: int,

@@ -8,7 +8,7 @@ from aieng.attention.backend import AttentionBackend
 from aieng.attention.torch_paged import TorchPagedAttention
 from aieng.config import ModelConfig
 
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "torch", "cuda")
 
 
 def select_attention_backend(
@@ -19,10 +19,21 @@ def select_attention_backend(
     kv_cache_dtype: str = "auto",
 ) -> AttentionBackend:
     """`name` is EngineArgs.attention_backend: 'auto' picks the fastest backend verified for
-    this device, the model's dtype and the cache's (EngineArgs.kv_cache_dtype; today the torch
-    reference everywhere), 'torch' forces the reference."""
+    this device, the model's dtype and the cache's (EngineArgs.kv_cache_dtype): the CUDA
+    kernels on an NVIDIA GPU in float16/bfloat16 when they compile and pass their self-check,
+    else the torch reference; 'cuda' asks for the kernels (ValueError where they cannot serve
+    the model; the reference, after a warning, where they fail the self-check); 'torch' forces
+    the reference."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name in ("auto", "cuda"):
+        from aieng.attention.cuda_self_check import checked_cuda_backend, cuda_unsupported_reason
+
+        reason = cuda_unsupported_reason(config, device, dtype)
+        if reason is None and (cuda := checked_cuda_backend(config, device, dtype, kv_cache_dtype)):
+            return cuda
+        if reason is not None and name == "cuda":
+            raise ValueError(f"attention_backend 'cuda' cannot serve this model: {reason}")
     # Decode groups are sized by the context as attention reads it: in the model's dtype (an
     # INT8 cache's context is dequantized to it).
     token_bytes = config.num_key_value_heads * config.head_dim * dtype.itemsize

@@ -23,11 +23,13 @@ from pathlib import Path
 from types import ModuleType
 
 from aieng.kernels.errors import CudaCallError, KernelCompileError, KernelError
+from aieng.kernels.ptx import parse_ptx_parameters
 from aieng.kernels.resources import KernelResources, parse_ptxas_report
 from aieng.kernels.sources import read_with_headers, source_path
 
 MIN_ARCH = 80  # mma.sync on bf16, cp.async: Ampere and newer
 BASE_OPTIONS = ("-std=c++17", "--ptxas-options=-v")
+CACHE_FORMAT = 2  # bumped when a cache entry's contents change (2: parameter kinds)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class CompiledModule:
     resources: dict[str, KernelResources] = field(default_factory=dict)
     log: str = ""
     key: str = ""  # the cache key (hex)
+    # kernel -> kinds of its parameters ("b64" pointer or 64-bit int, "b32", "f32", ...)
+    parameters: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _nvrtc() -> ModuleType:
@@ -85,7 +89,7 @@ def cache_key(
     """Hex digest of everything that decides the cubin."""
     digest = hashlib.sha256()
     parts = [text, *(f"{name}\0{body}" for name, body in sorted(headers.items()))]
-    parts += [f"sm_{arch}", *options, f"nvrtc {version[0]}.{version[1]}"]
+    parts += [f"sm_{arch}", *options, f"nvrtc {version[0]}.{version[1]}", f"{CACHE_FORMAT=}"]
     for part in parts:
         digest.update(part.encode())
         digest.update(b"\0\1")
@@ -107,8 +111,9 @@ def compile_kernel_source(
     stem = f"{path.stem}-sm{arch}-{key[:24]}"
     if use_cache and (cached := _read_cache(stem, path.name, arch, key)) is not None:
         return cached
-    cubin, log = _nvrtc_compile(path.name, text, headers, all_options, arch)
-    module = CompiledModule(path.name, arch, cubin, parse_ptxas_report(log), log, key)
+    cubin, ptx, log = _nvrtc_compile(path.name, text, headers, all_options, arch)
+    parameters = parse_ptx_parameters(ptx)
+    module = CompiledModule(path.name, arch, cubin, parse_ptxas_report(log), log, key, parameters)
     if use_cache:
         _write_cache(stem, module)
     return module
@@ -116,7 +121,8 @@ def compile_kernel_source(
 
 def _nvrtc_compile(
     filename: str, text: str, headers: dict[str, str], options: Sequence[str], arch: int
-) -> tuple[bytes, str]:
+) -> tuple[bytes, str, str]:
+    """-> (cubin, PTX, log)."""
     nvrtc = _nvrtc()
     ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
 
@@ -147,9 +153,13 @@ def _nvrtc_compile(
         check("nvrtcGetCUBINSize", result)
         cubin = b" " * size
         check("nvrtcGetCUBIN", nvrtc.nvrtcGetCUBIN(program, cubin)[0])
+        result, size = nvrtc.nvrtcGetPTXSize(program)
+        check("nvrtcGetPTXSize", result)
+        ptx = b" " * size
+        check("nvrtcGetPTX", nvrtc.nvrtcGetPTX(program, ptx)[0])
     finally:
         nvrtc.nvrtcDestroyProgram(program)
-    return cubin, log
+    return cubin, ptx.rstrip(b"\0 ").decode(errors="replace"), log
 
 
 def _read_cache(stem: str, source: str, arch: int, key: str) -> CompiledModule | None:
@@ -162,7 +172,8 @@ def _read_cache(stem: str, source: str, arch: int, key: str) -> CompiledModule |
     if meta.get("key") != key or len(cubin) != meta.get("cubin_bytes"):
         return None
     resources = {n: KernelResources(**r) for n, r in meta["resources"].items()}
-    return CompiledModule(source, arch, cubin, resources, meta["log"], key)
+    parameters = {n: tuple(kinds) for n, kinds in meta.get("parameters", {}).items()}
+    return CompiledModule(source, arch, cubin, resources, meta["log"], key, parameters)
 
 
 def _write_cache(stem: str, module: CompiledModule) -> None:
@@ -173,6 +184,7 @@ def _write_cache(stem: str, module: CompiledModule) -> None:
         "arch": module.arch,
         "cubin_bytes": len(module.cubin),
         "resources": {n: r.to_dict() for n, r in module.resources.items()},
+        "parameters": module.parameters,
         "log": module.log,
     }
     folder = cache_dir()

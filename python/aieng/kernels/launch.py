@@ -81,6 +81,23 @@ def pack_args(args: Sequence[KernelArg]) -> tuple[tuple[Any, ...], tuple[Any, ..
     return tuple(values), tuple(types)
 
 
+def arg_kind(c_type: Any) -> str:
+    """A ctypes type -> the parameter kind PTX gives it ("b64", "b32", "f32", ...)."""
+    bits = 8 * ctypes.sizeof(c_type)
+    return f"f{bits}" if c_type in (ctypes.c_float, ctypes.c_double) else f"b{bits}"
+
+
+def check_arguments(kernel: str, parameters: tuple[str, ...], types: Sequence[Any]) -> None:
+    """KernelError unless the packed argument types match the kernel's parameter kinds (from
+    its PTX): a wrong count, order or width would otherwise be copied into the kernel silently."""
+    given = tuple(arg_kind(t) for t in types)
+    if given != parameters:
+        raise KernelError(
+            f"{kernel} takes {len(parameters)} arguments ({', '.join(parameters)}), "
+            f"got {len(given)} ({', '.join(given)})"
+        )
+
+
 class KernelModule:
     """A compiled module loaded into one device's primary context (the one torch uses)."""
 
@@ -138,6 +155,8 @@ class KernelModule:
         stream = stream or torch.cuda.current_stream(self.device)
         handle = driver.CUstream(stream.cuda_stream)
         params = pack_args(args)
+        if (parameters := self.compiled.parameters.get(kernel)) is not None:
+            check_arguments(kernel, parameters, params[1])
         (result,) = driver.cuLaunchKernel(function, *grid3, *block3, shared_mem, handle, params, 0)
         if result == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:  # a thread torch never used
             self._make_current(kernel)

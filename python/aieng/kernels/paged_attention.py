@@ -1,8 +1,10 @@
 """Launching the paged attention kernels (`cuda/paged_attention_decode.cu`, `..._prefill.cu`):
 which instantiation serves a shape, the grids, the split-K choice, and the launches themselves.
 
-The launch-parameter functions are pure (plain ints and numpy arrays) so that CI checks them on
-the CPU; `launch_decode` and `launch_prefill` only pack tensors and call the kernels.
+Everything here is pure — plain ints, numpy arrays, and `Launch` values (kernel, grid, block,
+arguments) built from tensors without touching their data — so that CI checks the launch
+parameters, and the arguments against each kernel's parameter list, on the CPU; `run` hands the
+launches to a loaded module.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 
 from aieng.kernels.errors import KernelError
-from aieng.kernels.launch import KernelModule
+from aieng.kernels.launch import KernelArg, KernelModule
 
 DECODE_SOURCE = "paged_attention_decode"
 PREFILL_SOURCE = "paged_attention_prefill"
@@ -132,8 +134,17 @@ class PagedCache:
         return self.k_scale is not None
 
 
-def launch_decode(
-    decode: KernelModule,
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, as `KernelModule.launch` takes it."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    block: int
+    args: list[KernelArg]
+
+
+def decode_launches(
     out: torch.Tensor,
     q: torch.Tensor,
     cache: PagedCache,
@@ -144,10 +155,11 @@ def launch_decode(
     scale: float,
     window: int | None,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+) -> list[Launch]:
     """out[rows[r]] (H, D) = attention of q[rows[r]] over request r's cache, for the R requests
-    of block_tables (R, W) int32 / seq_lens (R,) int32 / rows (R,) int32. With plan.num_splits
-    > 1, `partials` holds (acc (R, H, S, D), (max, sum) (R, H, S, 2)) float32."""
+    of block_tables (R, W) int32 / seq_lens (R,) int32 / rows (R,) int32: the decode kernel, and
+    with plan.num_splits > 1 the reduction; `partials` then holds (acc (R, H, S, D),
+    (max, sum) (R, H, S, 2)) float32."""
     num_requests = rows.shape[0]
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache.k.shape
@@ -158,27 +170,23 @@ def launch_decode(
     if split and partials is None:
         raise KernelError(f"{name}: {plan.num_splits} splits need partial buffers")
     acc, max_sum = partials if split and partials is not None else (None, None)
-    decode.launch(
-        name,
-        (num_kv_heads * chunks, num_requests, plan.num_splits),
-        DECODE_THREADS,
-        [
-            out, acc, max_sum, q, q.stride(0), cache.k, cache.v, cache.k_scale, cache.v_scale,
-            block_tables, block_tables.stride(0), seq_lens, rows, num_heads, num_kv_heads,
-            group, chunks, block_shift(block_size), window or 0, float(scale), plan.split_tokens,
-        ],
-    )  # fmt: skip
+    args: list[KernelArg] = [
+        out, acc, max_sum, q, q.stride(0), cache.k, cache.v, cache.k_scale, cache.v_scale,
+        block_tables, block_tables.stride(0), seq_lens, rows, num_heads, num_kv_heads, group,
+        chunks, block_shift(block_size), window or 0, float(scale), plan.split_tokens,
+    ]  # fmt: skip
+    grid = (num_kv_heads * chunks, num_requests, plan.num_splits)
+    launches = [Launch(name, grid, DECODE_THREADS, args)]
     if split:
-        decode.launch(
-            decode_reduce_kernel_name(q.dtype),
-            (num_heads, num_requests),
-            head_dim,
-            [out, acc, max_sum, seq_lens, rows, plan.num_splits, window or 0, plan.split_tokens],
-        )
+        reduce_args: list[KernelArg] = [
+            out, acc, max_sum, seq_lens, rows, plan.num_splits, window or 0, plan.split_tokens,
+        ]  # fmt: skip
+        reduce = decode_reduce_kernel_name(q.dtype)
+        launches.append(Launch(reduce, (num_heads, num_requests), head_dim, reduce_args))
+    return launches
 
 
-def launch_prefill(
-    prefill: KernelModule,
+def prefill_launch(
     out: torch.Tensor,
     q: torch.Tensor,
     cache: PagedCache,
@@ -190,12 +198,12 @@ def launch_prefill(
     tile_first: torch.Tensor,
     scale: float,
     window: int | None,
-) -> None:
+) -> Launch:
     """out rows of the listed tiles' requests = causal attention of their queries over their
     cache (the step's arrays, int32 on the device; tiles from `prefill_tiles`)."""
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache.k.shape
-    prefill.launch(
+    return Launch(
         prefill_kernel_name(q.dtype, cache.int8, head_dim),
         (tile_request.shape[0], num_heads),
         PREFILL_THREADS,
@@ -206,3 +214,8 @@ def launch_prefill(
             float(scale),
         ],
     )  # fmt: skip
+
+
+def run(module: KernelModule, launches: list[Launch]) -> None:
+    for launch in launches:
+        module.launch(launch.kernel, launch.grid, launch.block, launch.args)
