@@ -4,9 +4,11 @@ hundreds of kernels from Python.
 
 Sizes: 1, 2, 4, 8, then every multiple of 16 up to `max_num_seqs`, and `max_num_seqs` itself.
 A step whose rows all decode one token (no prefill) and number R pads to the smallest captured
-size S >= R: rows R..S-1 decode token 0 at position 0 of a scratch block — one block the runner
-allocates past the core's pool, so padding never writes a real block — and their outputs are
-dropped. Steps with a prefill, and every step on a CPU or with `enforce_eager`, run eagerly.
+size S >= R: rows R..S-1 decode token 0 at position 0 of a scratch block — the runner allocates
+two past the core's pool, so padding never writes a real block — and their outputs are dropped.
+Steps with a prefill, and every step on a CPU or with `enforce_eager`, run eagerly. Once
+captured, a replayed step is checked against the eager forward of the same rows (in the second
+scratch block); a disagreement, like a failed capture, turns graphs off with a warning.
 
 What a graph replays must read only persistent tensors, so attention needs metadata built from
 them on the device: `GraphDecodeInputs` holds the step's cache slots, sequence lengths and block
@@ -19,18 +21,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
 from aieng.attention import ForwardContext
+from aieng.kernels.self_check import relative_error
 
 logger = logging.getLogger(__name__)
 
 SMALL_SIZES = (1, 2, 4, 8)
 SIZE_STEP = 16
-GRAPH_PAD_BLOCKS = 1  # the scratch block padded rows write to, past the core's blocks
+# Scratch blocks past the core's: the first takes the padding rows' K/V, the second the rows
+# of the start-up check.
+GRAPH_PAD_BLOCKS = 2
+# A replayed step's relative error against the eager forward beyond which graphs are turned off.
+GRAPH_TOLERANCE = 2e-2
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -154,24 +162,34 @@ def graphs_wanted(enforce_eager: bool, device: torch.device) -> bool:
 
 class DecodeGraphs:
     """The captured decode graphs of one runner. `run(plan, block_tables)` replays the one for
-    the plan's padded size and returns the hidden states of its R rows."""
+    the plan's padded size and returns the hidden states of its R rows; `forward_padded` runs
+    the same computation eagerly (what the graph holds, on any device)."""
 
     def __init__(self, runner: Any, max_num_seqs: int, pad_block: int):
         """runner: a ModelRunner (its model, attention backend, KV caches, input buffers, block
-        size, max_model_len), on a CUDA device, with `pad_block` allocated past its pool."""
+        size, max_model_len) with GRAPH_PAD_BLOCKS blocks from `pad_block` on past its pool."""
         self.runner = runner
         self.sizes = capture_sizes(max_num_seqs)
         self.pad_block = pad_block
         self.block_size = runner.block_size
         self.width = -(-runner.max_model_len // self.block_size)
         device, largest = runner.device, self.sizes[-1]
+        pin = device.type == "cuda"
         self._seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self._tables = torch.full(
             (largest, self.width), pad_block, dtype=torch.int32, device=device
         )
-        self._host_seq_lens = torch.ones(largest, dtype=torch.int32, pin_memory=True)
-        self._host_tables = torch.zeros((largest, self.width), dtype=torch.int32, pin_memory=True)
+        self._host_seq_lens = torch.ones(largest, dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.zeros((largest, self.width), dtype=torch.int32, pin_memory=pin)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _pad(self, plan: Any, block_tables: np.ndarray) -> PaddedDecode:
+        size = padded_size(len(plan.input_ids), self.sizes)
+        if size is None:
+            raise ValueError(
+                f"{len(plan.input_ids)} rows exceed the largest graph, {self.sizes[-1]}"
+            )
+        return pad_decode(plan, block_tables, size, self.width, self.pad_block, self.block_size)
 
     def _empty_step(self, size: int) -> PaddedDecode:
         empty = np.zeros(0, np.int64)
@@ -180,7 +198,8 @@ class DecodeGraphs:
         return pad_decode(plan, tables, size, self.width, self.pad_block, self.block_size)
 
     def _write(self, step: PaddedDecode) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The padded step into the persistent buffers -> device (ids, positions, slots)."""
+        """The padded step into the persistent buffers -> (ids, positions, slots): views of the
+        runner's input buffers, new objects each time over the same memory."""
         size = len(step.input_ids)
         self._host_seq_lens[:size].copy_(torch.from_numpy(step.seq_lens))
         self._host_tables[:size].copy_(torch.from_numpy(step.block_tables))
@@ -188,32 +207,37 @@ class DecodeGraphs:
         self._tables[:size].copy_(self._host_tables[:size], non_blocking=True)
         return self.runner.inputs.write(step.input_ids, step.positions, step.slot_mapping)
 
+    def _model(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
+        """The model over the persistent buffers with the backend's graph metadata -> (S,
+        hidden): what a graph holds. Fresh `ids`/`positions` views make per-step caches keyed by
+        the tensor objects (the rotary cos/sin lookup) compute inside the graph."""
+        size, runner = len(ids), self.runner
+        inputs = GraphDecodeInputs(
+            slots, self._seq_lens[:size], self._tables[:size], self.block_size
+        )
+        metadata = graph_metadata(runner.attention, inputs)
+        ctx = ForwardContext(runner.attention, metadata, runner.kv_caches)
+        return runner.model(ids, positions, ctx)
+
+    def forward_padded(self, plan: Any, block_tables: np.ndarray) -> torch.Tensor:
+        """The graph's computation run eagerly -> (R, hidden) of the plan's R rows."""
+        return self._model(*self._write(self._pad(plan, block_tables)))[: len(plan.input_ids)]
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, in one memory pool; each is run eagerly once
         before (kernels compiled and loaded, lazy buffers allocated)."""
         pool = torch.cuda.graph_pool_handle()
-        runner = self.runner
         for size in reversed(self.sizes):
-            ids, positions, slots = self._write(self._empty_step(size))
-            inputs = GraphDecodeInputs(
-                slots, self._seq_lens[:size], self._tables[:size], self.block_size
-            )
-            metadata = graph_metadata(runner.attention, inputs)
-            ctx = ForwardContext(runner.attention, metadata, runner.kv_caches)
-            runner.model(ids, positions, ctx)  # warm-up
-            torch.cuda.synchronize(runner.device)
-            # New views of the same buffers: per-step caches keyed by the tensor objects (the
-            # rotary cos/sin lookup) are then recomputed inside the graph, not baked in.
-            ids, positions, slots = self._write(self._empty_step(size))
-            inputs.slot_mapping = slots
+            step = self._empty_step(size)
+            self._model(*self._write(step))  # warm-up
+            views = self._write(step)
+            torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                metadata = graph_metadata(runner.attention, inputs)
-                ctx = ForwardContext(runner.attention, metadata, runner.kv_caches)
-                hidden = runner.model(ids, positions, ctx)
+                hidden = self._model(*views)
             self._graphs[size] = (graph, hidden)
-        torch.cuda.synchronize(runner.device)
+        torch.cuda.synchronize(self.runner.device)
         logger.info(
             "CUDA graphs: captured decode steps of %s rows", ", ".join(map(str, self.sizes))
         )
@@ -228,15 +252,39 @@ class DecodeGraphs:
 
     def run(self, plan: Any, block_tables: np.ndarray) -> torch.Tensor:
         """Replay the graph of the plan's padded size -> (R, hidden) of its R rows."""
-        rows = len(plan.input_ids)
-        size = padded_size(rows, self.sizes)
-        assert size is not None
-        self._write(
-            pad_decode(plan, block_tables, size, self.width, self.pad_block, self.block_size)
-        )
-        graph, hidden = self._graphs[size]
+        step = self._pad(plan, block_tables)
+        self._write(step)
+        graph, hidden = self._graphs[len(step.input_ids)]
         graph.replay()
-        return hidden[:rows]
+        return hidden[: len(plan.input_ids)]
+
+    @torch.inference_mode()
+    def check(self, replay: bool = True) -> float:
+        """A graph step against the eager forward of the same rows (relative error of their
+        hidden states): random tokens r = 0..R-1 at position r of the second scratch block, each
+        attending to the ones before it, padded by one row. replay=False runs the graph's
+        computation eagerly instead (`forward_padded`)."""
+        plan, tables = self.check_step()
+        eager = self.runner._forward(plan, tables, self.runner.kv_caches).float().clone()
+        padded = self.run(plan, tables) if replay else self.forward_padded(plan, tables)
+        return relative_error(padded.float(), eager)
+
+    def check_step(self) -> tuple[Any, np.ndarray]:
+        block = self.pad_block + 1
+        size = max(s for s in self.sizes if s <= self.block_size)
+        rows = max(1, size - 1)
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.runner.config.vocab_size, (rows,), generator=generator)
+        positions = np.arange(rows, dtype=np.int64)
+        plan = SimpleNamespace(
+            input_ids=ids.numpy(),
+            positions=positions,
+            slot_mapping=block * self.block_size + positions,
+            query_start_loc=np.arange(rows + 1),
+            num_computed_tokens=positions,
+            seq_lens=(positions + 1).astype(np.int32),
+        )
+        return plan, np.full((rows, 1), block, np.int32)
 
 
 @dataclass
@@ -250,8 +298,9 @@ class _Rows:
 
 
 def capture_decode_graphs(runner: Any, max_num_seqs: int, pad_block: int) -> DecodeGraphs | None:
-    """The runner's decode graphs, captured; None (every step eager) when its attention backend
-    cannot be replayed or the capture fails — logged, never fatal."""
+    """The runner's decode graphs, captured and checked; None (every step eager) when its
+    attention backend cannot be replayed, the capture fails or a replay disagrees with the eager
+    forward — logged, never fatal."""
     if not supports_graphs(runner.attention):
         logger.info(
             "CUDA graphs off: the %s attention backend has no graph metadata", runner.attention.name
@@ -260,7 +309,16 @@ def capture_decode_graphs(runner: Any, max_num_seqs: int, pad_block: int) -> Dec
     graphs = DecodeGraphs(runner, max_num_seqs, pad_block)
     try:
         graphs.capture()
+        error = graphs.check()
     except Exception as error:  # a capture that fails leaves eager steps, which still work
         logger.warning("CUDA graphs off: capturing the decode steps failed (%s)", error)
+        return None
+    if not error <= GRAPH_TOLERANCE:
+        logger.warning(
+            "CUDA graphs off: a replayed decode step differs from the eager one (relative error "
+            "%.2e > %.0e)",
+            error,
+            GRAPH_TOLERANCE,
+        )
         return None
     return graphs
