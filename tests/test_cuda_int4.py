@@ -472,6 +472,23 @@ def test_graph_computation_matches_the_eager_forward(kv_cache_dtype: str) -> Non
     assert graphs.check(replay=False) < (1e-5 if kv_cache_dtype == "auto" else 1e-3)
 
 
+def test_cuda_backend_graph_metadata_is_its_decode_batch() -> None:
+    """The cuda backend's graph metadata (built on the CPU here, as its arrays are): every row a
+    decode row over the persistent arrays, split-K planned for the table's longest context."""
+    from aieng.attention.cuda_paged import CudaAttentionMetadata
+
+    inputs = GraphDecodeInputs(
+        torch.arange(4), torch.ones(4, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.int32), 16
+    )
+    backend = SimpleNamespace(name="cuda")
+    metadata = graph_metadata(backend, inputs)
+    assert isinstance(metadata, CudaAttentionMetadata) and metadata.prefill is None
+    decode = metadata.decode
+    assert decode.rows.tolist() == [0, 1, 2, 3] and decode.seq_lens is inputs.seq_lens
+    assert decode.block_tables is inputs.block_tables
+    assert decode.seq_lens_host.tolist() == [128] * 4 and metadata.num_tokens == 4
+
+
 def test_runner_on_cpu_runs_eagerly() -> None:
     model = str(default_model_path())
     runner = ModelRunner(EngineArgs(model, device="cpu", kv_cache_memory=1 << 20, max_num_seqs=4))

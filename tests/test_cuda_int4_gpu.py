@@ -127,7 +127,7 @@ def run_engine(folder, dtype: str, kernels: bool, monkeypatch) -> list:
             model=str(folder), device="cuda", dtype=dtype, block_size=16, kv_cache_memory=1 << 24
         )
         runner = ModelRunner(args)
-    kinds = {getattr(m.method, "kernel", "dense") for m in runner.model.modules()}
+    kinds = methods.describe_linear_kernels(runner.model)
     assert ("cuda_int4" in kinds) == kernels, kinds
     scheduler = FakeScheduler(runner)
     generator = torch.Generator().manual_seed(3)
