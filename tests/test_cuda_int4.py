@@ -66,12 +66,19 @@ from aieng.kernels.self_check import passes_check
 from aieng.layers.attention import Attention
 from aieng.layers.linear import Linear
 from aieng.models.default import default_model_path
-from aieng.quantization import methods
+from aieng.quantization import cuda_int4, methods
 from aieng.quantization.config import QuantizationConfig, WeightScheme
 from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
 from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
 from aieng.quantization.packing import pack_int32
 from aieng.runner import ModelRunner
+
+
+@pytest.fixture(autouse=True)
+def fresh_kernel_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no kernel known to be unable to run (an injected failure stays in
+    its test)."""
+    monkeypatch.setattr(cuda_int4, "_CANNOT_RUN", {})
 
 
 def random_int4(n: int, k: int, group: int, seed: int = 0):
@@ -278,6 +285,23 @@ def test_a_kernel_that_cannot_compile_leaves_the_reference(caplog) -> None:
     assert "kernel int4_gemv_f32_m4 cannot run" in caplog.text and "injected" in caplog.text
     x = torch.randn(3, 128)
     assert torch.allclose(layer(x), x @ dequantize(layer).t(), atol=1e-5)
+
+
+def test_a_kernel_that_cannot_run_is_tried_once_per_process(caplog) -> None:
+    calls = []
+
+    def no_driver(x, weights, path):
+        calls.append(path)
+        raise KernelError("no CUDA driver (injected)")
+
+    for index in range(3):
+        method = cpu_method(32, no_driver)
+        layer = Linear(64, 16, dtype=torch.bfloat16, methods=lambda prefix, m=method: m)
+        with caplog.at_level(logging.WARNING):
+            quantized_layer_from(layer, method, 32)
+        assert method.kernel == "dequant", index
+    assert calls == ["gemv", "gemm"]  # the first layer tried each kernel; the others did not
+    assert caplog.text.count("cannot run") == 2
 
 
 def test_nan_output_fails_the_check(caplog) -> None:

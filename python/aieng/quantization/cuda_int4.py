@@ -41,6 +41,10 @@ CHECK_ROWS = {"gemv": 3, "gemm": GEMV_MAX_M + 21}  # an M that takes each path, 
 
 Int4Matmul = Callable[[torch.Tensor, Int4Weights, str], torch.Tensor]
 
+# Kernels that could not be compiled, loaded or launched in this process, and why: found (and
+# logged) at the first layer, then off for every other layer without another try.
+_CANNOT_RUN: dict[str, str] = {}
+
 
 def on_nvidia_gpu(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.cuda is not None
@@ -98,9 +102,19 @@ class CudaInt4LinearMethod(QuantizedLinearMethod):
         x = torch.randn(rows, weights.in_features, generator=generator)
         x = x.to(device=weights.qweight.device, dtype=self.dtype)
         kernel = launch_for(path, rows, weights, self.dtype).kernel
+        if kernel in _CANNOT_RUN:
+            return False
+
+        def run() -> torch.Tensor:
+            try:
+                return self.matmul(x, weights, path)
+            except KernelError as error:
+                _CANNOT_RUN[kernel] = str(error)
+                raise
+
         return passes_check(
             kernel,
-            lambda: self.matmul(x, weights, path),
+            run,
             lambda: F.linear(x.float(), dequantize(layer)),
             TOLERANCES.get(self.dtype, 2e-2),
             self.prefix,
