@@ -607,3 +607,47 @@ def test_e2e_workload_is_nano_vllms_shape() -> None:
     assert (
         bench_e2e.QWEN3_0_6B["num_hidden_layers"] == 28 and bench_e2e.QWEN3_0_6B["head_dim"] == 128
     )
+
+
+# --- the CUDA INT4 method inside a whole model (the kernels' math standing in on the CPU) --------
+
+
+def test_engine_with_the_cuda_int4_method_follows_the_reference(tmp_path, monkeypatch) -> None:
+    """Every 4-bit layer of a loaded checkpoint (fused q/k/v and gate/up included) taken over by
+    the CUDA method — its kernels' math run on the CPU — gives the dequantize reference's
+    greedy tokens (float32: the float16 scales are the only difference)."""
+    from fake_scheduler import FakeScheduler
+    from quantized_checkpoints import write_compressed_tensors
+    from tiny_models import VOCAB_SIZE, build_checkpoint
+
+    from aieng.sampling import SamplingParams
+
+    source = build_checkpoint("qwen2", tmp_path / "float")
+    write_compressed_tensors(source, tmp_path / "int4", tmp_path / "dequantized", 4, 32)
+
+    def run(cuda: bool) -> list[list[int]]:
+        def method(scheme, prefix, use_kernels=True):
+            if cuda:
+                return CudaInt4LinearMethod(
+                    scheme, prefix, use_kernels, reference_kernel, lambda d: True
+                )
+            return QuantizedLinearMethod(scheme, prefix, use_kernel=False)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(methods, "CudaInt4LinearMethod", method)
+            patch.setattr(torch.cuda, "is_available", lambda: True)  # choose the CUDA method
+            args = EngineArgs(
+                str(tmp_path / "int4"), device="cpu", block_size=4, kv_cache_memory=1 << 22
+            )
+            runner = ModelRunner(args)
+        kinds = methods.describe_linear_kernels(runner.model)
+        taken, other = ("cuda_int4", "dequant") if cuda else ("dequant", "cuda_int4")
+        assert taken in kinds and other not in kinds, kinds
+        scheduler = FakeScheduler(runner)
+        generator = torch.Generator().manual_seed(5)
+        for n in (1, 6, 19):
+            prompt = torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist()
+            scheduler.add(prompt, SamplingParams(temperature=0.0, max_tokens=8))
+        return [request.output for request in scheduler.run()]
+
+    assert run(cuda=True) == run(cuda=False)
