@@ -61,8 +61,14 @@ __device__ __forceinline__ void decode_attention(
   const int start = window > 0 ? max(0, seq_len - window) : 0;
   const int begin = start + split * split_tokens;
   const int end = min(seq_len, begin + split_tokens);
-  if (begin >= end) return;  // the reduction counts only the splits that hold tokens
   const int row = rows[r];
+  if (begin >= end) {  // the reduction counts only the splits that hold tokens
+    if (num_splits == 1) {  // an empty context (a padding row): zeros rather than garbage
+      for (int i = tid; i < heads * D; i += kThreads)
+        out[(static_cast<long long>(row) * num_heads + first_head) * D + i] = from_float<T>(0.f);
+    }
+    return;
+  }
   const int* table = block_tables + static_cast<long long>(r) * table_stride;
   const int block_mask = (1 << block_shift) - 1;
 
@@ -94,6 +100,7 @@ __device__ __forceinline__ void decode_attention(
     // while the scores and the softmax are computed.
     long long offset[kPasses];
     float kf[kPasses][8], vf[kPasses][8];
+    float k_mul[kPasses], v_mul[kPasses];  // an INT8 cache's scales (1 otherwise)
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int t = tile + p * NG + token_group;
@@ -102,7 +109,10 @@ __device__ __forceinline__ void decode_attention(
       if (t < end) {
         load8(k_cache + offset[p] * D + lane_d, kf[p]);
         load8(v_cache + offset[p] * D + lane_d, vf[p]);
+        k_mul[p] = kQuantized ? to_float(k_scale[offset[p]]) : 1.f;
+        v_mul[p] = kQuantized ? to_float(v_scale[offset[p]]) : 1.f;
       } else {
+        k_mul[p] = v_mul[p] = 0.f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) kf[p][i] = vf[p][i] = 0.f;
       }
@@ -110,7 +120,6 @@ __device__ __forceinline__ void decode_attention(
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int t = tile + p * NG + token_group;
-      const float k_mul = kQuantized && t < end ? to_float(k_scale[offset[p]]) : 1.f;
 #pragma unroll
       for (int h = 0; h < HG; ++h) {
         float dot = 0.f;
@@ -119,7 +128,7 @@ __device__ __forceinline__ void decode_attention(
 #pragma unroll
         for (int lanes = LPT / 2; lanes > 0; lanes >>= 1)
           dot += __shfl_xor_sync(0xffffffffu, dot, lanes);
-        if (tid % LPT == 0) score_s[h][p * NG + token_group] = t < end ? dot * k_mul : AIENG_NEG_INF;
+        if (tid % LPT == 0) score_s[h][p * NG + token_group] = t < end ? dot * k_mul[p] : AIENG_NEG_INF;
       }
     }
     __syncthreads();
@@ -154,10 +163,9 @@ __device__ __forceinline__ void decode_attention(
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int t = tile + p * NG + token_group;
-      const float v_mul = kQuantized && t < end ? to_float(v_scale[offset[p]]) : 1.f;
 #pragma unroll
       for (int h = 0; h < HG; ++h) {
-        const float weight = score_s[h][p * NG + token_group] * v_mul;
+        const float weight = score_s[h][p * NG + token_group] * v_mul[p];
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[h][i] += weight * vf[p][i];
       }
@@ -203,6 +211,11 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
   const int seq_len = seq_lens[r];
   const int start = window > 0 ? max(0, seq_len - window) : 0;
   const int used = ceil_div(seq_len - start, split_tokens);
+  const long long at = (static_cast<long long>(rows[r]) * num_heads + head) * D + d;
+  if (used == 0) {  // an empty context (a padding row)
+    out[at] = from_float<T>(0.f);
+    return;
+  }
   const long long first = (static_cast<long long>(r) * num_heads + head) * num_splits;
   float global_max = AIENG_NEG_INF;
   for (int s = 0; s < used; ++s) global_max = fmaxf(global_max, part_ml[2 * (first + s)]);
@@ -212,8 +225,7 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
     numerator += weight * part_acc[(first + s) * D + d];
     denominator += weight * part_ml[2 * (first + s) + 1];
   }
-  out[(static_cast<long long>(rows[r]) * num_heads + head) * D + d] =
-      from_float<T>(numerator / denominator);
+  out[at] = from_float<T>(numerator / denominator);
 }
 
 }  // namespace
