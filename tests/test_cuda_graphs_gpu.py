@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from fake_scheduler import FakeScheduler
-from quantized_checkpoints import write_compressed_tensors
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
 from aieng.engine_args import EngineArgs
+from aieng.quantization.compressed_tensors_writer import QuantScheme
+from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
 
@@ -32,7 +33,8 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs")
     dense = build_checkpoint("llama", root / "dense", hidden_size=256, intermediate_size=512,
                              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    write_compressed_tensors(dense, root / "int4", root / "dequantized", 4, 32)
+    rtn = QuantizeOptions(method="rtn", scheme=QuantScheme(4, 32, symmetric=False))
+    quantize_checkpoint(dense, root / "int4", rtn, progress=None)  # aieng's own writer
     return {"dense": dense, "int4": root / "int4"}
 
 

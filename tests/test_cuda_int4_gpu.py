@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 from fake_scheduler import FakeScheduler
-from quantized_checkpoints import write_compressed_tensors
 from test_cuda_int4 import quantized_layer_from, random_int4, scheme
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
@@ -17,8 +16,10 @@ from aieng.engine_args import EngineArgs
 from aieng.kernels.int4 import int4_matmul, reference_matmul, repack
 from aieng.layers.linear import Linear
 from aieng.quantization import methods
+from aieng.quantization.compressed_tensors_writer import QuantScheme
 from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
 from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
+from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
 
@@ -115,7 +116,8 @@ MAX_TOKENS = 12
 def int4_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("int4-gpu")
     source = build_checkpoint("llama", root / "float", hidden_size=256, intermediate_size=512)
-    write_compressed_tensors(source, root / "int4", root / "dequantized", 4, 32)
+    rtn = QuantizeOptions(method="rtn", scheme=QuantScheme(4, 32, symmetric=False))
+    quantize_checkpoint(source, root / "int4", rtn, progress=None)  # aieng's own writer
     return root / "int4"
 
 
