@@ -10,6 +10,8 @@
 # 4. runs every benchmark benches/gpu/bench_*.py with `--out "$OUT"` (each writes its tables to
 #    $OUT and to benches/results/).
 # Logs go to $OUT. The exit status is non-zero if any step failed; every step runs regardless.
+# To fit a short device lease, TESTS (pytest arguments, default below) and BENCHES (files; "none"
+# for no benchmark) narrow the run, e.g. BENCHES=benches/gpu/bench_attention.py.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -40,11 +42,14 @@ PY
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
-"$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_cuda_compile.py tests/test_cuda_*gpu.py \
+read -r -a tests <<< "${TESTS:-tests/test_cuda_compile.py $(echo tests/test_cuda_*gpu.py)}"
+"$PYTHON" -m pytest -q -p no:cacheprovider -rs "${tests[@]}" \
     --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
-for bench in benches/gpu/bench_*.py; do
+read -r -a benches <<< "${BENCHES:-$(echo benches/gpu/bench_*.py)}"
+[[ "${benches[*]}" == none ]] && benches=()
+for bench in "${benches[@]}"; do
     name="$(basename "$bench" .py)"
     "$PYTHON" "$bench" --out "$OUT" 2>&1 | tee "$OUT/$name.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
