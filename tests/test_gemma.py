@@ -17,9 +17,10 @@ from hf_parity import (
     HFReference,
     as_our_parameter_names,
     check_batched,
+    check_matches,
     check_prefix_hit,
 )
-from tiny_models import COMMON
+from tiny_models import COMMON, hf_greedy, load_hf
 from transformers.activations import ACT2FN
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
@@ -36,10 +37,15 @@ from aieng.attention.torch_paged import (
 from aieng.config import ModelConfig
 from aieng.engine_args import EngineArgs
 from aieng.layers.activation import gelu_tanh_and_mul
-from aieng.layers.linear import dense_everywhere
+from aieng.layers.linear import DenseLinearMethod, Linear, dense_everywhere
 from aieng.layers.norm import RMSNorm
 from aieng.layers.rotary import rope_inv_freq
 from aieng.models.gemma import GemmaModel
+from aieng.quantization import linear_method
+from aieng.quantization.compressed_tensors_writer import QuantScheme
+from aieng.quantization.linear_method import dequantize
+from aieng.quantization.methods import checkpoint_layer_names
+from aieng.quantization.quantize import QuantizeError, QuantizeOptions, quantize_checkpoint
 from aieng.runner import ModelRunner
 
 WINDOW = 8
@@ -163,6 +169,40 @@ def test_gemma_with_an_int8_kv_cache_runs(tmp_path):
         assert len(request.output) == GREEDY.max_tokens
         assert all(0 <= t < 256 for t in request.output)
         assert np.isfinite(request.logprobs).all() and max(request.logprobs) <= 0
+
+
+def test_gemma_int4_checkpoint_matches_hf_on_the_dequantized_weights(tmp_path, monkeypatch):
+    """RTN INT4 through the linear methods (their dequantizing reference; the CPU kernel has its
+    own tests): aieng serving the packed checkpoint gives what HF gives with each quantized weight
+    replaced by the values aieng's method holds. AWQ is refused (its scales would fold into norms
+    that Gemma applies as (1 + w), and into a post-norm)."""
+    folder = build("gemma2", tmp_path / "float")
+    scheme = QuantScheme(4, 32, False)  # group 32 divides every input width (64, 128)
+    with pytest.raises(QuantizeError, match=r"Gemma2ForCausalLM normalises after .*post-norms"):
+        quantize_checkpoint(folder, tmp_path / "awq", QuantizeOptions("awq", scheme), None)
+    quantize_checkpoint(folder, tmp_path / "int4", QuantizeOptions("rtn", scheme), None)
+    monkeypatch.setattr(linear_method, "int4_kernel_available", lambda: False)
+    runner = ModelRunner(
+        EngineArgs(model=str(tmp_path / "int4"), block_size=4, kv_cache_memory=1 << 22)
+    )
+    hf = load_hf(folder)
+    model = runner.model
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and name != "lm_head":
+                assert not isinstance(module.method, DenseLinearMethod), name
+                blocks = dequantize(module).split(module.output_sizes)
+                parts = checkpoint_layer_names(name, model.packed_modules)
+                for part, block in zip(parts, blocks, strict=True):
+                    weight = hf.get_parameter(f"{part}.weight")
+                    assert not torch.equal(weight, block)  # quantized
+                    weight.copy_(block)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (2, 11, 26)]
+    scheduler = FakeScheduler(runner, chunk_size=5)
+    requests = [scheduler.add(p, GREEDY) for p in prompts]
+    scheduler.run()
+    check_matches(requests, [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts])
 
 
 # ---------------------------------------------------------------------------- layers
