@@ -28,6 +28,10 @@ class StepPlan:
     slots: np.ndarray
     request_ids: list[str]
 
+    def grammar_bitmask(self) -> None:
+        """No structured outputs in these plans."""
+        return None
+
 
 @dataclass
 class Request:

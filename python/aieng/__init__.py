@@ -19,6 +19,7 @@ __all__ = [  # noqa: RUF022
     "CompletionOutput",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "AiengError",
     "ChatTemplateError",
     "EngineStateError",
@@ -35,6 +36,7 @@ _LAZY = {
     "LLM": "aieng.llm",
     "EngineArgs": "aieng.engine_args",
     "SamplingParams": "aieng.sampling",
+    "StructuredOutputsParams": "aieng.structured_outputs",
     "RequestOutput": "aieng.outputs",
     "CompletionOutput": "aieng.outputs",
 }

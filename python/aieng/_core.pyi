@@ -159,6 +159,11 @@ class StepPlan:
     @property
     def request_ids(self) -> list[str]:
         """(R,) each row's request id; built when read."""
+    def grammar_bitmask(self) -> tuple[_I64, _I32] | None:
+        """The token masks of the sampling rows with a structured-output grammar, computed on
+        a worker thread since schedule() and waited for here (without the GIL): rows (M,)
+        (indices into logits_indices) and a bitmask (M, ceil(vocab / 32)) in which token t is
+        allowed when bit t % 32 of word t / 32 is set. None when no row has a grammar."""
     def __len__(self) -> int: ...
 
 @final
@@ -222,7 +227,11 @@ class EngineCore:
         stop: Sequence[str] | None = None,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
-    ) -> int: ...
+        grammar: Grammar | None = None,
+    ) -> int:
+        """Queues a request and returns its slot. With `grammar`, the request gets a matcher of
+        its own: its sampling rows get masks, every token advances it, and a complete grammar
+        ends the request (finish reason "stop")."""
     def abort(self, request_id: str) -> FinishedRequest: ...
     def schedule(self) -> StepPlan: ...
     def update(self, sampled: _Tokens, num_sampled: _Tokens | None = None) -> StepOutputs:
@@ -243,3 +252,22 @@ class EngineCore:
     def num_cached_tokens(self, request_id: str) -> int | None: ...
     def stats(self) -> dict[str, Any]: ...
     def check_invariants(self) -> None: ...
+
+@final
+class GrammarCompiler:
+    """Compiles structured-output constraints (llguidance) over a tokenizer's vocabulary, for
+    a model whose logits are `vocab_size` wide; compiled constraints are cached."""
+
+    def __new__(cls, tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler: ...
+    def compile(self, kind: str, source: str = "") -> Grammar:
+        """kind: json (source: a JSON schema's text), json_object, regex, choice (source: a JSON
+        list of strings) or grammar (Lark). Raises InvalidArgumentError naming the problem."""
+    @property
+    def vocab_size(self) -> int: ...
+
+@final
+class Grammar:
+    """A compiled constraint; each request added with it gets a matcher of its own."""
+
+    @property
+    def kind(self) -> str: ...

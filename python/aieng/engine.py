@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aieng._core import EngineCore, InvalidArgumentError, Tokenizer
+from aieng._core import EngineCore, Grammar, GrammarCompiler, InvalidArgumentError, Tokenizer
 from aieng.config import ModelConfig
 from aieng.engine_args import EngineArgs
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -92,6 +93,7 @@ class _Request:
     stream: bool = False
     num_cached_tokens: int = 0
     priority: int = 0
+    grammar: Grammar | None = None  # each sequence gets its own matcher of it
 
     @property
     def finished(self) -> bool:
@@ -155,6 +157,8 @@ class LLMEngine:
         self.last_step_num_tokens = 0
         self.dead_reason: str | None = None
         self._ids = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None  # built on first use
+        self._grammar_lock = threading.Lock()
 
     # ------------------------------------------------------------------ requests
 
@@ -180,6 +184,19 @@ class LLMEngine:
             )
         return None, [int(t) for t in ids]
 
+    def compile_grammar(self, params: SamplingParams) -> Grammar | None:
+        """The compiled constraint of `params.structured_outputs` (cached in the core; safe to
+        call from any thread, the GIL released while compiling). An invalid schema, regex or
+        grammar raises InvalidArgumentError naming the problem."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return None
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+            compiler = self._grammar_compiler
+        return compiler.compile(constraint.kind, constraint.source())
+
     def check_token_ids(self, params: SamplingParams) -> None:
         """Every token id a request brings must be in the model's vocabulary."""
         for token in params.stop_token_ids or ():
@@ -202,9 +219,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         self.check_token_ids(params)
+        grammar = self.compile_grammar(params)
         text, ids = self.tokenize(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())
-        request = _Request(request_id, text, ids, [], metrics, stream=stream)
+        request = _Request(request_id, text, ids, [], metrics, stream=stream, grammar=grammar)
         for index in range(params.n):
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seq_params = params
@@ -243,6 +261,7 @@ class LLMEngine:
             stop=params.stop or [],
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
+            grammar=request.grammar,
         )
         self._added.append(NewSamplingRow(seq.slot, params, request.prompt_token_ids))
         self._by_core_id[seq.core_id] = (request, seq)

@@ -146,6 +146,7 @@ class ModelRunner:
         rows = torch.from_numpy(np.asarray(logits_indices, np.int64)).to(self.device)
         logits = self.model.compute_logits(hidden[rows])  # (S, vocab)
         batch = self.sampling.batch(plan.slots[plan.sample_request_rows])
+        batch.grammar_bitmask = plan.grammar_bitmask()  # computed while the model ran
         sampled = self.sampler(logits, batch)
         tokens, logprobs = self._to_host(sampled)
         accepted = tokens >= 0

@@ -10,6 +10,8 @@ asking the device. `Sampler` then does only that work:
   Seeded rows draw E from a counter-based hash of (seed, output index, token id), so a seed gives
   the same tokens whatever else is in the batch and whichever step produces the token — with no
   generator object per row; the other rows share the runner's generator.
+Rows with a structured-output grammar have the tokens it forbids set to -inf first, so that
+penalties, top-k/top-p, the draw and the reported logprobs all see only what the grammar allows.
 A row whose logits hold a NaN, or whose processed distribution masks every token, is reported
 as failed (token -1), never answered with a token it could not have drawn.
 """
@@ -17,6 +19,7 @@ as failed (token -1), never answered with a token it could not have drawn.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +56,9 @@ class SamplingBatch:
     seeded_keys: torch.Tensor | None  # (K, 2) int64: 32-bit hash keys of (seed, output index)
     logprob_rows: np.ndarray  # (L,) rows that asked for logprobs
     num_logprobs: np.ndarray  # (L,) how many top logprobs each of them wants
+    # Structured outputs: rows (M,) and their allowed tokens as a bitmask (M, ceil(V / 32))
+    # int32, token t at bit t % 32 of word t / 32 (the StepPlan's grammar_bitmask()).
+    grammar_bitmask: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -324,6 +330,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
+        if batch.grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(logits, *batch.grammar_bitmask)
         raw_logprobs = None
         if len(batch.logprob_rows):  # reported logprobs: before any processing
             rows = torch.from_numpy(batch.logprob_rows).to(logits.device)
@@ -368,6 +376,40 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.from_numpy(x.contiguous().numpy().argmax(axis=-1))
     return x.argmax(dim=-1)
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray
+) -> torch.Tensor:
+    """logits (S, V); rows (M,) and bitmask (M, W) int32 -> logits with the tokens each masked
+    row's grammar forbids at -inf (in place)."""
+    if len(rows) == 0:
+        return logits
+    vocab = logits.shape[-1]
+    if logits.device.type == "cpu" and sys.byteorder == "little":
+        blocked = ~unpack_bitmask_numpy(bitmask, vocab)
+    else:
+        blocked = ~unpack_bitmask(bitmask, vocab, logits.device)
+    if len(rows) == logits.shape[0] and np.array_equal(rows, np.arange(len(rows))):
+        return logits.masked_fill_(blocked, -math.inf)
+    index = torch.from_numpy(np.asarray(rows, np.int64)).to(logits.device)
+    logits[index] = logits[index].masked_fill(blocked, -math.inf)
+    return logits
+
+
+def unpack_bitmask(bitmask: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    """(M, W) int32 words -> (M, vocab) bool, token t allowed at bit t % 32 of word t / 32;
+    only the words travel to the device."""
+    words = torch.from_numpy(bitmask).to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return ((words[:, :, None] >> shifts) & 1).reshape(len(words), -1)[:, :vocab] == 1
+
+
+def unpack_bitmask_numpy(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
+    """unpack_bitmask on the CPU through numpy (~10x faster): on a little-endian host the words'
+    bytes hold the tokens in order, least significant bit first."""
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return torch.from_numpy(bits.astype(bool))
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:

@@ -11,6 +11,8 @@ import math
 import struct
 from dataclasses import dataclass
 
+from aieng.structured_outputs import StructuredOutputsParams
+
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -34,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -79,6 +82,13 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{self.structured_outputs!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,7 @@ use crate::error::CoreError;
 use crate::request::{RequestParams, StopReason};
 use crate::scheduler::{EngineCore, FinishedRequest, SchedulerConfig, StepUpdate};
 use crate::step_plan::StepPlan;
+use crate::structured::{Grammar, GrammarCompiler, GrammarSpec, PendingMasks};
 use crate::text::{ChatTemplate, Tokenizer};
 
 use std::sync::{Arc, OnceLock};
@@ -395,6 +396,7 @@ struct PyStepPlan {
     row_seq_lens: Vec<i32>,
     dense_tables: PyOnceLock<Py<PyArray2<i32>>>,
     id_list: PyOnceLock<Py<PyList>>,
+    grammar_masks: Option<PendingMasks>,
 }
 
 impl PyStepPlan {
@@ -427,6 +429,7 @@ impl PyStepPlan {
             row_seq_lens: plan.seq_lens,
             dense_tables: PyOnceLock::new(),
             id_list: PyOnceLock::new(),
+            grammar_masks: plan.grammar_masks,
         }
     }
 }
@@ -459,6 +462,24 @@ impl PyStepPlan {
                 self.tables.lock().request_ids(self.number, &self.row_slots),
             )
         })
+    }
+
+    /// The token masks of the constrained sampling rows, waited for (without the GIL):
+    /// (rows (M,) int64, bitmask (M, ceil(vocab / 32)) int32: token t allowed at bit t % 32
+    /// of word t / 32), or None when no row has a grammar.
+    #[allow(clippy::type_complexity)]
+    fn grammar_bitmask<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray2<i32>>)>> {
+        let Some(pending) = &self.grammar_masks else {
+            return Ok(None);
+        };
+        let masks = py.detach(|| pending.wait());
+        let rows: Vec<i64> = masks.rows.iter().map(|&r| r as i64).collect();
+        let words: Vec<i32> = masks.words.iter().map(|&w| w as i32).collect();
+        let bitmask = PyArray1::from_vec(py, words).reshape([rows.len(), masks.words_per_row])?;
+        Ok(Some((PyArray1::from_vec(py, rows), bitmask)))
     }
 
     fn __len__(&self) -> usize {
@@ -645,7 +666,7 @@ impl PyEngineCore {
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens = 16, min_tokens = 0, ignore_eos = false,
         eos_token_ids = None, stop_token_ids = None, priority = 0, stop = None,
-        include_stop_str_in_output = false, skip_special_tokens = true,
+        include_stop_str_in_output = false, skip_special_tokens = true, grammar = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -661,6 +682,7 @@ impl PyEngineCore {
         stop: Option<Vec<String>>,
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
+        grammar: Option<PyRef<'_, PyGrammar>>,
     ) -> PyResult<u32> {
         let count = |name: &str, v: i64| {
             usize::try_from(v).map_err(|_| {
@@ -685,7 +707,10 @@ impl PyEngineCore {
             skip_special_tokens,
         };
         let prompt = u32_tokens(prompt_token_ids, "prompt_token_ids")?;
-        Ok(self.core.add_request(request_id, &prompt, params)?)
+        let grammar = grammar.as_ref().map(|g| g.inner.as_ref());
+        Ok(self
+            .core
+            .add_request_with_grammar(request_id, &prompt, params, grammar)?)
     }
 
     /// Ends a request now and frees its blocks.
@@ -971,6 +996,64 @@ impl PyTokenizer {
     }
 }
 
+// ---------------------------------------------------------------- structured outputs
+
+/// Compiles structured-output constraints over a tokenizer's vocabulary, for a model whose
+/// logits are `vocab_size` wide.
+#[pyclass(name = "GrammarCompiler", module = "aieng._core", frozen)]
+struct PyGrammarCompiler {
+    inner: Arc<GrammarCompiler>,
+}
+
+#[pymethods]
+impl PyGrammarCompiler {
+    #[new]
+    fn new(py: Python<'_>, tokenizer: PyRef<'_, PyTokenizer>, vocab_size: usize) -> PyResult<Self> {
+        let tok = Arc::clone(&tokenizer.inner);
+        let compiler = py.detach(|| GrammarCompiler::new(&tok, vocab_size))?;
+        Ok(PyGrammarCompiler {
+            inner: Arc::new(compiler),
+        })
+    }
+
+    /// `kind`: json (source: a JSON schema's text), json_object, regex, choice (source: a
+    /// JSON list of strings) or grammar (Lark). Raises InvalidArgumentError naming the problem.
+    #[pyo3(signature = (kind, source = ""))]
+    fn compile(&self, py: Python<'_>, kind: &str, source: &str) -> PyResult<PyGrammar> {
+        let spec = GrammarSpec::parse(kind, source)?;
+        let compiler = Arc::clone(&self.inner);
+        let grammar = py.detach(|| compiler.compile(&spec))?;
+        Ok(PyGrammar { inner: grammar })
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab().mask_width()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("GrammarCompiler(vocab_size={})", self.vocab_size())
+    }
+}
+
+/// A compiled constraint; each request added with it gets a matcher of its own.
+#[pyclass(name = "Grammar", module = "aieng._core", frozen)]
+struct PyGrammar {
+    inner: Arc<Grammar>,
+}
+
+#[pymethods]
+impl PyGrammar {
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.inner.spec().kind()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Grammar(kind={:?})", self.kind())
+    }
+}
+
 // ---------------------------------------------------------------- module
 
 #[pymodule]
@@ -992,6 +1075,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStepPlan>()?;
     m.add_class::<PyStepOutputs>()?;
     m.add_class::<PyFinishedRequest>()?;
+    m.add_class::<PyGrammarCompiler>()?;
+    m.add_class::<PyGrammar>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

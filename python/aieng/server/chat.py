@@ -23,6 +23,7 @@ from aieng.server.params import (
 )
 from aieng.server.protocol import ChatCompletionRequest, ChatMessage
 from aieng.server.streaming import Shapes, respond
+from aieng.server.structured import compile_constraint
 
 router = APIRouter(route_class=OffLoopBodyRoute)
 
@@ -45,6 +46,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, ctx.model_defaults)
+    await compile_constraint(engine, params, body)
     generation = Generation(ctx, request, engine, [ids], [params])
     response = await respond(
         generation,

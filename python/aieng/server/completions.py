@@ -23,6 +23,7 @@ from aieng.server.params import (
 )
 from aieng.server.protocol import CompletionRequest
 from aieng.server.streaming import Shapes, respond
+from aieng.server.structured import compile_constraint
 
 router = APIRouter(route_class=OffLoopBodyRoute)
 
@@ -41,6 +42,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             body.max_tokens, len(ids), engine.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS
         )
         params.append(sampling_params(body, max_tokens, body.logprobs, ctx.model_defaults))
+    await compile_constraint(engine, params[0], body)
     generation = Generation(ctx, request, engine, prompts, params)
     response = await respond(
         generation,

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from aieng.sampling import SamplingParams
 from aieng.server.errors import ApiError, invalid
 from aieng.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from aieng.server.structured import constraint_of
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +31,10 @@ NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
     "tool_choice": ("tool calling is not supported", (None, "none")),
     "functions": ("function calling is not supported", (None, [])),
     "function_call": ("function calling is not supported", (None, "none")),
-    "response_format": (
-        'only {"type": "text"} is supported',
-        (None, {"type": "text"}),
-    ),
-    "structured_outputs": ("structured outputs are not supported", (None,)),
-    "guided_json": ("structured outputs are not supported", (None,)),
-    "guided_regex": ("structured outputs are not supported", (None,)),
-    "guided_choice": ("structured outputs are not supported", (None,)),
-    "guided_grammar": ("structured outputs are not supported", (None,)),
+    "guided_json": ("use structured_outputs or response_format", (None,)),
+    "guided_regex": ("use structured_outputs or response_format", (None,)),
+    "guided_choice": ("use structured_outputs or response_format", (None,)),
+    "guided_grammar": ("use structured_outputs or response_format", (None,)),
     "prompt_logprobs": ("prompt logprobs are not supported", (None,)),
     "allowed_token_ids": ("allowed_token_ids is not supported", (None,)),
     "bad_words": ("bad_words is not supported", (None, [])),
@@ -138,6 +134,7 @@ def sampling_params(
         "logprobs": logprobs,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
+        "structured_outputs": constraint_of(req),
     }
     for name in MODEL_DEFAULTED:
         value = getattr(req, name)

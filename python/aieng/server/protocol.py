@@ -4,13 +4,13 @@ Strict types (no "1" for 1, no true for 1), no NaN or Infinity, and no string wi
 surrogate (it has no UTF-8 form). An unknown top-level field of a completion or chat request
 is ignored, as vLLM does: the route logs it once per name and lists it in the
 `x-aieng-ignored-fields` response header. A field that is known but would change the output
-if honoured (`tools`, a `response_format` other than text, ...) is refused with a 400 naming it
+if honoured (`tools`, `guided_json`, ...) is refused with a 400 naming it
 (see `params.check_request`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
@@ -81,6 +81,9 @@ class SamplingFields(_Lenient):
     )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured outputs (aieng.structured_outputs reads them): OpenAI's and vLLM's
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -1,0 +1,42 @@
+"""Structured outputs in requests: OpenAI's `response_format` and vLLM's `structured_outputs`
+read into a constraint, compiled before the request reaches the engine (in a worker thread, so
+neither the event loop nor the engine loop waits on a large schema) so that an invalid schema,
+regex or grammar is a 400 naming the field and the problem."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aieng.async_engine import AsyncLLMEngine
+from aieng.errors import InvalidArgumentError
+from aieng.sampling import SamplingParams
+from aieng.server.errors import invalid
+from aieng.server.protocol import SamplingFields
+from aieng.structured_outputs import StructuredOutputsParams, from_request_fields
+
+
+def constraint_field(req: SamplingFields) -> str:
+    """The request field that carries the constraint, for error messages."""
+    return "structured_outputs" if req.structured_outputs is not None else "response_format"
+
+
+def constraint_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    try:
+        return from_request_fields(req.structured_outputs, req.response_format)
+    except ValueError as error:
+        message = str(error)
+        field = "response_format" if message.startswith("response_format") else None
+        raise invalid(message, field or constraint_field(req)) from error
+
+
+async def compile_constraint(
+    engine: AsyncLLMEngine, params: SamplingParams, req: SamplingFields
+) -> None:
+    """Compiles the request's constraint into the engine's cache; refuses an invalid one."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await asyncio.to_thread(engine.engine.compile_grammar, params)
+    except InvalidArgumentError as error:
+        field = constraint_field(req)
+        raise invalid(f"{field}: {error}", field) from error
