@@ -14,6 +14,7 @@ lengths uniform in [16, 256] (seed 0), greedy, ignore_eos, fp32, torch.set_num_t
         [--configs 512:64,1024:64,2048:64] [--label after] [--out benches/results]
         [--previous SITE]   # also an earlier design installed in SITE, in the same run
         [--quantization rtn]  # also each model quantized to INT4 by `aieng quantize`
+        --models moe --label moe   # the tiny Qwen3-MoE, with the MoE layers' share of the run
 
 `--quantization rtn` quantizes each checkpoint with `aieng quantize --method rtn` (INT4, group
 128, asymmetric, the LM head too; random weights make AWQ's calibration meaningless) and runs it
@@ -64,7 +65,21 @@ MODELS = {
         num_key_value_heads=12,
         intermediate_size=2048,
     ),
+    # A tiny Qwen3-MoE: 8 experts, top-2, every layer sparse (Qwen3MoeConfig, not Llama).
+    "moe": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+        moe_intermediate_size=384,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
 }
+MOE_MODELS = ("moe",)
 CORPUS = [
     "In the beginning was the word, and the word was with the engine.",
     "The quick brown fox jumps over the lazy dog.",
@@ -73,13 +88,16 @@ CORPUS = [
 
 
 def build_checkpoint(name: str, folder: Path) -> tuple[Path, int]:
-    """Random-weight LlamaForCausalLM + a WordLevel tokenizer.json -> (folder, parameters)."""
+    """Random-weight LlamaForCausalLM (Qwen3MoeForCausalLM for the MoE models) + a WordLevel
+    tokenizer.json -> (folder, parameters)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    moe = name in MOE_MODELS
+    config_class = transformers.Qwen3MoeConfig if moe else transformers.LlamaConfig
+    config = config_class(
         vocab_size=32000,
         max_position_embeddings=1024,
         tie_word_embeddings=False,
@@ -89,7 +107,8 @@ def build_checkpoint(name: str, folder: Path) -> tuple[Path, int]:
         torch_dtype="float32",
         **MODELS[name],
     )
-    model = transformers.LlamaForCausalLM(config)
+    model_class = transformers.Qwen3MoeForCausalLM if moe else transformers.LlamaForCausalLM
+    model = model_class(config)
     model.save_pretrained(folder, safe_serialization=True)
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -180,8 +199,39 @@ def run_quantized(
     return result
 
 
+def moe_share(folder: Path, prompts, output_lens, kv_bytes: int, setting: tuple[int, int]) -> dict:
+    """One more (untimed-for-throughput) run with every SparseMoE forward timed: the MoE layers'
+    seconds and their share of the run's wall time (the CPU is synchronous, so a layer's wall
+    time is its compute)."""
+    from aieng.layers.moe import SparseMoE
+
+    spent = [0.0]
+    original = SparseMoE.forward
+
+    def timed(self, x):
+        start = time.perf_counter()
+        out = original(self, x)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    SparseMoE.forward = timed  # type: ignore[method-assign]
+    try:
+        start = time.perf_counter()
+        run = run_aieng(
+            folder, prompts, output_lens, kv_cache_memory=kv_bytes,
+            max_num_batched_tokens=setting[0], max_num_seqs=setting[1],
+        )  # fmt: skip
+        total = time.perf_counter() - start
+    finally:
+        SparseMoE.forward = original  # type: ignore[method-assign]
+    # run_aieng's warm-up generate is inside `total`; share = MoE seconds / wall of that run
+    return {"moe_s": spent[0], "run_s": total, "share": spent[0] / total, "tokens": run.tokens}
+
+
 def kv_budget(config: dict, num_requests: int) -> int:
-    per_token = 2 * config["num_hidden_layers"] * config["hidden_size"] * 4  # K+V, fp32
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    kv_width = config["num_key_value_heads"] * head_dim
+    per_token = 2 * config["num_hidden_layers"] * max(kv_width, config["hidden_size"]) * 4
     return int(num_requests * (256 + 256 + 32) * per_token * 1.1)
 
 
@@ -263,6 +313,9 @@ def main() -> None:
                     ),
                 }
                 print(f"  {args.previous_name} {name}: {row['previous']['tokens_per_s']:.1f} tok/s")
+            if name in MOE_MODELS:
+                row["moe"] = moe_share(folder, prompts, output_lens, kv_bytes, chosen)
+                print(f"  MoE layers' share of the aieng run: {row['moe']['share']:.1%}")
             if args.quantization:
                 row["int4"] = run_quantized(
                     folder, Path(tmp) / f"{name}-int4", args.quantization, prompts, output_lens,
@@ -289,7 +342,9 @@ def main() -> None:
         f"Workload: {num_requests} requests, prompt and output lengths uniform in [16, 256] "
         "(seed 0), random token ids, greedy, ignore_eos, fp32. Random-weight LlamaConfig "
         "checkpoints, vocab 32000: small = hidden 64, 4 layers, 4 heads, intermediate 256; "
-        "base = hidden 768, 12 layers, 12 heads, intermediate 2048.",
+        "base = hidden 768, 12 layers, 12 heads, intermediate 2048; moe = a Qwen3-MoE "
+        "(Qwen3MoeConfig): hidden 256, 4 layers, 4 heads (2 KV, head_dim 64), 8 experts of "
+        "intermediate 384, top-2, renormalised, every layer sparse.",
         "",
         "aieng: all requests submitted at once to `LLM.generate` (prefix caching off). HF: "
         f"`generate` on static batches of {HF_BATCH}, left padded with an attention mask, each "
@@ -332,6 +387,16 @@ def main() -> None:
                 f"| {r['model']} | {r['params'] / 1e6:.1f}M | HF transformers | batch {HF_BATCH} | "
                 f"{h['tokens_per_s']:.1f} | {h['wall_s']:.2f} | |"
             )
+    for r in rows:
+        if "moe" in r:
+            m = r["moe"]
+            lines += [
+                "",
+                f"MoE ({r['model']}: {r['config']['num_experts']} experts, top-"
+                f"{r['config']['num_experts_per_tok']}): the SparseMoE layers took "
+                f"{m['moe_s']:.2f} s of a {m['run_s']:.2f} s aieng run ({m['share']:.1%}; "
+                "a separate run with every MoE forward timed, warm-up included).",
+            ]
     quantized = [r for r in rows if "int4" in r]
     if quantized:
         lines += [

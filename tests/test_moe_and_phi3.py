@@ -13,11 +13,17 @@ from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import COMMON, _randomize_norms
 
 from aieng import LLM, SamplingParams
+from aieng.attention.backend import ForwardContext
+from aieng.attention.causal import CausalAttention, DenseBatch
 from aieng.config import ModelConfig
 from aieng.layers.linear import DenseLinearMethod
 from aieng.layers.moe import SparseMoE, route
 from aieng.layers.rotary import RotaryEmbedding
 from aieng.models.llama import LlamaForCausalLM
+from aieng.models.loader import load_model
+from aieng.quantization.compressed_tensors_writer import QuantScheme
+from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
+from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
 
 LENGTHS = [1, 5, 12, 17, 26, 30, 31, 40]
 # Phi-3's sequences stay within its original context (32 positions). Past it transformers
@@ -226,6 +232,41 @@ def test_moe_config_fields_and_refusals():
         parse("Qwen3MoeForCausalLM", num_experts=4, moe_intermediate_size=8, mlp_only_layers=3)
     with pytest.raises(ValueError, match="missing field 'num_local_experts'"):
         parse("MixtralForCausalLM")
+
+
+def test_moe_checkpoint_quantizes_to_int4_experts(tmp_path):
+    """`aieng quantize --method rtn` quantizes every expert; the INT4 model loads through the
+    same weight loaders and stays close to the float one. The calibrated AWQ search is refused."""
+    source = build("qwen3_moe", tmp_path / "float")
+    scheme = QuantScheme(4, 32, symmetric=False)
+    out = tmp_path / "int4"
+    quantize_checkpoint(source, out, QuantizeOptions(method="rtn", scheme=scheme), progress=None)
+    model, _ = load_model(out)
+    quantized = {
+        name
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "method", None), QuantizedLinearMethod)
+    }
+    for layer in (0, 2):  # the sparse layers: every expert's two linears
+        for expert in range(8):
+            prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+            assert {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"} <= quantized
+    assert "model.layers.1.mlp.gate_up_proj" in quantized  # the dense layer's MLP
+    # against the same model with each INT4 layer's dequantized weight in a dense layer
+    dense, _ = load_model(source)
+    with torch.no_grad():
+        for name in quantized:
+            dense.get_submodule(name).weight.copy_(dequantize(model.get_submodule(name)))
+    ids = torch.randint(3, COMMON["vocab_size"], (24,), generator=torch.Generator().manual_seed(4))
+    ctx = ForwardContext(CausalAttention(), DenseBatch(1, len(ids)), None)
+    with torch.no_grad():
+        ours = model.compute_logits(model(ids, torch.arange(len(ids)), ctx))
+        reference = dense.compute_logits(dense(ids, torch.arange(len(ids)), ctx))
+    cosine = torch.nn.functional.cosine_similarity(ours, reference, dim=-1)
+    assert cosine.min() > 0.995, cosine
+    with pytest.raises(ValueError, match=r"mixture-of-experts layers.*use --method rtn"):
+        options = QuantizeOptions(method="awq", scheme=scheme)
+        quantize_checkpoint(source, tmp_path / "awq", options, progress=None)
 
 
 # --- Phi-3 ------------------------------------------------------------------------------------

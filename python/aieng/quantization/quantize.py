@@ -539,6 +539,12 @@ def quantize_checkpoint(
             f"{config.architecture} normalises after attention and the MLP (post-norms), "
             "which the calibrated search does not handle; use --method rtn"
         )
+    if calibrated and config.moe_layers:
+        raise QuantizeError(
+            f"--method {options.method}{' --clip' if options.clip else ''}: "
+            f"{config.architecture} has mixture-of-experts layers, which the calibrated search "
+            "does not handle (each expert sees only its routed tokens); use --method rtn"
+        )
     if options.quantize_lm_head and config.tie_word_embeddings:
         raise QuantizeError(
             "--quantize-lm-head: the LM head is tied to the embeddings (tie_word_embeddings), "
