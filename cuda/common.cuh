@@ -62,3 +62,19 @@ __device__ __forceinline__ void load8(const signed char* p, float out[8]) {
     out[4 + i] = static_cast<float>(static_cast<signed char>(v.y >> (8 * i)));
   }
 }
+
+// Instantiation filters: -DAIENG_DTYPE=1 (float16) or 2 (bfloat16), -DAIENG_INT8=0 or 1 (the
+// cache), -DAIENG_HEAD_DIM=64 or 128 compile only the kernels one model needs, which keeps NVRTC's
+// time at start-up short; left undefined, every instantiation is compiled (as CI checks them).
+#ifndef AIENG_DTYPE
+#define AIENG_DTYPE 0
+#endif
+#ifndef AIENG_INT8
+#define AIENG_INT8 (-1)
+#endif
+#ifndef AIENG_HEAD_DIM
+#define AIENG_HEAD_DIM 0
+#endif
+#define AIENG_WANTS(DTYPE, INT8, HEAD_DIM)                                                  \
+  ((AIENG_DTYPE == 0 || AIENG_DTYPE == (DTYPE)) && (AIENG_INT8 < 0 || AIENG_INT8 == (INT8)) && \
+   (AIENG_HEAD_DIM == 0 || AIENG_HEAD_DIM == (HEAD_DIM)))

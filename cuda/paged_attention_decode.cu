@@ -250,14 +250,30 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
   AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g4, T, C, D, 4) \
   AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g8, T, C, D, 8)
 
+#if AIENG_WANTS(1, 0, 64)
 AIENG_DECODE_GROUPS(f16, f16_t, kv, f16_t, 64)
+#endif
+#if AIENG_WANTS(1, 0, 128)
 AIENG_DECODE_GROUPS(f16, f16_t, kv, f16_t, 128)
+#endif
+#if AIENG_WANTS(1, 1, 64)
 AIENG_DECODE_GROUPS(f16, f16_t, i8, signed char, 64)
+#endif
+#if AIENG_WANTS(1, 1, 128)
 AIENG_DECODE_GROUPS(f16, f16_t, i8, signed char, 128)
+#endif
+#if AIENG_WANTS(2, 0, 64)
 AIENG_DECODE_GROUPS(bf16, bf16_t, kv, bf16_t, 64)
+#endif
+#if AIENG_WANTS(2, 0, 128)
 AIENG_DECODE_GROUPS(bf16, bf16_t, kv, bf16_t, 128)
+#endif
+#if AIENG_WANTS(2, 1, 64)
 AIENG_DECODE_GROUPS(bf16, bf16_t, i8, signed char, 64)
+#endif
+#if AIENG_WANTS(2, 1, 128)
 AIENG_DECODE_GROUPS(bf16, bf16_t, i8, signed char, 128)
+#endif
 
 #define AIENG_DECODE_REDUCE(NAME, T)                                                          \
   extern "C" __global__ void __launch_bounds__(256)                                           \
@@ -267,5 +283,9 @@ AIENG_DECODE_GROUPS(bf16, bf16_t, i8, signed char, 128)
                      split_tokens);                                                           \
   }
 
+#if AIENG_WANTS(1, AIENG_INT8, AIENG_HEAD_DIM)
 AIENG_DECODE_REDUCE(paged_decode_reduce_f16, f16_t)
+#endif
+#if AIENG_WANTS(2, AIENG_INT8, AIENG_HEAD_DIM)
 AIENG_DECODE_REDUCE(paged_decode_reduce_bf16, bf16_t)
+#endif

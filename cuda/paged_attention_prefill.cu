@@ -215,11 +215,27 @@ __device__ __forceinline__ void prefill_attention(
   }
 
 // paged_prefill_<dtype>_<cache: kv = dtype, i8 = int8>_d<head_dim>
+#if AIENG_WANTS(1, 0, 64)
 AIENG_PREFILL(paged_prefill_f16_kv_d64, f16_t, f16_t, 64)
+#endif
+#if AIENG_WANTS(1, 0, 128)
 AIENG_PREFILL(paged_prefill_f16_kv_d128, f16_t, f16_t, 128)
+#endif
+#if AIENG_WANTS(1, 1, 64)
 AIENG_PREFILL(paged_prefill_f16_i8_d64, f16_t, signed char, 64)
+#endif
+#if AIENG_WANTS(1, 1, 128)
 AIENG_PREFILL(paged_prefill_f16_i8_d128, f16_t, signed char, 128)
+#endif
+#if AIENG_WANTS(2, 0, 64)
 AIENG_PREFILL(paged_prefill_bf16_kv_d64, bf16_t, bf16_t, 64)
+#endif
+#if AIENG_WANTS(2, 0, 128)
 AIENG_PREFILL(paged_prefill_bf16_kv_d128, bf16_t, bf16_t, 128)
+#endif
+#if AIENG_WANTS(2, 1, 64)
 AIENG_PREFILL(paged_prefill_bf16_i8_d64, bf16_t, signed char, 64)
+#endif
+#if AIENG_WANTS(2, 1, 128)
 AIENG_PREFILL(paged_prefill_bf16_i8_d128, bf16_t, signed char, 128)
+#endif

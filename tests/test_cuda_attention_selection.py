@@ -139,7 +139,7 @@ def test_auto_on_the_cpu_is_the_reference_and_cuda_is_refused() -> None:
 def test_a_kernel_that_fails_to_compile_falls_back_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def failing_compile(name: str, **kwargs: object) -> None:
+    def failing_compile(name: str, *args: object, **kwargs: object) -> None:
         raise KernelCompileError(f"{name}.cu", 90, f"{name}.cu(1): error: injected failure")
 
     monkeypatch.setattr(cuda_paged, "load_module", failing_compile)

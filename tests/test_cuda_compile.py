@@ -49,6 +49,7 @@ from aieng.kernels.paged_attention import (
     decode_reduce_kernel_name,
     decode_tile,
     heads_per_cta,
+    instantiation_options,
     prefill_kernel_name,
     prefill_launch,
     prefill_tiles,
@@ -384,3 +385,17 @@ def test_attention_launches_match_the_kernels(dtype: torch.dtype, int8: bool) ->
                 check_arguments(launch.kernel, parameters, pack_args(launch.args)[1])
                 dim3(launch.grid, "grid")
                 dim3(launch.block, "block")
+
+
+def test_instantiation_filters_compile_only_what_a_model_needs() -> None:
+    options = instantiation_options(torch.bfloat16, True, 128)
+    assert options == ["-DAIENG_DTYPE=2", "-DAIENG_INT8=1", "-DAIENG_HEAD_DIM=128"]
+    decode = compile_kernel_source("paged_attention_decode", 90, options).resources
+    prefill = compile_kernel_source("paged_attention_prefill", 90, options).resources
+    wanted = {decode_kernel_name(torch.bfloat16, True, 128, g) for g in (1, 2, 4, 8)}
+    assert set(decode) == wanted | {decode_reduce_kernel_name(torch.bfloat16)}
+    assert set(prefill) == {prefill_kernel_name(torch.bfloat16, True, 128)}
+    assert instantiation_options() == []
+    assert instantiation_options(int8=False) == ["-DAIENG_INT8=0"]
+    with pytest.raises(KernelError):
+        instantiation_options(head_dim=96)

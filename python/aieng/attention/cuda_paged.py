@@ -35,6 +35,7 @@ from aieng.kernels.paged_attention import (
     decode_launches,
     decode_tile,
     heads_per_cta,
+    instantiation_options,
     prefill_launch,
     prefill_tiles,
     run,
@@ -139,15 +140,23 @@ class CudaPagedAttention(AttentionBackend):
     name = "cuda"
     kv_cache_dtypes = ("auto", "int8")
 
-    def __init__(self, device: torch.device):
-        """Compiles (or reads from the cache) and loads both kernel sources on `device`;
+    def __init__(
+        self,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+        int8: bool | None = None,
+        head_dim: int | None = None,
+    ):
+        """Compiles (or reads from the cache) and loads both kernel sources on `device`, only
+        the instantiations for `dtype`, an INT8 cache or not, `head_dim` where given (None: all);
         KernelError when that fails."""
         if device.type != "cuda":
             raise KernelError(f"the cuda attention backend runs on a CUDA device, not {device}")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
-        self.decode = load_module(DECODE_SOURCE, device=index)
-        self.prefill = load_module(PREFILL_SOURCE, device=index)
+        options = instantiation_options(dtype, int8, head_dim)
+        self.decode = load_module(DECODE_SOURCE, options, device=index)
+        self.prefill = load_module(PREFILL_SOURCE, options, device=index)
         self.num_sms = torch.cuda.get_device_properties(index).multi_processor_count
 
     def build_metadata(self, inputs: AttentionInputs) -> CudaAttentionMetadata:

@@ -225,7 +225,7 @@ def checked_cuda_backend(
     """A `CudaPagedAttention` whose kernels compiled and passed the self-check for this model,
     or None after a warning naming what failed."""
     try:
-        backend = CudaPagedAttention(device)
+        backend = CudaPagedAttention(device, dtype, kv_cache_dtype == "int8", config.head_dim)
     except Exception as error:  # NVRTC, the driver, a torch without CUDA: the reference serves
         logger.warning("cuda attention kernels unavailable, using the torch reference: %s", error)
         return None

@@ -43,6 +43,23 @@ def check_supported(dtype: torch.dtype, head_dim: int) -> None:
         raise KernelError(f"the paged attention kernels take head_dim 64 or 128, not {head_dim}")
 
 
+def instantiation_options(
+    dtype: torch.dtype | None = None, int8: bool | None = None, head_dim: int | None = None
+) -> list[str]:
+    """NVRTC options that compile only the kernels for this dtype / cache / head_dim (None: all
+    of that kind), the filters of common.cuh: one model needs 4 decode kernels, not 34."""
+    options = []
+    if dtype is not None:
+        check_supported(dtype, HEAD_DIMS[0])
+        options.append(f"-DAIENG_DTYPE={list(DTYPE_NAMES).index(dtype) + 1}")
+    if int8 is not None:
+        options.append(f"-DAIENG_INT8={int(int8)}")
+    if head_dim is not None:
+        check_supported(next(iter(DTYPE_NAMES)), head_dim)
+        options.append(f"-DAIENG_HEAD_DIM={head_dim}")
+    return options
+
+
 def heads_per_cta(group: int) -> tuple[int, int]:
     """GQA group size (query heads per KV head) -> (query heads per decode CTA, CTAs per KV
     head): the smallest instantiation that holds the group, and more CTAs past 8 heads."""
