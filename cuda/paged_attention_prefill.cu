@@ -85,21 +85,24 @@ __device__ __forceinline__ void prefill_attention(
       if (pos < hi) {
         const int slot = table[pos >> block_shift] * (block_mask + 1) + (pos & block_mask);
         const long long token_head = static_cast<long long>(slot) * num_kv_heads + kv_head;
-        float kf[8], vf[8];
-        load8(k_cache + token_head * D + d, kf);
-        load8(v_cache + token_head * D + d, vf);
-        if (kQuantized) {
+        if constexpr (kQuantized) {
+          float kf[8], vf[8];
+          load8(k_cache + token_head * D + d, kf);
+          load8(v_cache + token_head * D + d, vf);
           const float ks = to_float(k_scale[token_head]), vs = to_float(v_scale[token_head]);
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             kf[i] *= ks;
             vf[i] *= vs;
           }
+          k_bits = uint4{pack2<T>(kf[0], kf[1]), pack2<T>(kf[2], kf[3]),
+                         pack2<T>(kf[4], kf[5]), pack2<T>(kf[6], kf[7])};
+          v_bits = uint4{pack2<T>(vf[0], vf[1]), pack2<T>(vf[2], vf[3]),
+                         pack2<T>(vf[4], vf[5]), pack2<T>(vf[6], vf[7])};
+        } else {  // already T: the 16 bytes as they are
+          k_bits = *reinterpret_cast<const uint4*>(k_cache + token_head * D + d);
+          v_bits = *reinterpret_cast<const uint4*>(v_cache + token_head * D + d);
         }
-        k_bits = uint4{pack2<T>(kf[0], kf[1]), pack2<T>(kf[2], kf[3]), pack2<T>(kf[4], kf[5]),
-                       pack2<T>(kf[6], kf[7])};
-        v_bits = uint4{pack2<T>(vf[0], vf[1]), pack2<T>(vf[2], vf[3]), pack2<T>(vf[4], vf[5]),
-                       pack2<T>(vf[6], vf[7])};
       }
       *reinterpret_cast<uint4*>(&k_s[j * kStride + d]) = k_bits;
       *reinterpret_cast<uint4*>(&v_s[j * kStride + d]) = v_bits;
