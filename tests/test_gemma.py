@@ -456,6 +456,7 @@ def test_an_old_style_gemma3_config_reads_as_transformers_reads_it():
         ({"attn_logit_softcapping": -1.0}, "field 'attn_logit_softcapping' must be positive"),
         ({"query_pre_attn_scalar": 0}, "field 'query_pre_attn_scalar' must be positive"),
         ({"sliding_window": 0}, "field 'sliding_window' must be positive"),
+        ({"sliding_window": None}, "missing field 'sliding_window'"),
     ],
 )
 def test_unsupported_gemma_options_are_named_with_their_value(change, message):

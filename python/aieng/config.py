@@ -385,7 +385,7 @@ def _gemma_fields(
             f"{source}: field 'layer_types' must be {num_layers} entries (one per layer) of "
             f"{' or '.join(map(repr, GEMMA_LAYER_TYPES))}, got {types!r}"
         )
-    window = fields.optional_positive_int("sliding_window")
+    window = fields.positive_int("sliding_window")  # null refused: the sliding layers need one
     caps = {
         name: None if fields.raw.get(name) is None else fields.positive_float(name)
         for name in ("attn_logit_softcapping", "final_logit_softcapping")
