@@ -1,6 +1,7 @@
 // Element types and conversions for aieng's kernels, without the CUDA toolkit's headers (NVRTC
 // gets only aieng's own): float16 and bfloat16 are held as their 16 bits and converted with one
-// PTX instruction each (round to nearest even, as torch's casts do).
+// PTX instruction each (round to nearest even, as torch's casts do). Without __CUDA_ARCH__ (the
+// host emulation of tests/cuda_host/emulate.h) the conversions are its C++ stand-ins.
 #pragma once
 
 struct f16_t {
@@ -13,9 +14,13 @@ struct bf16_t {
 __device__ __forceinline__ float to_float(float v) { return v; }
 
 __device__ __forceinline__ float to_float(f16_t v) {
+#ifdef __CUDA_ARCH__
   float out;
   asm("cvt.f32.f16 %0, %1;" : "=f"(out) : "h"(v.bits));
   return out;
+#else
+  return host_half_to_float(v.bits);
+#endif
 }
 
 __device__ __forceinline__ float to_float(bf16_t v) {
@@ -33,14 +38,22 @@ __device__ __forceinline__ float from_float<float>(float v) {
 template <>
 __device__ __forceinline__ f16_t from_float<f16_t>(float v) {
   f16_t out;
+#ifdef __CUDA_ARCH__
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out.bits) : "f"(v));
+#else
+  out.bits = host_float_to_half(v);
+#endif
   return out;
 }
 
 template <>
 __device__ __forceinline__ bf16_t from_float<bf16_t>(float v) {
   bf16_t out;
+#ifdef __CUDA_ARCH__
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out.bits) : "f"(v));
+#else
+  out.bits = host_float_to_bf16(v);
+#endif
   return out;
 }
 

@@ -31,11 +31,15 @@ __device__ __forceinline__ float nibble_as_float(unsigned word, int i) {
 }
 
 __device__ __forceinline__ uint4 load_streaming(const unsigned char* p) {
+#ifdef __CUDA_ARCH__
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
+#else
+  return *reinterpret_cast<const uint4*>(p);
+#endif
 }
 
 template <typename T, int M_TILE, int ROWS>

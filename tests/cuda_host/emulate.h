@@ -1,0 +1,126 @@
+// Runs aieng's CUDA C++ kernels on the host, for CPU tests of their indexing and arithmetic: a
+// block's threads are std::threads (one block at a time), __syncthreads and warp shuffles are
+// barriers, __shared__ variables are function statics (shared by the block's threads), and the
+// few PTX instructions have C++ stand-ins selected by `#ifndef __CUDA_ARCH__` in the sources.
+// Floating point as on the GPU where the kernels rely on it: compile with -ffp-contract=off
+// (no fused multiply-adds but the explicit fmaf), round-to-nearest-even conversions.
+#pragma once
+
+#include <math.h>
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __align__(n) alignas(n)
+
+struct dim3_t {
+  unsigned x = 1, y = 1, z = 1;
+};
+struct uint4 {
+  unsigned x, y, z, w;
+};
+struct uint2 {
+  unsigned x, y;
+};
+struct float4 {
+  float x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+
+inline thread_local dim3_t threadIdx, blockIdx;
+inline dim3_t blockDim, gridDim;
+
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+using std::max, std::min;
+
+// float16 / bfloat16 bits <-> float, round to nearest even (what cvt.rn does).
+inline float host_half_to_float(unsigned short bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+}
+inline unsigned short host_float_to_half(float v) {
+  _Float16 h = static_cast<_Float16>(v);
+  unsigned short bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+inline unsigned short host_float_to_bf16(float v) {
+  unsigned u = __float_as_uint(v);
+  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x7FFFFFu)) return (u >> 16) | 0x40;  // NaN
+  return static_cast<unsigned short>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The block being run: its barrier and, per warp, a barrier and the lanes' shuffle values.
+struct BlockState {
+  explicit BlockState(int threads)
+      : block(threads), warps(threads / 32), values(threads) {
+    for (auto& w : warps) w = std::make_unique<std::barrier<>>(32);
+  }
+  std::barrier<> block;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  std::vector<float> values;
+};
+inline BlockState* current_block = nullptr;
+inline thread_local int linear_thread = 0;
+
+inline void __syncthreads() { current_block->block.arrive_and_wait(); }
+
+inline float __shfl_xor_sync(unsigned, float v, int offset) {
+  const int lane = linear_thread % 32, base = linear_thread - lane;
+  auto& barrier = *current_block->warps[linear_thread / 32];
+  current_block->values[linear_thread] = v;
+  barrier.arrive_and_wait();
+  const float other = current_block->values[base + (lane ^ offset)];
+  barrier.arrive_and_wait();
+  return other;
+}
+
+// Run `kernel` (a callable taking no arguments, closing over the kernel's) over grid x block.
+inline void launch(dim3_t grid, dim3_t block, const std::function<void()>& kernel) {
+  gridDim = grid;
+  blockDim = block;
+  const int threads = block.x * block.y * block.z;
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        BlockState state(threads);
+        current_block = &state;
+        std::vector<std::thread> pool;
+        for (int t = 0; t < threads; ++t)
+          pool.emplace_back([&, t] {
+            blockIdx = {bx, by, bz};
+            threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+            linear_thread = t;
+            kernel();
+          });
+        for (auto& thread : pool) thread.join();
+      }
+}

@@ -1,0 +1,92 @@
+// One launch of one of aieng's kernels on the host (emulate.h), driven by tests:
+//
+//   run_kernel KERNEL GX GY BX BY ARG...
+//
+// each ARG is `p:FILE` (a buffer read from FILE and written back after the launch),
+// `o:INDEX:OFFSET` (a pointer OFFSET bytes into the buffer of argument INDEX), `n` (a null
+// pointer), `i:INT`, `l:INT64` or `f:FLOAT`, in the kernel's parameter order.
+#include "emulate.h"
+
+#include "fused_ops.cu"
+#include "int4_gemv.cu"
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <string>
+
+struct Arg {
+  std::string file;
+  std::vector<char> bytes;
+  void* p = nullptr;
+  long long i = 0;
+  float f = 0.f;
+};
+
+using P = void*;
+using Call = std::function<void(std::vector<Arg>&)>;
+
+template <typename... T>
+Call caller(void (*kernel)(T...)) {
+  return [kernel](std::vector<Arg>& a) {
+    size_t k = 0;
+    auto next = [&](auto tag) {
+      Arg& arg = a[k++];
+      using V = decltype(tag);
+      if constexpr (std::is_pointer_v<V>) return reinterpret_cast<V>(arg.p);
+      else if constexpr (std::is_floating_point_v<V>) return static_cast<V>(arg.f);
+      else return static_cast<V>(arg.i);
+    };
+    // Arguments are evaluated in order in a braced initializer list.
+    std::tuple<T...> values{next(T{})...};
+    std::apply(kernel, values);
+  };
+}
+
+#define KERNEL(NAME) {#NAME, caller(&NAME)}
+#define GEMV_TILES(DT) \
+  KERNEL(int4_gemv_##DT##_m1), KERNEL(int4_gemv_##DT##_m2), KERNEL(int4_gemv_##DT##_m4), \
+      KERNEL(int4_gemv_##DT##_m8), KERNEL(int4_gemv_##DT##_m16)
+#define FUSED(DT) KERNEL(add_rms_norm_##DT), KERNEL(rope_kv_write_##DT), KERNEL(silu_and_mul_##DT)
+
+int main(int argc, char** argv) {
+  const std::map<std::string, Call> kernels = {GEMV_TILES(f16), GEMV_TILES(bf16), GEMV_TILES(f32),
+                                               FUSED(f16), FUSED(bf16), FUSED(f32)};
+  if (argc < 6 || !kernels.count(argv[1])) {
+    std::fprintf(stderr, "usage: run_kernel KERNEL GX GY BX BY ARG... (unknown kernel?)\n");
+    return 2;
+  }
+  std::vector<Arg> args(argc - 6);
+  for (int i = 6; i < argc; ++i) {
+    const std::string text = argv[i];
+    Arg& arg = args[i - 6];
+    if (text == "n") continue;
+    const std::string value = text.substr(2);
+    if (text[0] == 'o') {  // o:INDEX:OFFSET, a pointer into an earlier buffer argument
+      const size_t colon = value.find(':');
+      Arg& base = args[std::stoi(value.substr(0, colon))];
+      arg.p = static_cast<char*>(base.p) + std::stoll(value.substr(colon + 1));
+    } else if (text[0] == 'p') {
+      std::ifstream in(value, std::ios::binary);
+      arg.bytes.assign(std::istreambuf_iterator<char>(in), {});
+      arg.bytes.resize(arg.bytes.size() + 64);  // a 16-byte load past a 1-byte tail stays inside
+      arg.file = value;
+      arg.p = arg.bytes.data();
+    } else if (text[0] == 'f') {
+      arg.f = std::stof(value);
+    } else {
+      arg.i = std::stoll(value);
+    }
+  }
+  const dim3_t grid{unsigned(std::stoi(argv[2])), unsigned(std::stoi(argv[3])), 1};
+  const dim3_t block{unsigned(std::stoi(argv[4])), unsigned(std::stoi(argv[5])), 1};
+  const Call& call = kernels.at(argv[1]);
+  launch(grid, block, [&] { call(args); });
+  for (Arg& arg : args)
+    if (!arg.file.empty()) {
+      std::ofstream out(arg.file, std::ios::binary);
+      out.write(arg.bytes.data(), arg.bytes.size() - 64);
+    }
+  return 0;
+}
