@@ -303,8 +303,8 @@ def test_split_plan_covers_every_context_once(
 def test_split_plan_examples() -> None:
     # the benchmark's shapes on an H200 (132 SMs), 8 KV heads
     assert choose_splits(64 * 8, 1024, 132, 32).num_splits == 1
-    assert choose_splits(16 * 8, 4096, 132, 32) == SplitPlan(3, 1376)
-    assert choose_splits(1 * 8, 32768, 132, 32) == SplitPlan(32, 1024)
+    assert choose_splits(16 * 8, 4096, 132, 32) == SplitPlan(4, 1024)
+    assert choose_splits(1 * 8, 32768, 132, 32) == SplitPlan(49, 672)
     assert choose_splits(8, 255, 132, 32).num_splits == 1  # too short to split
     with pytest.raises(KernelError):
         choose_splits(0, 10, 132, 32)

@@ -28,11 +28,12 @@ HEADS_PER_CTA = (1, 2, 4, 8)  # the decode kernel's HG instantiations
 PREFILL_BLOCK_M = 64  # queries per prefill CTA, kBM in the kernel
 PREFILL_THREADS = 128
 # Split-K: a split holds at least this many positions (fewer would spend more time combining
-# than reading), there are at most MAX_SPLITS, and splitting stops once the grid fills the GPU
-# about WAVES times.
+# than reading), there are at most MAX_SPLITS, and splitting stops once the grid gives every SM
+# about WAVES CTAs (a decode CTA has up to 16 KB of K/V loads in flight; three per SM cover
+# HBM's latency).
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
-WAVES = 2
+WAVES = 3
 
 
 def check_supported(dtype: torch.dtype, head_dim: int) -> None:
