@@ -6,8 +6,9 @@ Shapes (batch x context): 64 x 1k, 16 x 4k, 1 x 32k, Llama-3-8B's attention (32 
 8 KV heads, head_dim 128), block size 16, bfloat16 and float16, model-dtype and INT8 caches.
 Bytes read = every attended K and V element (and INT8 scales) once; the goal is >= 75% of the
 measured device-to-device copy bandwidth (copy: 2 x bytes / time over a 2 GiB buffer, beyond L2).
-Times: CUDA events around each call after warm-up, median of the runs; the KV cache of every
-shape is larger than L2 (smallest: 1 x 32k = 134 MB in bf16).
+Times: CUDA events around back-to-back calls queued behind a sleep kernel (GPU time, not launch
+overhead), after warm-up, median of the repetitions; every shape's KV cache outgrows L2 (smallest
+in bf16: 1 x 32k = 134 MB).
 
 Prints a table and writes bench_gpu_attention.{json,md} to --out and to benches/results/.
 """
@@ -38,18 +39,23 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
-def time_ms(run: Callable[[], object], warmup: int = 5, runs: int = 30) -> float:
-    """Median milliseconds of `run` on the current stream, by CUDA events."""
-    for _ in range(warmup):
+def time_ms(run: Callable[[], object], inner: int = 10, reps: int = 15) -> float:
+    """Median milliseconds of one `run`, by CUDA events around `inner` back-to-back calls. A
+    sleep kernel queued first keeps the GPU busy while Python queues the calls, so that the
+    events time the GPU's work, not the launch overhead between calls."""
+    for _ in range(3):
         run()
+    torch.cuda.synchronize()
     times = []
-    for _ in range(runs):
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(4_000_000)  # ~2 ms of cycles
         start.record()
-        run()
+        for _ in range(inner):
+            run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / inner)
     return statistics.median(times)
 
 
@@ -57,7 +63,7 @@ def copy_bandwidth() -> float:
     """Device-to-device copy, GB/s counting bytes read and written."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), warmup=3, runs=20)
+    ms = time_ms(lambda: dst.copy_(src), inner=5)
     return 2 * src.numel() / ms / 1e6
 
 
@@ -82,7 +88,7 @@ def bench_shape(
     reference = TorchPagedAttention()
     ref_meta = reference.build_metadata(inputs)
     k_new = torch.zeros(batch, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    torch_ms = time_ms(lambda: reference.forward(layer, q, k_new, k_new, cache, ref_meta), 2, 10)
+    torch_ms = time_ms(lambda: reference.forward(layer, q, k_new, k_new, cache, ref_meta), 2, 5)
 
     dense_k = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device=device).to(dtype)
     dense_v = torch.randn_like(dense_k)
