@@ -154,17 +154,29 @@ def test_gemma_layers_get_their_windows_caps_and_rope(reference):
         assert hf_config.layer_types.count("full_attention") >= 1
 
 
-def test_gemma_with_an_int8_kv_cache_runs(tmp_path):
+def test_gemma_with_an_int8_kv_cache_runs(tmp_path, monkeypatch):
+    """Soft-capped windowed and global layers over an INT8 cache; one metadata build per step
+    serves all three layers and both windows."""
     folder = build("gemma2", tmp_path / "gemma2")
     runner = ModelRunner(
         EngineArgs(model=str(folder), block_size=4, kv_cache_memory=1 << 22, kv_cache_dtype="int8")
     )
     assert runner.kv_spec.quantized
+    builds = []
+    build_metadata = runner.attention.build_metadata
+    monkeypatch.setattr(
+        runner.attention,
+        "build_metadata",
+        lambda inputs: builds.append(1) or build_metadata(inputs),
+    )
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 19, 30)]
     scheduler = FakeScheduler(runner, chunk_size=6)
     requests = [scheduler.add(p, GREEDY) for p in prompts]
-    scheduler.run()
+    steps = 0
+    while scheduler.step():
+        steps += 1
+    assert len(builds) == steps
     for request in requests:
         assert len(request.output) == GREEDY.max_tokens
         assert all(0 <= t < 256 for t in request.output)
