@@ -7,22 +7,30 @@
 
 typedef unsigned int u32;
 
-#define AIENG_NEG_INF (-__int_as_float(0x7f800000))
+#define AIENG_NEG_INF (-__uint_as_float(0x7f800000u))
 
 // Two floats -> one register of two 16-bit values (lo in the low half), round to nearest even.
 template <typename T>
 __device__ __forceinline__ u32 pack2(float lo, float hi);
 template <>
 __device__ __forceinline__ u32 pack2<f16_t>(float lo, float hi) {
+#ifdef __CUDA_ARCH__
   u32 r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+#else  // the host emulation of tests/cuda_host/emulate.h
+  return host_float_to_half(lo) | (u32(host_float_to_half(hi)) << 16);
+#endif
 }
 template <>
 __device__ __forceinline__ u32 pack2<bf16_t>(float lo, float hi) {
+#ifdef __CUDA_ARCH__
   u32 r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+#else
+  return host_float_to_bf16(lo) | (u32(host_float_to_bf16(hi)) << 16);
+#endif
 }
 
 // D (16x8, f32) += A (16x16, row-major) * B (16x8, column-major), A and B in T (f16_t or
@@ -35,20 +43,28 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], cons
 template <>
 __device__ __forceinline__ void mma_16816<f16_t>(float (&d)[4], const u32 (&a)[4],
                                                  const u32 (&b)[2]) {
+#ifdef __CUDA_ARCH__
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  host_mma_16816(d, a, b, f16_t{});
+#endif
 }
 template <>
 __device__ __forceinline__ void mma_16816<bf16_t>(float (&d)[4], const u32 (&a)[4],
                                                   const u32 (&b)[2]) {
+#ifdef __CUDA_ARCH__
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  host_mma_16816(d, a, b, bf16_t{});
+#endif
 }
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -23,7 +23,14 @@ from aieng.kernels.fused import (
     rope_grid,
     rope_kv_write_reference,
 )
-from aieng.kernels.int4 import gemv_launch, gemv_reference, reference_matmul, repack
+from aieng.kernels.int4 import (
+    dequantize_weights,
+    gemm_launch,
+    gemv_launch,
+    gemv_reference,
+    reference_matmul,
+    repack,
+)
 from aieng.layers.activation import silu_and_mul
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +119,34 @@ def test_int4_gemv(host_kernels, m, n, k, group, dt) -> None:
     bound = {"f32": 1e-6, "f16": 1e-3, "bf16": 6e-3}[dt]
     assert relative(y, exact) < bound
     assert relative(y, reference_matmul(x.double(), weights)) < max(bound, 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "dt"),
+    [
+        (1, 8, 32, 32, "f16"),
+        (17, 70, 96, 32, "bf16"),
+        (65, 64, 128, 64, "f16"),
+        (5, 130, 64, 64, "bf16"),
+    ],
+)
+def test_int4_gemm(host_kernels, m, n, k, group, dt) -> None:
+    """Tensor-core tiles of 64 x 64 (mma.sync emulated from its fragment layout): rows and
+    columns past M and N, several k tiles, one scale per group."""
+    dtype = DTYPES[dt]
+    generator = torch.Generator().manual_seed(m + n + k)
+    q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int32)
+    scales = torch.rand(n, k // group, generator=generator) * 0.02 + 1e-3
+    zeros = torch.randint(0, 16, (n, k // group), generator=generator).float()
+    weights = repack(q, scales, zeros)
+    x = torch.randn(m, k, generator=generator).to(dtype)
+    y = torch.full((m, n), float("nan"), dtype=dtype)
+    launch = gemm_launch(m, n, dtype)
+    args = [x, weights.qweight, weights.scale_zero, y, m, n, k, group]
+    host_kernels.launch(launch.kernel, launch.grid, launch.block, args)
+    # the dequantized weights rounded to x's dtype, as the kernel stages them for the MMA
+    staged = dequantize_weights(weights).to(dtype).double()
+    assert relative(y, x.double() @ staged.t()) < (2e-3 if dt == "f16" else 1e-2)
 
 
 @pytest.mark.parametrize("dt", ["f32", "bf16"])

@@ -8,6 +8,7 @@
 
 #include <math.h>
 
+#include <array>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -24,7 +25,7 @@
 #define __restrict__
 #define __launch_bounds__(...)
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 
 struct dim3_t {
   unsigned x = 1, y = 1, z = 1;
@@ -81,12 +82,13 @@ inline unsigned short host_float_to_bf16(float v) {
 // The block being run: its barrier and, per warp, a barrier and the lanes' shuffle values.
 struct BlockState {
   explicit BlockState(int threads)
-      : block(threads), warps(threads / 32), values(threads) {
+      : block(threads), warps(threads / 32), values(threads), fragments(threads) {
     for (auto& w : warps) w = std::make_unique<std::barrier<>>(32);
   }
   std::barrier<> block;
   std::vector<std::unique_ptr<std::barrier<>>> warps;
   std::vector<float> values;
+  std::vector<std::array<unsigned, 6>> fragments;  // mma: each lane's a[4], b[2]
 };
 inline BlockState* current_block = nullptr;
 inline thread_local int linear_thread = 0;
@@ -101,6 +103,40 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
   const float other = current_block->values[base + (lane ^ offset)];
   barrier.arrive_and_wait();
   return other;
+}
+
+// mma.sync.m16n8k16 (row.col, float32 accumulators) for the warp: every lane posts its A and B
+// fragments, then computes its own four elements of D from the whole 16x16 A and 16x8 B (the
+// fragment layout of the PTX ISA, as cuda/common.cuh documents it). `tag` is the element type
+// (f16_t or bf16_t), whose `low_to_float` / `high_to_float` read a packed pair.
+template <typename T>
+void host_mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], T tag) {
+  const int lane = linear_thread % 32, base = linear_thread - lane;
+  auto& barrier = *current_block->warps[linear_thread / 32];
+  current_block->fragments[linear_thread] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  barrier.arrive_and_wait();
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const auto& f = current_block->fragments[base + l];
+    const int g = l / 4, t = l % 4;
+    const int rows[4] = {g, g + 8, g, g + 8}, cols[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
+    for (int r = 0; r < 4; ++r) {
+      A[rows[r]][cols[r]] = low_to_float(f[r], tag);
+      A[rows[r]][cols[r] + 1] = high_to_float(f[r], tag);
+    }
+    B[2 * t][g] = low_to_float(f[4], tag);
+    B[2 * t + 1][g] = high_to_float(f[4], tag);
+    B[2 * t + 8][g] = low_to_float(f[5], tag);
+    B[2 * t + 9][g] = high_to_float(f[5], tag);
+  }
+  const int g = lane / 4, t = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + (e / 2) * 8, col = 2 * t + e % 2;
+    float sum = d[e];
+    for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+    d[e] = sum;
+  }
+  barrier.arrive_and_wait();
 }
 
 // Run `kernel` (a callable taking no arguments, closing over the kernel's) over grid x block.

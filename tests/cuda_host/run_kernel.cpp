@@ -8,6 +8,7 @@
 #include "emulate.h"
 
 #include "fused_ops.cu"
+#include "int4_gemm.cu"
 #include "int4_gemv.cu"
 
 #include <cstdio>
@@ -51,8 +52,9 @@ Call caller(void (*kernel)(T...)) {
 #define FUSED(DT) KERNEL(add_rms_norm_##DT), KERNEL(rope_kv_write_##DT), KERNEL(silu_and_mul_##DT)
 
 int main(int argc, char** argv) {
-  const std::map<std::string, Call> kernels = {GEMV_TILES(f16), GEMV_TILES(bf16), GEMV_TILES(f32),
-                                               FUSED(f16), FUSED(bf16), FUSED(f32)};
+  const std::map<std::string, Call> kernels = {
+      GEMV_TILES(f16), GEMV_TILES(bf16), GEMV_TILES(f32), KERNEL(int4_gemm_f16),
+      KERNEL(int4_gemm_bf16), FUSED(f16),      FUSED(bf16),      FUSED(f32)};
   if (argc < 6 || !kernels.count(argv[1])) {
     std::fprintf(stderr, "usage: run_kernel KERNEL GX GY BX BY ARG... (unknown kernel?)\n");
     return 2;
