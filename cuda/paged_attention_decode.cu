@@ -20,7 +20,8 @@
 // paged_decode_reduce_* combines them: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
 #include "common.cuh"
 
-namespace {
+// Named (not anonymous), so that the host emulation can build every source in one program.
+namespace paged_decode {
 
 constexpr int kThreads = 128;
 constexpr int kPasses = 4;  // tokens per thread per tile
@@ -128,7 +129,8 @@ __device__ __forceinline__ void decode_attention(
 #pragma unroll
         for (int lanes = LPT / 2; lanes > 0; lanes >>= 1)
           dot += __shfl_xor_sync(0xffffffffu, dot, lanes);
-        if (tid % LPT == 0) score_s[h][p * NG + token_group] = t < end ? dot * k_mul[p] : AIENG_NEG_INF;
+        if (tid % LPT == 0)
+          score_s[h][p * NG + token_group] = t < end ? dot * k_mul[p] : AIENG_NEG_INF;
       }
     }
     __syncthreads();
@@ -228,26 +230,25 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
   out[at] = from_float<T>(numerator / denominator);
 }
 
-}  // namespace
+}  // namespace paged_decode
 
-#define AIENG_DECODE(NAME, T, C, D, HG)                                                        \
-  extern "C" __global__ void __launch_bounds__(kThreads) NAME(                                \
-      T* out, float* part_acc, float* part_ml, const T* q, int q_stride, const C* k_cache,    \
-      const C* v_cache, const T* k_scale, const T* v_scale, const int* block_tables,          \
-      int table_stride, const int* seq_lens, const int* rows, int num_heads, int num_kv_heads, \
-      int group, int head_chunks, int block_shift, int window, float scale,                   \
-      int split_tokens) {                                                                     \
-    decode_attention<T, C, D, HG>(out, part_acc, part_ml, q, q_stride, k_cache, v_cache,      \
-                                  k_scale, v_scale, block_tables, table_stride, seq_lens,     \
-                                  rows, num_heads, num_kv_heads, group, head_chunks,          \
-                                  block_shift, window, scale, split_tokens);                  \
+#define AIENG_DECODE(NAME, T, C, D, HG)                                                           \
+  extern "C" __global__ void __launch_bounds__(paged_decode::kThreads) NAME(                      \
+      T* out, float* part_acc, float* part_ml, const T* q, int q_stride, const C* k_cache,        \
+      const C* v_cache, const T* k_scale, const T* v_scale, const int* block_tables,              \
+      int table_stride, const int* seq_lens, const int* rows, int num_heads, int num_kv_heads,    \
+      int group, int head_chunks, int block_shift, int window, float scale, int split_tokens) {   \
+    paged_decode::decode_attention<T, C, D, HG>(                                                  \
+        out, part_acc, part_ml, q, q_stride, k_cache, v_cache, k_scale, v_scale, block_tables,    \
+        table_stride, seq_lens, rows, num_heads, num_kv_heads, group, head_chunks, block_shift,   \
+        window, scale, split_tokens);                                                             \
   }
 
 // paged_decode_<dtype>_<cache: kv = dtype, i8 = int8>_d<head_dim>_g<query heads per CTA>
-#define AIENG_DECODE_GROUPS(DT, T, KV, C, D)        \
-  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g1, T, C, D, 1) \
-  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g2, T, C, D, 2) \
-  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g4, T, C, D, 4) \
+#define AIENG_DECODE_GROUPS(DT, T, KV, C, D)                                                      \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g1, T, C, D, 1)                                  \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g2, T, C, D, 2)                                  \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g4, T, C, D, 4)                                  \
   AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g8, T, C, D, 8)
 
 #if AIENG_WANTS(1, 0, 64)
@@ -275,12 +276,12 @@ AIENG_DECODE_GROUPS(bf16, bf16_t, i8, signed char, 64)
 AIENG_DECODE_GROUPS(bf16, bf16_t, i8, signed char, 128)
 #endif
 
-#define AIENG_DECODE_REDUCE(NAME, T)                                                          \
-  extern "C" __global__ void __launch_bounds__(256)                                           \
-      NAME(T* out, const float* part_acc, const float* part_ml, const int* seq_lens,          \
-           const int* rows, int num_splits, int window, int split_tokens) {                   \
-    decode_reduce<T>(out, part_acc, part_ml, seq_lens, rows, num_splits, window,              \
-                     split_tokens);                                                           \
+#define AIENG_DECODE_REDUCE(NAME, T)                                                              \
+  extern "C" __global__ void __launch_bounds__(256)                                               \
+      NAME(T* out, const float* part_acc, const float* part_ml, const int* seq_lens,              \
+           const int* rows, int num_splits, int window, int split_tokens) {                       \
+    paged_decode::decode_reduce<T>(out, part_acc, part_ml, seq_lens, rows, num_splits, window,    \
+                                   split_tokens);                                                 \
   }
 
 #if AIENG_WANTS(1, AIENG_INT8, AIENG_HEAD_DIM)

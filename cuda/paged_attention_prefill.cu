@@ -16,7 +16,8 @@
 // O += P V by MMA with P re-packed from S's accumulator fragments into A fragments.
 #include "common.cuh"
 
-namespace {
+// Named (not anonymous), so that the host emulation can build every source in one program.
+namespace paged_prefill {
 
 constexpr int kThreads = 128;
 constexpr int kBM = 64;  // queries per CTA (16 per warp)
@@ -202,19 +203,19 @@ __device__ __forceinline__ void prefill_attention(
   }
 }
 
-}  // namespace
+}  // namespace paged_prefill
 
-#define AIENG_PREFILL(NAME, T, C, D)                                                           \
-  extern "C" __global__ void __launch_bounds__(kThreads) NAME(                                \
-      T* out, const T* q, int q_stride, const C* k_cache, const C* v_cache, const T* k_scale,  \
-      const T* v_scale, const int* block_tables, int table_stride, const int* query_start,     \
-      const int* num_computed, const int* seq_lens, const int* tile_request,                  \
-      const int* tile_first, int num_heads, int num_kv_heads, int block_shift, int window,    \
-      float scale) {                                                                          \
-    prefill_attention<T, C, D>(out, q, q_stride, k_cache, v_cache, k_scale, v_scale,          \
-                               block_tables, table_stride, query_start, num_computed,         \
-                               seq_lens, tile_request, tile_first, num_heads, num_kv_heads,   \
-                               block_shift, window, scale);                                   \
+#define AIENG_PREFILL(NAME, T, C, D)                                                              \
+  extern "C" __global__ void __launch_bounds__(paged_prefill::kThreads) NAME(                     \
+      T* out, const T* q, int q_stride, const C* k_cache, const C* v_cache, const T* k_scale,     \
+      const T* v_scale, const int* block_tables, int table_stride, const int* query_start,        \
+      const int* num_computed, const int* seq_lens, const int* tile_request,                      \
+      const int* tile_first, int num_heads, int num_kv_heads, int block_shift, int window,        \
+      float scale) {                                                                              \
+    paged_prefill::prefill_attention<T, C, D>(                                                    \
+        out, q, q_stride, k_cache, v_cache, k_scale, v_scale, block_tables, table_stride,         \
+        query_start, num_computed, seq_lens, tile_request, tile_first, num_heads, num_kv_heads,   \
+        block_shift, window, scale);                                                              \
   }
 
 // paged_prefill_<dtype>_<cache: kv = dtype, i8 = int8>_d<head_dim>

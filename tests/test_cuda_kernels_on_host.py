@@ -55,7 +55,7 @@ class HostKernels:
         self.binary, self.folder = binary, folder
 
     def launch(self, kernel: str, grid, block, args) -> None:
-        grid, block = (*np.atleast_1d(grid), 1)[:2], (*np.atleast_1d(block), 1)[:2]
+        grid, block = (*np.atleast_1d(grid), 1, 1)[:3], (*np.atleast_1d(block), 1)[:2]
         words, buffers = [], []
         bases: dict[int, tuple[int, torch.Tensor]] = {}  # storage -> (its arg index, tensor)
         for index, arg in enumerate(args):

@@ -1,6 +1,6 @@
 // One launch of one of aieng's kernels on the host (emulate.h), driven by tests:
 //
-//   run_kernel KERNEL GX GY BX BY ARG...
+//   run_kernel KERNEL GX GY GZ BX BY ARG...
 //
 // each ARG is `p:FILE` (a buffer read from FILE and written back after the launch),
 // `o:INDEX:OFFSET` (a pointer OFFSET bytes into the buffer of argument INDEX), `n` (a null
@@ -10,6 +10,8 @@
 #include "fused_ops.cu"
 #include "int4_gemm.cu"
 #include "int4_gemv.cu"
+#include "paged_attention_decode.cu"
+#include "paged_attention_prefill.cu"
 
 #include <cstdio>
 #include <fstream>
@@ -51,18 +53,27 @@ Call caller(void (*kernel)(T...)) {
       KERNEL(int4_gemv_##DT##_m8), KERNEL(int4_gemv_##DT##_m16)
 #define FUSED(DT) KERNEL(add_rms_norm_##DT), KERNEL(rope_kv_write_##DT), KERNEL(silu_and_mul_##DT)
 
+#define DECODE(DT, KV, D)                                                                          \
+  KERNEL(paged_decode_##DT##_##KV##_d##D##_g1), KERNEL(paged_decode_##DT##_##KV##_d##D##_g2),     \
+      KERNEL(paged_decode_##DT##_##KV##_d##D##_g4), KERNEL(paged_decode_##DT##_##KV##_d##D##_g8), \
+      KERNEL(paged_prefill_##DT##_##KV##_d##D)
+#define ATTENTION(DT)                                                                              \
+  DECODE(DT, kv, 64), DECODE(DT, kv, 128), DECODE(DT, i8, 64), DECODE(DT, i8, 128),                \
+      KERNEL(paged_decode_reduce_##DT)
+
 int main(int argc, char** argv) {
   const std::map<std::string, Call> kernels = {
       GEMV_TILES(f16), GEMV_TILES(bf16), GEMV_TILES(f32), KERNEL(int4_gemm_f16),
-      KERNEL(int4_gemm_bf16), FUSED(f16),      FUSED(bf16),      FUSED(f32)};
-  if (argc < 6 || !kernels.count(argv[1])) {
-    std::fprintf(stderr, "usage: run_kernel KERNEL GX GY BX BY ARG... (unknown kernel?)\n");
+      KERNEL(int4_gemm_bf16), FUSED(f16),      FUSED(bf16),      FUSED(f32),
+      ATTENTION(f16), ATTENTION(bf16)};
+  if (argc < 7 || !kernels.count(argv[1])) {
+    std::fprintf(stderr, "usage: run_kernel KERNEL GX GY GZ BX BY ARG... (unknown kernel?)\n");
     return 2;
   }
-  std::vector<Arg> args(argc - 6);
-  for (int i = 6; i < argc; ++i) {
+  std::vector<Arg> args(argc - 7);
+  for (int i = 7; i < argc; ++i) {
     const std::string text = argv[i];
-    Arg& arg = args[i - 6];
+    Arg& arg = args[i - 7];
     if (text == "n") continue;
     const std::string value = text.substr(2);
     if (text[0] == 'o') {  // o:INDEX:OFFSET, a pointer into an earlier buffer argument
@@ -81,8 +92,9 @@ int main(int argc, char** argv) {
       arg.i = std::stoll(value);
     }
   }
-  const dim3_t grid{unsigned(std::stoi(argv[2])), unsigned(std::stoi(argv[3])), 1};
-  const dim3_t block{unsigned(std::stoi(argv[4])), unsigned(std::stoi(argv[5])), 1};
+  const dim3_t grid{unsigned(std::stoi(argv[2])), unsigned(std::stoi(argv[3])),
+                    unsigned(std::stoi(argv[4]))};
+  const dim3_t block{unsigned(std::stoi(argv[5])), unsigned(std::stoi(argv[6])), 1};
   const Call& call = kernels.at(argv[1]);
   launch(grid, block, [&] { call(args); });
   for (Arg& arg : args)

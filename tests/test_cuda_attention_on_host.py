@@ -1,0 +1,122 @@
+"""The paged attention kernels' own source run on the CPU (issue 12): paged_attention_decode.cu
+and paged_attention_prefill.cu built with the host's C++ compiler over tests/cuda_host/emulate.h
+(threads as std::threads, shuffles and mma.sync emulated from the PTX fragment layouts), launched
+with exactly the grids and arguments the `cuda` backend computes (`decode_launches`,
+`prefill_launch`), against the torch reference in float32 over the same cache. This checks the
+kernels' indexing, masking, split-K and online-softmax arithmetic without a GPU; the PTX itself
+only runs on one (tests/test_cuda_attention_gpu.py). Small shapes: every block is 128 threads."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from test_cuda_kernels_on_host import HostKernels, host_kernels  # noqa: F401 (the fixture)
+
+from aieng.attention.backend import QuantizedKVCache
+from aieng.attention.cuda_paged import build_cuda_metadata, paged_cache, split_plan
+from aieng.attention.cuda_self_check import (
+    TOLERANCE,
+    RequestSpec,
+    clone_cache,
+    random_cache,
+    random_step,
+    reference_attention,
+)
+from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
+from aieng.kernels.paged_attention import Launch, decode_launches, prefill_launch
+from aieng.layers.attention import Attention
+
+CPU = torch.device("cpu")
+
+
+def run_step(
+    host: HostKernels, specs: Sequence[RequestSpec], heads: int, kv_heads: int, head_dim: int,
+    block_size: int, window: int | None, dtype: torch.dtype, int8: bool, num_sms: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
+    """One random step through the host-built kernels into a NaN-filled output -> (got, want,
+    number of decode splits)."""
+    inputs, num_blocks = random_step(specs, block_size, CPU, seed=len(specs))
+    generator = torch.Generator().manual_seed(heads * head_dim)
+    tokens = int(inputs.query_start_loc[-1])
+    q = torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=generator).to(dtype)
+    cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, int8, CPU, generator)
+    layer = Attention(heads, kv_heads, head_dim, 0, sliding_window=window)
+    want = reference_attention(layer, q, k, v, clone_cache(cache), inputs)
+    metadata = build_cuda_metadata(inputs)
+    if isinstance(cache, QuantizedKVCache):
+        write_quantized_kv_cache(k, v, cache, metadata.slot_mapping)
+    else:
+        write_kv_cache(k, v, cache[0], cache[1], metadata.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    launches: list[Launch] = []
+    splits = 0
+    if (decode := metadata.decode) is not None:
+        plan = split_plan(decode, window, heads, kv_heads, head_dim, num_sms)
+        shape = (len(decode.seq_lens_host), heads, plan.num_splits)
+        partials = (
+            torch.full((*shape, head_dim), float("nan")),
+            torch.full((*shape, 2), float("nan")),
+        )
+        launches += decode_launches(
+            out, q, paged_cache(cache), decode.block_tables, decode.seq_lens, decode.rows, plan,
+            layer.scale, window, partials,
+        )  # fmt: skip
+        splits = plan.num_splits
+    if (prefill := metadata.prefill) is not None:
+        launch = prefill_launch(
+            out, q, paged_cache(cache), prefill.block_tables, prefill.query_start,
+            prefill.num_computed, prefill.seq_lens, prefill.tile_request, prefill.tile_first,
+            layer.scale, window,
+        )  # fmt: skip
+        launches.append(launch)
+    for launch in launches:
+        host.launch(launch.kernel, launch.grid, launch.block, launch.args)
+    return out, want, splits
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not got.isnan().any(), f"{int(got.isnan().any(-1).sum())} (token, head) rows unwritten"
+    rows = (got.double() - want.double()).norm(dim=-1) / want.double().norm(dim=-1)
+    assert float(rows.max()) <= 2 * TOLERANCE[dtype], float(rows.max())
+
+
+# (query heads, KV heads, head_dim, block size, window, dtype, INT8, SMs, (cached, new) per request)
+CASES = {
+    "decode split, group 4": (
+        8, 2, 64, 16, None, torch.float16, False, 132, [(699, 1), (4, 1), (31, 1), (0, 1)],
+    ),
+    "decode int8 window, group 3": (
+        6, 2, 128, 32, 100, torch.bfloat16, True, 4, [(0, 1), (98, 1), (99, 1), (100, 1), (299, 1)],
+    ),
+    "decode group 20 (3 CTAs per KV head), split": (
+        20, 1, 64, 16, None, torch.bfloat16, False, 132, [(49, 1), (599, 1)],
+    ),
+    "decode int8 split with window": (
+        4, 4, 64, 32, 600, torch.float16, True, 132, [(899, 1), (10, 1)],
+    ),
+    "prefill fresh and chunked": (
+        4, 2, 64, 16, None, torch.float16, False, 132, [(0, 37), (50, 70)],
+    ),
+    "prefill int8 window, two query tiles": (
+        2, 1, 128, 32, 40, torch.bfloat16, True, 132, [(0, 130), (100, 3)],
+    ),
+    "mixed step": (
+        4, 1, 128, 16, None, torch.float16, False, 132, [(0, 2), (300, 1), (17, 20), (0, 1)],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_kernel_source_on_the_host(host_kernels: HostKernels, case: str) -> None:  # noqa: F811
+    heads, kv_heads, head_dim, block_size, window, dtype, int8, num_sms, requests = CASES[case]
+    specs = [RequestSpec(cached, new) for cached, new in requests]
+    got, want, splits = run_step(
+        host_kernels, specs, heads, kv_heads, head_dim, block_size, window, dtype, int8, num_sms
+    )
+    if "split" in case:
+        assert splits > 1, "the case was meant to take the split-K path"
+    assert_close(got, want, dtype)
