@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,6 +78,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benches/results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     llm = LLM(max_num_seqs=args.requests)
     n = args.requests
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
@@ -112,6 +114,7 @@ def main() -> int:
                     if completion.finish_reason != "stop":
                         raise SystemExit(f"a constrained output was cut: {completion.text!r}")
                     jsonschema.validate(json.loads(completion.text), schema)
+    load_after = os.getloadavg()[0]
     tokens = sum(lengths)
     rows = {
         name: {"wall_s": min(w), "walls_s": w, "tok_s": tokens / min(w)}
@@ -127,12 +130,15 @@ def main() -> int:
         "runs": rows,
         "ratio": ratio,
         "goal": 0.9,
+        "load_average_1min": [load_before, load_after],
     }
     lines = [
         "# bench_structured_outputs",
         "",
         f"Machine: {info['nproc']} CPUs ({info['cpu']}; {info['cpu_features']}), torch "
-        f"{info['torch']}, Python {info['python']}, torch.set_num_threads({args.threads}).",
+        f"{info['torch']}, Python {info['python']}, torch.set_num_threads({args.threads}). "
+        f"1-minute load average {load_before:.1f} at the start and {load_after:.1f} at the end "
+        f"(on {info['nproc']} CPUs: above that, other work shared the CPUs).",
         "",
         f"{n} concurrent requests on the default model, temperature 0.8 (seeded), "
         f"{tokens} output tokens per run ({tokens / n:.1f} per request); the unconstrained run "
