@@ -13,6 +13,15 @@ if ! command -v bible >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)
         || echo "   (could not install bible-kjv: the KJV corpus test will skip)"
 fi
 
+# The monitoring tests run Debian's Prometheus (promtool and a real server); in CI they fail
+# without it, so install it where this machine can.
+if ! command -v promtool >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "== apt-get install prometheus (for the monitoring tests)"
+    apt-get install -y -q prometheus >/dev/null 2>&1 \
+        || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q prometheus >/dev/null 2>&1) \
+        || echo "   (could not install prometheus: the monitoring tests will fail in CI)"
+fi
+
 echo "== cargo fmt --check"
 cargo fmt --check
 echo "== cargo clippy -D warnings (core, and with the Python bindings)"

@@ -54,6 +54,7 @@ class EngineStats:
     num_requests: int = 0  # requests the engine holds (running, waiting or not yet in the core)
     kv_cache_dtype: str = ""  # 'int8' or the model's dtype; '' before the engine is loaded
     block_size: int = 0
+    max_num_seqs: int = 0  # the batch's capacity in requests; 0 before the engine is loaded
     heartbeat: float = 0.0  # time.monotonic() of the loop's last turn
 
     @classmethod
@@ -74,6 +75,7 @@ class EngineStats:
             num_requests=len(engine.requests),
             kv_cache_dtype=engine.runner.kv_spec.cache_dtype,
             block_size=engine.runner.block_size,
+            max_num_seqs=engine.config.max_num_seqs,
             heartbeat=time.monotonic(),
         )
 

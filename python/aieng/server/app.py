@@ -20,6 +20,7 @@ from aieng.server import chat, completions, routes
 from aieng.server.config import ServerConfig
 from aieng.server.context import ServerContext
 from aieng.server.errors import install_error_handlers
+from aieng.server.http_metrics import HttpMetricsMiddleware
 from aieng.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from aieng.server.params import IGNORED_FIELDS_HEADER
 
@@ -72,6 +73,12 @@ def build_app(
     )
     if config.api_key:  # outside the body limit: the key is checked before any body is read
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    # every answer counted, the middleware's own refusals included
+    app.add_middleware(
+        HttpMetricsMiddleware,
+        counter=ctx.metrics.http_requests,
+        model_name=config.served_model_name,
+    )
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id
     return app
 

@@ -93,6 +93,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="comma-separated CORS origins (CORS is off when empty)",
     )
+    server.add_argument(
+        "--cost-per-hour",
+        type=float,
+        default=None,
+        metavar="USD",
+        help="the machine's price per hour: exports aieng_cost_usd_total and "
+        "aieng_cost_per_1k_output_tokens",
+    )
     server.add_argument("--log-format", choices=("text", "json"), default="text")
     server.add_argument(
         "--log-level", type=str.lower, choices=LOG_LEVELS, default="info", help="(default: info)"
@@ -121,6 +129,7 @@ def server_config(args: argparse.Namespace, model_path: Path) -> ServerConfig:
         max_concurrent_body_reads=args.max_concurrent_body_reads,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         log_format=args.log_format,
+        cost_per_hour=args.cost_per_hour,
     )
 
 

@@ -24,6 +24,7 @@ class ServerConfig:
     max_concurrent_body_reads: int = 64  # bodies read at once; past it 503
     allowed_origins: tuple[str, ...] = field(default_factory=tuple)
     log_format: str = "text"
+    cost_per_hour: float | None = None  # the machine's price in USD, for the cost metrics
 
     def __post_init__(self) -> None:
         for name in (
@@ -42,6 +43,8 @@ class ServerConfig:
             raise ValueError(f"request_read_timeout must be > 0, got {self.request_read_timeout}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.cost_per_hour is not None and not self.cost_per_hour > 0:
+            raise ValueError(f"cost_per_hour must be > 0, got {self.cost_per_hour}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
 

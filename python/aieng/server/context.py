@@ -25,7 +25,13 @@ class ServerContext:
         self.model_defaults: dict[str, Any] = {}
         self.created = int(time.time())
         self.admission = Admission(config, self.stats)
-        self.metrics = ServerMetrics(config.served_model_name, self.stats, self.gpu_memory)
+        self.metrics = ServerMetrics(
+            config.served_model_name,
+            self.stats,
+            self.gpu_memory,
+            engine_dead=lambda: self.engine_failed,
+            cost_per_hour=config.cost_per_hour,
+        )
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}
         self.warned_fields: set[str] = set()  # unknown request fields already logged

@@ -7,6 +7,8 @@ observed as requests finish.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -38,6 +40,9 @@ class EngineCollector(Collector):
              stats.num_running),
             (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.",
              stats.num_waiting),
+            (GaugeMetricFamily, "max_num_seqs",
+             "Requests the running batch can hold (batch fill = running / this).",
+             stats.max_num_seqs),
             (GaugeMetricFamily, "kv_cache_num_blocks",
              "KV cache blocks in the pool (what kv_cache_memory holds at the cache's dtype).",
              stats.num_blocks),
@@ -91,17 +96,73 @@ class GpuMemoryCollector(Collector):
         yield metric
 
 
+class ServiceCollector(Collector):
+    """The server's own state: whether its engine is dead (an alert's input), its uptime, and —
+    given the machine's price (`--cost-per-hour`) — what it has cost and what a thousand output
+    tokens cost over its life so far. The cost is the machine's: idle time is paid for too."""
+
+    def __init__(
+        self,
+        model_name: str,
+        engine_dead: Callable[[], bool],
+        generated_tokens: Callable[[], float],
+        cost_per_hour: float | None,
+    ):
+        self.model_name, self.engine_dead = model_name, engine_dead
+        self.generated_tokens, self.cost_per_hour = generated_tokens, cost_per_hour
+        self.started = time.monotonic()
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["model_name"]
+        uptime = time.monotonic() - self.started
+        dead = GaugeMetricFamily(
+            "aieng_engine_dead",
+            "1 once the engine loop has died (the server answers 503).",
+            labels=labels,
+        )
+        dead.add_metric([self.model_name], float(self.engine_dead()))
+        yield dead
+        up = CounterMetricFamily(
+            "aieng_uptime_seconds", "Seconds since the server started.", labels=labels
+        )
+        up.add_metric([self.model_name], uptime)
+        yield up
+        if self.cost_per_hour is None:
+            return
+        cost = self.cost_per_hour * uptime / 3600
+        total = CounterMetricFamily(
+            "aieng_cost_usd",
+            "What the machine has cost since the server started (--cost-per-hour).",
+            labels=labels,
+        )
+        total.add_metric([self.model_name], cost)
+        yield total
+        tokens = self.generated_tokens()
+        per_1k = GaugeMetricFamily(
+            "aieng_cost_per_1k_output_tokens",
+            "Machine cost per 1000 generated tokens since the server started (NaN before any).",
+            labels=labels,
+        )
+        per_1k.add_metric([self.model_name], cost / tokens * 1000 if tokens else math.nan)
+        yield per_1k
+
+
 class ServerMetrics:
     def __init__(
         self,
         model_name: str,
         stats: Callable[[], EngineStats | None],
         gpu_memory: Callable[[], GpuMemory | None] = lambda: None,
+        engine_dead: Callable[[], bool] = lambda: False,
+        cost_per_hour: float | None = None,
     ):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(stats, model_name))
         self.registry.register(GpuMemoryCollector(gpu_memory, model_name))
+        self.registry.register(
+            ServiceCollector(model_name, engine_dead, self._generated_tokens, cost_per_hour)
+        )
         model = ["model_name"]
 
         def counter(name: str, doc: str, *labels: str) -> Counter:
@@ -128,6 +189,14 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens scheduled per engine step.", STEP_TOKEN_BUCKETS
         )
+        self.http_requests = counter(
+            "http_requests", "HTTP answers by route and status code.", "route", "status"
+        )
+
+        self.generated = 0  # tokens, for the cost per 1k
+
+    def _generated_tokens(self) -> float:
+        return self.generated
 
     def observe_step(self, num_tokens: int) -> None:
         if num_tokens:
@@ -150,6 +219,7 @@ class ServerMetrics:
     ) -> None:
         m = self.model_name
         self.generation_tokens.labels(m).inc(completion_tokens)
+        self.generated += completion_tokens
         for reason in finish_reasons:
             self.request_success.labels(m, reason).inc()
         if ttft is not None:
