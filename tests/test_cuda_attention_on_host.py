@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from test_cuda_kernels_on_host import HostKernels, host_kernels  # noqa: F401 (the fixture)
+from test_cuda_kernels_on_host import COMPILER, HostKernels, host_kernels  # noqa: F401 (fixture)
 
 from aieng.attention.backend import QuantizedKVCache
 from aieng.attention.cuda_paged import build_cuda_metadata, paged_cache, split_plan
@@ -29,6 +29,7 @@ from aieng.kernels.paged_attention import Launch, decode_launches, prefill_launc
 from aieng.layers.attention import Attention
 
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler (g++ or clang++)")
 
 
 def run_step(
