@@ -197,14 +197,16 @@ PROMPT_LENS = [1, 7, 40, 23, 100]
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=["gqa2-d64", "gqa4-d128"])
+@pytest.fixture(scope="module", params=["llama-gqa2-d64", "llama-gqa4-d128", "mistral-window"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    shape = {
-        "gqa2-d64": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2),
-        "gqa4-d128": dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=1),
+    arch, shape = {
+        "llama-gqa2-d64": ("llama", dict(hidden_size=256, num_key_value_heads=2)),
+        "llama-gqa4-d128": ("llama", dict(hidden_size=512, num_key_value_heads=1)),
+        # sliding window 24: prompts of up to 100 tokens attend through it
+        "mistral-window": ("mistral", dict(hidden_size=256, num_key_value_heads=2)),
     }[request.param]
     folder = tmp_path_factory.mktemp(request.param)
-    return build_checkpoint("llama", folder, intermediate_size=512, **shape)
+    return build_checkpoint(arch, folder, intermediate_size=512, num_attention_heads=4, **shape)
 
 
 def run_engine(folder: Path, dtype: str, backend: str, kv_cache_dtype: str) -> list:
@@ -222,8 +224,7 @@ def run_engine(folder: Path, dtype: str, backend: str, kv_cache_dtype: str) -> l
     return scheduler.run()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("float16", "auto"), ("bfloat16", "int8")])
 def test_engine_with_the_kernels_follows_the_reference(
     checkpoint: Path, dtype: str, kv_cache_dtype: str
 ) -> None:
