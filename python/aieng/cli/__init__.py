@@ -1,4 +1,4 @@
-"""The `aieng` command: generate, chat, train, eval, bench, serve, quantize.
+"""The `aieng` command: generate, chat, train, eval, bench, serve, quantize, model.
 
 Every subcommand reports a failure as one line on stderr (`aieng <cmd>: error: ...`) and a
 non-zero exit status, never a traceback; `AIENG_DEBUG=1` shows the traceback as well.
@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from aieng.cli import bench, evaluate, generate, quantize, serve, train
+from aieng.cli import bench, evaluate, generate, model, quantize, serve, train
 
 COMMANDS = {
     "generate": generate.add_generate,
@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": bench.add_bench,
     "serve": serve.add_serve,
     "quantize": quantize.add_quantize,
+    "model": model.add_model,
 }
 
 
