@@ -194,6 +194,12 @@ class ServerMetrics:
         )
 
         self.generated = 0  # tokens, for the cost per 1k
+        # Series without a label beyond the model's exist from the start (at 0), so that a rate
+        # over them is defined before the first request, not missing.
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl):
+            metric.labels(model_name)
+        for metric in (self.tpot, self.e2e, self.queue_time, self.iteration_tokens):
+            metric.labels(model_name)
 
     def _generated_tokens(self) -> float:
         return self.generated
