@@ -124,6 +124,10 @@ def test_every_metric_the_rules_and_dashboard_name_is_exported(model):
     assert metrics["aieng_cost_usd_total"] > 0
     assert metrics["aieng_cost_per_1k_output_tokens"] > 0
     assert metrics["aieng_engine_dead"] == 0
+    phases = {k for k in metrics if k.startswith("aieng_model_load_seconds{")}
+    expected = {"build", "read", "place", "repack", "kv_cache"}
+    assert phases == {f"aieng_model_load_seconds{{phase={p}}}" for p in expected}
+    assert metrics["aieng_model_load_seconds"] > 0
 
 
 # --- a real Prometheus, a live server, alerts firing ------------------------------------------

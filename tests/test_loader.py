@@ -12,7 +12,7 @@ from tiny_models import build_checkpoint
 
 from aieng.config import ModelConfig, RopeConfig
 from aieng.layers.rotary import rope_inv_freq
-from aieng.models.loader import load_model
+from aieng.models.loader import LoadTimes, load_model
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +61,14 @@ def test_sharded_checkpoint_matches_single_file(llama_dir, tmp_path):
 
 
 def test_converts_to_target_dtype_and_logs_times(llama_dir, caplog):
+    times = LoadTimes()
     with caplog.at_level(logging.INFO, logger="aieng.models.loader"):
-        model, _ = load_model(llama_dir, dtype=torch.bfloat16)
+        model, _ = load_model(llama_dir, dtype=torch.bfloat16, times=times)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert "reading" in caplog.text and "placing" in caplog.text
+    assert "read" in caplog.text and "convert and place" in caplog.text
+    assert times.reading_s > 0 and times.placing_s > 0 and times.building_s > 0
+    assert times.kv_cache_s == 0  # the runner's part
+    assert times.describe().startswith(f"model loaded in {times.total_s:.2f} s (build ")
 
 
 def test_missing_tensor_is_named(broken_dir):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from aieng.engine_args import EngineArgs, torch_dtype
 from aieng.gpu_memory import log_gpu_memory
 from aieng.input_buffers import InputBuffers
 from aieng.kv_cache import KVCacheSpec
-from aieng.models.loader import load_model, resolve_dtype
+from aieng.models.loader import LoadTimes, load_model, resolve_dtype
 from aieng.runner_io import ModelRunnerOutput, RunnerStep, SampledLogprobs
 from aieng.sampler import Sampler, SamplerOutput, SamplingTable
 
@@ -49,7 +50,8 @@ class ModelRunner:
         if dtype is None and self.device.type == "cpu":
             dtype = torch.float32
         self.model: Any
-        self.model, self.config = load_model(args.model, dtype, self.device)
+        self.load_times = LoadTimes()
+        self.model, self.config = load_model(args.model, dtype, self.device, times=self.load_times)
         self.dtype = dtype or resolve_dtype(self.config.dtype)
         self.block_size = args.block_size
         self.eos_token_ids = list(eos_token_ids)
@@ -66,6 +68,7 @@ class ModelRunner:
                 f"kv_cache_dtype {args.kv_cache_dtype!r}: the attention backend "
                 f"{self.attention.name!r} reads only {', '.join(self.attention.kv_cache_dtypes)}"
             )
+        kv_start = time.perf_counter()
         self.num_blocks = self._num_blocks(args)
         # CUDA graphs pad decode steps with rows that write a scratch block past the core's.
         graphs = graphs_wanted(args.enforce_eager, self.device)
@@ -73,6 +76,8 @@ class ModelRunner:
         self.kv_caches = self.kv_spec.allocate(
             self.num_blocks + pad_blocks, self.device, self.attention
         )
+        self.load_times.kv_cache_s = time.perf_counter() - kv_start
+        logger.info("%s", self.load_times.describe())
         logger.info(
             "KV cache: %s, %d blocks of %d tokens = %d tokens (%.1f MiB, %d bytes per token) on "
             "%s; attention backend %s",

@@ -40,8 +40,33 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, stored by some old ch
 
 @dataclass
 class LoadTimes:
-    reading_s: float = 0.0
-    placing_s: float = 0.0  # the weight loaders: conversion, checks, copy to the device
+    """Where a model's load went. The runner adds the KV cache's allocation and logs the sum."""
+
+    reading_s: float = 0.0  # safetensors reads (memory-mapped: the page-ins)
+    placing_s: float = 0.0  # the weight loaders: dtype conversion, checks, copy to the device
+    repacking_s: float = 0.0  # process_weights_after_loading: quantized layers' compute layout
+    building_s: float = 0.0  # constructing the (uninitialised) model on the device
+    kv_cache_s: float = 0.0  # the runner: sizing (a profiling forward on a GPU) and allocation
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.phases().values())
+
+    def phases(self) -> dict[str, float]:
+        return {
+            "build": self.building_s,
+            "read": self.reading_s,
+            "place": self.placing_s,
+            "repack": self.repacking_s,
+            "kv_cache": self.kv_cache_s,
+        }
+
+    def describe(self) -> str:
+        return (
+            f"model loaded in {self.total_s:.2f} s (build {self.building_s:.2f} s, read "
+            f"{self.reading_s:.2f} s, convert and place {self.placing_s:.2f} s, repack "
+            f"{self.repacking_s:.2f} s, KV cache {self.kv_cache_s:.2f} s)"
+        )
 
 
 def resolve_dtype(name: str, source: str = "config.json") -> torch.dtype:
@@ -57,9 +82,11 @@ def load_model(
     device: str | torch.device = "cpu",
     config: ModelConfig | None = None,
     linear_methods: LinearMethodChooser | None = None,
+    times: LoadTimes | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """-> (model in eval mode on `device`, its config). dtype defaults to the checkpoint's.
-    linear_methods defaults to what the checkpoint's `quantization_config` calls for."""
+    linear_methods defaults to what the checkpoint's `quantization_config` calls for. `times`,
+    if given, receives where the load went."""
     folder = Path(path)
     config = config or ModelConfig.from_pretrained(folder)
     cls = model_class(config.architecture, str(folder / "config.json"))
@@ -67,21 +94,26 @@ def load_model(
     if linear_methods is None:
         packed = getattr(cls, "packed_modules", {})
         linear_methods = quantized_linear_methods(config.quantization, packed)
+    times = times if times is not None else LoadTimes()
+    start = time.perf_counter()
     with torch.device(device):
         model = cls(config, dtype, linear_methods)
-    times = load_weights(model, folder)
+    times.building_s += time.perf_counter() - start
+    load_weights(model, folder, times)
     start = time.perf_counter()
     process_weights_after_loading(model)
-    times.placing_s += time.perf_counter() - start
+    times.repacking_s += time.perf_counter() - start
     quantized = ""
     if config.quantization is not None:
         quantized = f"; {config.quantization.describe()}: {describe_linear_kernels(model)}"
     logger.info(
-        "loaded %s from %s: reading %.2fs, placing %.2fs%s",
+        "loaded %s from %s: build %.2fs, read %.2fs, convert and place %.2fs, repack %.2fs%s",
         config.architecture,
         folder,
+        times.building_s,
         times.reading_s,
         times.placing_s,
+        times.repacking_s,
         quantized,
     )
     return model.eval(), config
@@ -108,14 +140,14 @@ def checkpoint_files(folder: Path) -> dict[Path, list[str] | None]:
     raise ValueError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors are loaded)")
 
 
-def load_weights(model: nn.Module, folder: Path) -> LoadTimes:
+def load_weights(model: nn.Module, folder: Path, times: LoadTimes | None = None) -> LoadTimes:
     """Every checkpoint tensor goes to its parameter's `weight_loader` (with its shard of a fused
     layer); the loop itself knows nothing of fusing, packing or dtypes."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
     filled: dict[str, set[int | None]] = {name: set() for name in params}
-    times = LoadTimes()
+    times = times if times is not None else LoadTimes()
     files = checkpoint_files(folder)
     for file, names in files.items():
         try:

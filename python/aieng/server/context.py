@@ -31,6 +31,7 @@ class ServerContext:
             self.gpu_memory,
             engine_dead=lambda: self.engine_failed,
             cost_per_hour=config.cost_per_hour,
+            load_phases=self.load_phases,
         )
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}
@@ -38,6 +39,9 @@ class ServerContext:
 
     def stats(self) -> EngineStats | None:
         return None if self.engine is None else self.engine.stats
+
+    def load_phases(self) -> dict[str, float] | None:
+        return None if self.engine is None else self.engine.engine.runner.load_times.phases()
 
     def gpu_memory(self) -> GpuMemory | None:
         return None if self.engine is None else gpu_memory_figures(self.engine.engine.runner)

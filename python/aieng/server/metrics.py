@@ -107,8 +107,9 @@ class ServiceCollector(Collector):
         engine_dead: Callable[[], bool],
         generated_tokens: Callable[[], float],
         cost_per_hour: float | None,
+        load_phases: Callable[[], dict[str, float] | None] = lambda: None,
     ):
-        self.model_name, self.engine_dead = model_name, engine_dead
+        self.model_name, self.engine_dead, self.load_phases = model_name, engine_dead, load_phases
         self.generated_tokens, self.cost_per_hour = generated_tokens, cost_per_hour
         self.started = time.monotonic()
 
@@ -127,6 +128,17 @@ class ServiceCollector(Collector):
         )
         up.add_metric([self.model_name], uptime)
         yield up
+        phases = self.load_phases()
+        if phases is not None:
+            load = GaugeMetricFamily(
+                "aieng_model_load_seconds",
+                "Where loading the model went: build, read, place (convert and copy to the "
+                "device), repack (quantized layers), kv_cache (sizing and allocation).",
+                labels=[*labels, "phase"],
+            )
+            for phase, seconds in phases.items():
+                load.add_metric([self.model_name, phase], seconds)
+            yield load
         if self.cost_per_hour is None:
             return
         cost = self.cost_per_hour * uptime / 3600
@@ -155,13 +167,16 @@ class ServerMetrics:
         gpu_memory: Callable[[], GpuMemory | None] = lambda: None,
         engine_dead: Callable[[], bool] = lambda: False,
         cost_per_hour: float | None = None,
+        load_phases: Callable[[], dict[str, float] | None] = lambda: None,
     ):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(stats, model_name))
         self.registry.register(GpuMemoryCollector(gpu_memory, model_name))
         self.registry.register(
-            ServiceCollector(model_name, engine_dead, self._generated_tokens, cost_per_hour)
+            ServiceCollector(
+                model_name, engine_dead, self._generated_tokens, cost_per_hour, load_phases
+            )
         )
         model = ["model_name"]
 
