@@ -464,3 +464,24 @@ def test_chat_invalid_schema_is_400(client):
             messages=[{"role": "user", "content": "hi"}],
             response_format=json_schema_format({"type": "object", "required": 5}),
         )
+
+
+def test_openai_parse_with_a_pydantic_model(client):
+    """What LangChain's with_structured_output and the openai client's parse() send: a strict
+    json_schema built from a pydantic model, read back into the model."""
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        age: int = pydantic.Field(ge=0, le=150)
+        tribe: str = pydantic.Field(pattern="^(Judah|Levi)$")
+
+    completion = client.beta.chat.completions.parse(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Who was Aaron?"}],
+        response_format=Person,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person) and person.tribe in ("Judah", "Levi")
