@@ -4,6 +4,7 @@ or as a `python -m aieng.server` subprocess (signals, exit codes, logs)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -80,7 +81,10 @@ class ThreadServer:
                 loading_gate.wait(60)
             return LLMEngine(engine_config)
 
-        self.app = build_app(config, load)
+        def load_version(folder: Path) -> LLMEngine:  # hot reload (`model_dir`)
+            return LLMEngine(dataclasses.replace(engine_config, model=str(folder)))
+
+        self.app = build_app(config, load, load_version=load_version)
         self.loading_gate = loading_gate
         self.ctx = self.app.state.context
         self.server = uvicorn.Server(

@@ -10,18 +10,21 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from aieng.async_engine import AsyncLLMEngine
 from aieng.engine import LLMEngine
-from aieng.server import chat, completions, routes
+from aieng.server import admin, chat, completions, routes
+from aieng.server.admin import EngineLeaseMiddleware
 from aieng.server.config import ServerConfig
 from aieng.server.context import ServerContext
 from aieng.server.errors import install_error_handlers
 from aieng.server.http_metrics import HttpMetricsMiddleware
 from aieng.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from aieng.server.model_versions import ModelVersions, scan_model_dir, serving_version
 from aieng.server.params import IGNORED_FIELDS_HEADER
 
 logger = logging.getLogger(__name__)
@@ -31,9 +34,18 @@ def build_app(
     config: ServerConfig,
     load_engine: Callable[[], LLMEngine],
     on_load_failure: Callable[[BaseException], None] | None = None,
+    load_version: Callable[[Path], LLMEngine] | None = None,
 ) -> FastAPI:
-    """`load_engine` runs in a worker thread at startup; the app serves what it returns."""
+    """`load_engine` runs in a worker thread at startup; the app serves what it returns. With
+    `config.model_dir`, `load_engine` loads the version `serving_version` picks and
+    `load_version(folder)` loads another one for a hot reload."""
     ctx = ServerContext(config)
+    if config.model_dir is not None:
+        if load_version is None:
+            raise ValueError("model_dir needs load_version")
+        versions = scan_model_dir(Path(config.model_dir))
+        serving = serving_version(config, versions)
+        ctx.versions = ModelVersions(versions, str(serving.version), load_version)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -53,7 +65,7 @@ def build_app(
     )
     app.state.context = ctx
     install_error_handlers(app)
-    for module in (completions, chat, routes):
+    for module in (completions, chat, routes, admin):
         app.include_router(module.router)
     _without_422(app)
     if config.allowed_origins:
@@ -73,6 +85,7 @@ def build_app(
     )
     if config.api_key:  # outside the body limit: the key is checked before any body is read
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(EngineLeaseMiddleware, ctx=ctx)
     # every answer counted, the middleware's own refusals included
     app.add_middleware(
         HttpMetricsMiddleware,

@@ -4,6 +4,7 @@ the function that runs it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -94,6 +95,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated CORS origins (CORS is off when empty)",
     )
     server.add_argument(
+        "--model-dir",
+        default=None,
+        metavar="DIR",
+        help="serve versions of one model: DIR's subfolders, each a checkpoint with "
+        "aieng-model.json; the latest stable version serves first (hot reload: --admin-key)",
+    )
+    server.add_argument(
+        "--admin-key",
+        default=os.environ.get("AIENG_ADMIN_KEY"),
+        help="the admin API's key (POST /admin/models/NAME/load, ...); also AIENG_ADMIN_KEY",
+    )
+    server.add_argument(
         "--cost-per-hour",
         type=float,
         default=None,
@@ -130,6 +143,8 @@ def server_config(args: argparse.Namespace, model_path: Path) -> ServerConfig:
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         log_format=args.log_format,
         cost_per_hour=args.cost_per_hour,
+        model_dir=args.model_dir,
+        admin_key=args.admin_key or None,
     )
 
 
@@ -146,6 +161,13 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
     try:
         engine = engine_args(args)
+        if args.model_dir is not None:  # the latest stable version serves first
+            from aieng.server.model_versions import latest_stable, scan_model_dir
+
+            first = latest_stable(scan_model_dir(Path(args.model_dir)))
+            engine = dataclasses.replace(engine, model=str(first.folder))
+            args.model = str(first.folder)
+            args.served_model_name = args.served_model_name or first.name
         config = server_config(args, Path(engine.model))
     except (FileNotFoundError, ValueError) as error:
         logger.error("%s", error)
@@ -158,7 +180,10 @@ def run_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = build_app(config, lambda: LLMEngine(engine), on_load_failure)
+    def load_version(folder: Path) -> LLMEngine:
+        return LLMEngine(dataclasses.replace(engine, model=str(folder)))
+
+    app = build_app(config, lambda: LLMEngine(engine), on_load_failure, load_version)
     read_timeout = config.request_read_timeout
     uvicorn_config = uvicorn.Config(
         app,

@@ -25,6 +25,8 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = field(default_factory=tuple)
     log_format: str = "text"
     cost_per_hour: float | None = None  # the machine's price in USD, for the cost metrics
+    model_dir: str | None = None  # versions of the served model (hot reload); see model_versions
+    admin_key: str | None = None  # the admin API's key (hot reload), separate from api_key
 
     def __post_init__(self) -> None:
         for name in (
@@ -43,6 +45,8 @@ class ServerConfig:
             raise ValueError(f"request_read_timeout must be > 0, got {self.request_read_timeout}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ValueError("admin_key must differ from api_key (API clients must not switch)")
         if self.cost_per_hour is not None and not self.cost_per_hour > 0:
             raise ValueError(f"cost_per_hour must be > 0, got {self.cost_per_hour}")
         if self.log_format not in ("text", "json"):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -16,6 +17,9 @@ from aieng.server.config import ServerConfig
 from aieng.server.errors import ApiError, invalid
 from aieng.server.metrics import ServerMetrics
 from aieng.server.request_log import RequestRecord, log_request
+
+if TYPE_CHECKING:
+    from aieng.server.model_versions import ModelVersions
 
 
 class ServerContext:
@@ -36,6 +40,11 @@ class ServerContext:
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}
         self.warned_fields: set[str] = set()  # unknown request fields already logged
+        # `--model-dir`: the versions of the served model (None: one model, no versions)
+        self.versions: ModelVersions | None = None
+        # generation requests admitted to each engine (by id) and not yet answered in full:
+        # an engine switched out is freed only once its count is 0
+        self.leases: Counter[int] = Counter()
 
     def stats(self) -> EngineStats | None:
         return None if self.engine is None else self.engine.stats
@@ -66,6 +75,13 @@ class ServerContext:
             error = ApiError(503, self.engine.not_running(), code="engine_dead")
         if error is None:
             assert self.engine is not None
+            if generation_request is not None:  # released by EngineLeaseMiddleware
+                state = generation_request.scope.setdefault("state", {})
+                if "engine_lease" not in state:
+                    self.leases[id(self.engine)] += 1
+                    state["engine_lease"] = id(self.engine)
+                if self.versions is not None:
+                    state["model_version"] = self.versions.serving
             return self.engine
         if generation_request is not None:
             self.metrics.rejected(error.code or "unavailable")
@@ -84,7 +100,31 @@ class ServerContext:
         """The engine loop died of a failure: the server should exit non-zero and be restarted."""
         return self.engine is not None and self.engine.failure is not None
 
+    def switch_engine(self, engine: AsyncLLMEngine) -> None:
+        """Requests admitted from now on go to `engine` (hot reload); those admitted before
+        keep the engine they hold."""
+        self.engine = engine
+        self.model_defaults = dict(engine.engine.runner.config.generation_defaults)
+        self._token_text = {}
+
+    def release_lease(self, engine_id: int) -> None:
+        self.leases[engine_id] -= 1
+        if self.leases[engine_id] <= 0:
+            del self.leases[engine_id]
+
     def check_model(self, name: str | None) -> None:
+        if name is not None and self.versions is not None:
+            version = self.versions.resolve(name)
+            if version is not None and version != self.versions.serving:
+                raise ApiError(
+                    404,
+                    f"model {name!r}: version {version} is not serving (serving: "
+                    f"{self.versions.name}@{self.versions.serving})",
+                    param="model",
+                    code="model_not_found",
+                )
+            if version is not None:
+                return
         if name is not None and not self.config.knows_model(name):
             raise invalid(
                 f"model {name!r} is not served here; this server serves "

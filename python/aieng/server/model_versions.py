@@ -1,0 +1,344 @@
+"""Versions of the served model and the switch between them: hot reload with double buffering.
+
+`aieng serve --model-dir DIR` serves one model name from a folder of versions — each a
+subfolder holding a checkpoint and its `aieng-model.json` — starting with the latest stable
+version. An admin loads another version while the current one keeps serving:
+
+1. refused at once (507) if its `requirements.memory_bytes` exceed the memory free now, or if
+   its device requirement does not match; one load at a time (409);
+2. loaded in a worker thread into a second engine (the first keeps serving), started, and
+   given a smoke generation (greedy, a few tokens) that must finish normally;
+3. switched in: one assignment on the event loop, so every request admitted from then on goes
+   to the new engine, and every request already admitted finishes on the old one (a request
+   holds the engine it was admitted to for its whole life);
+4. the old engine drains: once it holds no request it is stopped and every reference dropped,
+   and the memory figure before and after is recorded (`GET /admin/models`).
+
+A failed load leaves the serving version untouched, with the failure in the version's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aieng.model_manifest import MANIFEST, ManifestError, ModelManifest, Version
+from aieng.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from aieng.async_engine import AsyncLLMEngine
+    from aieng.engine import LLMEngine
+    from aieng.server.context import ServerContext
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+SMOKE_PROMPT_TOKENS = 4
+SMOKE_MAX_TOKENS = 4
+DRAIN_POLL_S = 0.05
+
+
+class VersionError(ValueError):
+    """A load or unload that cannot be done; `status` is the HTTP answer."""
+
+    def __init__(self, status: int, message: str, code: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def scan_model_dir(folder: Path) -> dict[str, ModelManifest]:
+    """DIR/* with an aieng-model.json -> {version: manifest}; one model name per folder."""
+    if not folder.is_dir():
+        raise ValueError(f"--model-dir {folder}: not a folder")
+    subfolders = sorted(folder.iterdir())
+    found = [ModelManifest.load(sub) for sub in subfolders if (sub / MANIFEST).is_file()]
+    if not found:
+        raise ValueError(f"--model-dir {folder}: no subfolder holds {MANIFEST}")
+    names = sorted({m.name for m in found})
+    if len(names) > 1:
+        raise ValueError(
+            f"--model-dir {folder}: one model name per folder, found {', '.join(names)}"
+        )
+    versions: dict[str, ModelManifest] = {}
+    for manifest in found:
+        key = str(manifest.version)
+        if key in versions:
+            raise ValueError(
+                f"--model-dir {folder}: version {key} is in both {versions[key].folder} and "
+                f"{manifest.folder}"
+            )
+        versions[key] = manifest
+    return versions
+
+
+def latest_stable(versions: dict[str, ModelManifest]) -> ModelManifest:
+    stable = [m for m in versions.values() if m.version.stable]
+    if not stable:
+        raise ValueError(
+            f"no stable version of {next(iter(versions.values())).name} (all are pre-releases: "
+            f"{', '.join(sorted(versions))})"
+        )
+    return max(stable, key=lambda m: m.version.sort_key())
+
+
+def serving_version(config: Any, versions: dict[str, ModelManifest]) -> ModelManifest:
+    """The version a server starts with: the one at `config.model_path` if it is one of them,
+    else the latest stable."""
+    for manifest in versions.values():
+        if manifest.folder is not None and str(manifest.folder) == str(config.model_path):
+            return manifest
+    return latest_stable(versions)
+
+
+def free_memory_bytes(device: str) -> int:
+    """Memory a new version could use now: the GPU's free memory, else available RAM."""
+    if device == "cuda" and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def process_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+@dataclass
+class VersionState:
+    manifest: ModelManifest
+    state: str = "available"  # available | loading | serving | draining | unloaded | failed
+    error: str | None = None
+    load_s: float | None = None
+    rss_before_unload: int | None = None
+    rss_after_unload: int | None = None
+    history: list[tuple[float, str]] = field(default_factory=list)
+
+    def set(self, state: str, error: str | None = None) -> None:
+        self.state, self.error = state, error
+        self.history.append((time.time(), state))
+
+    def describe(self) -> dict[str, Any]:
+        requirements = self.manifest.requirements
+        body: dict[str, Any] = {
+            "name": self.manifest.name,
+            "version": str(self.manifest.version),
+            "stable": self.manifest.version.stable,
+            "state": self.state,
+            "requirements": {
+                "memory_bytes": requirements.memory_bytes,
+                "device": requirements.device,
+            },
+        }
+        for key in ("error", "load_s", "rss_before_unload", "rss_after_unload"):
+            if getattr(self, key) is not None:
+                body[key] = getattr(self, key)
+        return body
+
+
+class ModelVersions:
+    """The versions one server knows, which one serves, and the switch between them."""
+
+    def __init__(
+        self,
+        versions: dict[str, ModelManifest],
+        serving: str,
+        load_version: Callable[[Path], LLMEngine],
+    ):
+        self.states = {key: VersionState(m) for key, m in versions.items()}
+        self.states[serving].set("serving")
+        self.serving = serving
+        self.name = versions[serving].name
+        self._load_version = load_version
+        self._loading: asyncio.Task | None = None
+        self._draining: dict[str, AsyncLLMEngine] = {}
+
+    def resolve(self, model: str) -> str | None:
+        """`name` or `name@version` -> the version to serve it with (None: not this model)."""
+        name, _, version = model.partition("@")
+        if name != self.name:
+            return None
+        return version or self.serving
+
+    def describe(self) -> list[dict[str, Any]]:
+        ordered = sorted(self.states.values(), key=lambda s: s.manifest.version.sort_key())
+        return [s.describe() for s in ordered]
+
+    def start_load(self, ctx: ServerContext, version: str) -> VersionState:
+        """Checks what can be checked at once, then loads in the background."""
+        state = self.states.get(version)
+        if state is None:
+            raise VersionError(
+                404,
+                f"{self.name} has no version {version!r} (known: {', '.join(sorted(self.states))})",
+                "version_not_found",
+            )
+        if version == self.serving:
+            raise VersionError(409, f"{self.name}@{version} is already serving", "already_serving")
+        if self._loading is not None and not self._loading.done():
+            raise VersionError(409, "another version is loading; wait for it", "load_in_progress")
+        if state.state == "draining":
+            raise VersionError(409, f"{self.name}@{version} is still draining", "draining")
+        requirements = state.manifest.requirements
+        device = ctx.engine.engine.runner.device.type if ctx.engine is not None else "cpu"
+        if requirements.device not in ("any", device):
+            raise VersionError(
+                507,
+                f"{self.name}@{version} requires device {requirements.device!r}; this server "
+                f"runs on {device!r}",
+                "device_mismatch",
+            )
+        free = free_memory_bytes(device)
+        if requirements.memory_bytes > free:
+            raise VersionError(
+                507,
+                f"{self.name}@{version} requires {requirements.memory_bytes} bytes of memory; "
+                f"{free} are free while the serving version holds its own",
+                "insufficient_memory",
+            )
+        self._check_tokenizer(state.manifest)
+        state.set("loading")
+        self._loading = asyncio.create_task(self._load_and_switch(ctx, version))
+        return state
+
+    def _check_tokenizer(self, manifest: ModelManifest) -> None:
+        """A switch keeps requests tokenized by one version running on the other (those admitted
+        around the switch), so versions must share their tokenizer."""
+        serving = self.states[self.serving].manifest.folder
+        assert serving is not None and manifest.folder is not None
+        for name in TOKENIZER_FILES:
+            old, new = serving / name, manifest.folder / name
+            same = old.is_file() == new.is_file() and (
+                not old.is_file() or old.read_bytes() == new.read_bytes()
+            )
+            if not same:
+                raise VersionError(
+                    409,
+                    f"{manifest.ref}: its {name} differs from the serving version's; a hot "
+                    "switch needs one tokenizer (restart the server to change it)",
+                    "tokenizer_mismatch",
+                )
+
+    async def _load_and_switch(self, ctx: ServerContext, version: str) -> None:
+        from aieng.async_engine import AsyncLLMEngine
+
+        state = self.states[version]
+        start = time.perf_counter()
+        new: AsyncLLMEngine | None = None
+        try:
+            folder = state.manifest.folder
+            assert folder is not None
+            engine = await asyncio.to_thread(self._load_version, folder)
+            new = AsyncLLMEngine(engine, on_step=ctx.metrics.observe_step)
+            new.start()
+            await self._smoke(new, version)
+        except Exception as error:  # the serving version stays
+            logger.exception("loading %s@%s failed", self.name, version)
+            if new is not None:
+                new.stop()
+            state.set("failed", f"{type(error).__name__}: {error}")
+            return
+        state.load_s = round(time.perf_counter() - start, 3)
+        old_version, old_engine = self.serving, ctx.engine
+        ctx.switch_engine(new)  # atomic: the next admitted request goes to the new version
+        self.serving = version
+        state.set("serving")
+        logger.info("%s@%s serving (loaded in %.2f s)", self.name, version, state.load_s)
+        if old_engine is not None:
+            self.states[old_version].set("draining")
+            self._draining[old_version] = old_engine
+            del old_engine, new  # only _draining holds the old engine now: freeing it frees it
+            await self._drain(ctx, old_version)
+
+    async def _smoke(self, engine: AsyncLLMEngine, version: str) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=SMOKE_MAX_TOKENS, ignore_eos=True)
+        prompt = list(range(1, SMOKE_PROMPT_TOKENS + 1))
+        last = None
+        async for out in engine.generate(f"smoke-{version}-{time.monotonic_ns()}", prompt, params):
+            last = out
+        if last is None or not last.finished or last.outputs[0].finish_reason != "length":
+            reason = None if last is None else last.outputs[0].finish_reason
+            raise RuntimeError(f"the smoke generation ended with {reason!r}, not 'length'")
+
+    async def _drain(self, ctx: ServerContext, version: str) -> None:
+        """Waits for the old engine's in-flight requests, then frees it."""
+        engine = self._draining.get(version)
+        if engine is None:
+            return
+        key = id(engine)
+        while engine.alive and (engine.stats.num_requests > 0 or ctx.leases.get(key, 0) > 0):
+            await asyncio.sleep(DRAIN_POLL_S)
+        del engine
+        await self._free(version)
+
+    async def unload(self, version: str) -> VersionState:
+        """DELETE: a draining version is aborted and freed now; the serving one cannot go."""
+        state = self.states.get(version)
+        if state is None:
+            raise VersionError(404, f"{self.name} has no version {version!r}", "version_not_found")
+        if version == self.serving:
+            raise VersionError(
+                409,
+                f"{self.name}@{version} is serving; load another version first",
+                "serving",
+            )
+        if version in self._draining:
+            self._draining[version].abort_all()
+            await self._free(version)
+        elif state.state == "loading" and self._loading is not None:
+            self._loading.cancel()
+            state.set("unloaded")
+        return state
+
+    async def _free(self, version: str) -> None:
+        engine = self._draining.pop(version, None)
+        if engine is None:
+            return
+        state = self.states[version]
+        state.rss_before_unload = process_rss_bytes()
+        await asyncio.to_thread(engine.stop)
+        del engine
+        await asyncio.to_thread(_release_memory)
+        state.rss_after_unload = process_rss_bytes()
+        state.set("unloaded")
+        logger.info(
+            "%s@%s unloaded (RSS %d -> %d bytes)",
+            self.name,
+            version,
+            state.rss_before_unload,
+            state.rss_after_unload,
+        )
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+__all__ = [
+    "ManifestError",
+    "ModelVersions",
+    "Version",
+    "VersionError",
+    "latest_stable",
+    "scan_model_dir",
+]
