@@ -387,9 +387,9 @@ def apply_grammar_bitmask(
         return logits
     vocab = logits.shape[-1]
     if logits.device.type == "cpu" and sys.byteorder == "little":
-        blocked = ~unpack_bitmask_numpy(bitmask, vocab)
+        blocked = unpack_bitmask_numpy(bitmask, vocab).logical_not_()
     else:
-        blocked = ~unpack_bitmask(bitmask, vocab, logits.device)
+        blocked = unpack_bitmask(bitmask, vocab, logits.device).logical_not_()
     if len(rows) == logits.shape[0] and np.array_equal(rows, np.arange(len(rows))):
         return logits.masked_fill_(blocked, -math.inf)
     index = torch.from_numpy(np.asarray(rows, np.int64)).to(logits.device)
@@ -409,7 +409,7 @@ def unpack_bitmask_numpy(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
     """unpack_bitmask on the CPU through numpy (~10x faster): on a little-endian host the words'
     bytes hold the tokens in order, least significant bit first."""
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    return torch.from_numpy(bits.astype(bool))
+    return torch.from_numpy(np.ascontiguousarray(bits).view(bool))  # 0/1 bytes are bools
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
