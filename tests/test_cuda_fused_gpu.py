@@ -18,7 +18,7 @@ from aieng.kernels.fused import (
     rope_kv_write_reference,
     silu_and_mul,
 )
-from aieng.layers.activation import silu_and_mul as silu_and_mul_reference
+from aieng.layers.activation import silu_and_mul_torch as silu_and_mul_reference
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.version.cuda is None,

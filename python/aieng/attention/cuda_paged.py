@@ -1,11 +1,18 @@
 """Paged attention on aieng's CUDA kernels — the `cuda` backend.
 
 Same cache layout and semantics as the torch reference (`torch_paged`): the step's new K/V are
-written into the cache first (the reference's own `write_kv_cache` / `write_quantized_kv_cache`,
-so an INT8 cache is quantized exactly as the reference quantizes it), then every query reads its
-context from the cache. Decode rows (one new token) go to `paged_attention_decode.cu`
-(GQA-aware, split-K over long contexts when the batch is small); rows of requests with more than
-one new token (prefills and prefill chunks) go to `paged_attention_prefill.cu`.
+written into the cache first, then every query reads its context from the cache. The write is one
+launch of the fused `rope_kv_write` kernel without its rotation (`kernels.fused.kv_write`) when
+that kernel passed its start-up check, else the reference's own `write_kv_cache` /
+`write_quantized_kv_cache`; either way an INT8 cache is quantized as the reference quantizes it
+(the same float32 division and round-half-even). RoPE stays in the model's layer: a backend is
+handed q, k and v already positioned and sees neither the positions nor the rotary tables (the
+`AttentionBackend.forward` seam every backend shares); fusing it here would make the backend
+apply the model's position encoding.
+
+Decode rows (one new token) go to `paged_attention_decode.cu` (GQA-aware, split-K over long
+contexts when the batch is small); rows of requests with more than one new token (prefills and
+prefill chunks) go to `paged_attention_prefill.cu`.
 
 `build_metadata` runs on the host once per step: it splits the requests into decodes and
 prefills, lists the prefill tiles and uploads the int32 arrays the kernels read. The split-K
@@ -24,6 +31,7 @@ import torch
 from aieng.attention.backend import AttentionBackend, AttentionInputs, KVCache, QuantizedKVCache
 from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.kernels import KernelError, load_module
+from aieng.kernels.fused_dispatch import fused_kv_write
 from aieng.kernels.paged_attention import (
     DECODE_SOURCE,
     PREFILL_SOURCE,
@@ -133,6 +141,19 @@ def paged_cache(kv_cache: KVCache) -> PagedCache:
     return PagedCache(kv_cache[0], kv_cache[1])
 
 
+def write_step_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+) -> None:
+    """k, v (T, H_kv, D) into their slots of the cache: the fused kernel where it applies, else
+    the reference's writes."""
+    if fused_kv_write(k, v, kv_cache, slot_mapping):
+        return
+    if isinstance(kv_cache, QuantizedKVCache):
+        write_quantized_kv_cache(k, v, kv_cache, slot_mapping)
+    else:
+        write_kv_cache(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+
+
 class CudaPagedAttention(AttentionBackend):
     """The paged attention kernels: float16/bfloat16, head_dim 64 or 128, the model's dtype or
     an INT8 cache, any power-of-two block size, each layer's own sliding window."""
@@ -176,10 +197,7 @@ class CudaPagedAttention(AttentionBackend):
         if getattr(layer, "logit_softcap", None) is not None:
             raise KernelError("the cuda attention kernels do not soft-cap scores")
         check_supported(q.dtype, q.shape[2])
-        if isinstance(kv_cache, QuantizedKVCache):
-            write_quantized_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        else:
-            write_kv_cache(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping)
+        write_step_kv(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.attend(layer, q, paged_cache(kv_cache), metadata, out)
         return out

@@ -6,6 +6,8 @@ references (the model's own functions, step for step) and their start-up check.
 - `rope_kv_write(q, k, v, positions, cos, sin, slot_mapping, kv_cache)`: neox RoPE on q and k in
   place, then k and v into their cache slots — quantized to INT8 with a scale per token and KV
   head when the cache is a `QuantizedKVCache` (as `write_quantized_kv_cache` does);
+  `kv_write(k, v, slot_mapping, kv_cache)` is the same kernel without q and the rotation (the
+  cuda attention backend's write of the step's K/V);
 - `silu_and_mul(x)`: SwiGLU's silu(gate) * up over a fused [gate | up] projection.
 """
 
@@ -21,7 +23,7 @@ from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.kernels.errors import KernelError
 from aieng.kernels.int4 import DTYPE_NAMES
 from aieng.kernels.self_check import passes_check
-from aieng.layers.activation import silu_and_mul as silu_and_mul_reference
+from aieng.layers.activation import silu_and_mul_torch as silu_and_mul_reference
 from aieng.layers.norm import rms_norm
 from aieng.layers.rotary import apply_rotary
 
@@ -157,23 +159,44 @@ def rope_kv_write(
             raise KernelError(f"rope_kv_write: {name} must be contiguous int64")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise KernelError("rope_kv_write: cos and sin must be float32 tables")
+    args = [q, k, v, *strides, positions, slot_mapping, cos.contiguous(), sin.contiguous()]
+    args += [int(rotate), *cache_args(kv_cache, q.dtype), num_heads, num_kv_heads, head_dim]
+    args.append(float(torch.finfo(q.dtype).tiny))
+    _launch(
+        _kernel("rope_kv_write", q.dtype), rope_grid(num_tokens, num_heads, num_kv_heads), 32, args
+    )
+
+
+def cache_args(kv_cache: KVCache, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """rope_kv_write's cache arguments: k_cache, v_cache, k_scale, v_scale (None unless INT8)."""
     quantized = isinstance(kv_cache, QuantizedKVCache)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     k_scale = kv_cache.k_scale if isinstance(kv_cache, QuantizedKVCache) else None
     v_scale = kv_cache.v_scale if isinstance(kv_cache, QuantizedKVCache) else None
-    cache_dtype = torch.int8 if quantized else q.dtype
+    cache_dtype = torch.int8 if quantized else dtype
     parts = [k_cache, v_cache] + ([k_scale, v_scale] if quantized else [])
     if any(not t.is_contiguous() for t in parts if t is not None) or k_cache.dtype != cache_dtype:
         raise KernelError(f"rope_kv_write: the cache must be contiguous {cache_dtype}")
-    if k_scale is not None and k_scale.dtype != q.dtype:
-        raise KernelError(f"rope_kv_write: INT8 cache scales must be {q.dtype}")
-    tiny = torch.finfo(q.dtype).tiny
-    args = [q, k, v, *strides, positions, slot_mapping, cos.contiguous(), sin.contiguous()]
-    args += [int(rotate), k_cache, v_cache, k_scale, v_scale, num_heads, num_kv_heads, head_dim]
-    args.append(float(tiny))
-    _launch(
-        _kernel("rope_kv_write", q.dtype), rope_grid(num_tokens, num_heads, num_kv_heads), 32, args
-    )
+    if k_scale is not None and k_scale.dtype != dtype:
+        raise KernelError(f"rope_kv_write: INT8 cache scales must be {dtype}")
+    return [k_cache, v_cache, k_scale, v_scale]
+
+
+def kv_write(
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: KVCache
+) -> None:
+    """k and v (T, H_kv, D) into `slot_mapping` (T,) int64 of the cache (quantized to INT8 for a
+    `QuantizedKVCache`), as `rope_kv_write_reference(..., rotate=False)` writes them: the same
+    kernel with no q heads in its grid, so nothing is rotated and q, positions, cos and sin are
+    never read."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    strides = [check_head_layout(n, t, k.dtype) for n, t in (("k", k), ("v", v))]
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        raise KernelError("kv_write: slot_mapping must be contiguous int64")
+    args = [None, k, v, 0, *strides, None, slot_mapping, None, None, 0]
+    args += [*cache_args(kv_cache, k.dtype), 0, num_kv_heads, head_dim]
+    args.append(float(torch.finfo(k.dtype).tiny))
+    _launch(_kernel("rope_kv_write", k.dtype), rope_grid(num_tokens, 0, num_kv_heads), 32, args)
 
 
 # ------------------------------------------------------------------ SiLU * mul
@@ -227,17 +250,28 @@ def check_cases(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Cal
         scales = [torch.zeros(*shape[:-1], 1, dtype=dtype, device=device) for _ in range(2)]
         return QuantizedKVCache(values[0], values[1], scales[0], scales[1])
 
+    def plain_cache() -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (4, block, kv_heads, head_dim)
+        k_cache, v_cache = (torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        return k_cache, v_cache
+
+    def flat(*tensors: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.flatten().to(dtype) for t in tensors])
+
+    # RoPE + an INT8 write, then kv_write (the attention backend's use) into a model-dtype cache
     def rope_run() -> torch.Tensor:
         q, k, v = split(qkv.clone())
-        c = cache()
+        c, plain = cache(), plain_cache()
         rope_kv_write(q, k, v, positions, cos, sin, slots, c)
-        return torch.cat([q.flatten(), c.k.flatten().to(dtype), c.v_scale.flatten()])
+        kv_write(*split(qkv)[1:], slots, plain)
+        return flat(q, c.k, c.v_scale, *plain)
 
     def rope_reference() -> torch.Tensor:
         q, k, v = split(qkv.clone())
-        c = cache()
+        c, plain = cache(), plain_cache()
         q, _ = rope_kv_write_reference(q, k, v, positions, cos, sin, slots, c)
-        return torch.cat([q.flatten(), c.k.flatten().to(dtype), c.v_scale.flatten()])
+        rope_kv_write_reference(*split(qkv), positions, cos, sin, slots, plain, rotate=False)
+        return flat(q, c.k, c.v_scale, *plain)
 
     return {
         _kernel("add_rms_norm", dtype): (

@@ -3,10 +3,17 @@
 Llama casts the normalised input back to its dtype and then multiplies by the weight; OLMo 2
 multiplies in float32 and casts the product (`weight_in_float32`), which differs in bfloat16.
 Gemma stores the weight as an offset from one and multiplies by (1 + w) in float32, then casts
-(`unit_offset`); its weights start at zero."""
+(`unit_offset`); its weights start at zero.
+
+On an NVIDIA GPU the Llama and OLMo 2 forms run as one fused kernel (`aieng.kernels.fused`,
+chosen by `aieng.kernels.fused_dispatch`), as does a pre-norm decoder's residual add with the
+norm after it (`RMSNorm.add_and_norm`); everywhere else, and for Gemma's form, the torch ops
+below."""
 
 import torch
 from torch import nn
+
+from aieng.kernels.fused_dispatch import fused_add_rms_norm
 
 
 def rms_norm(
@@ -42,4 +49,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(initial(size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.unit_offset:
+            fused = fused_add_rms_norm(x, None, self.weight, self.eps, self.weight_in_float32)
+            if fused is not None:
+                return fused[1]
         return rms_norm(x, self.weight, self.eps, self.weight_in_float32, self.unit_offset)
+
+    def add_and_norm(
+        self, x: torch.Tensor, branch: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (x + branch, this norm of it): a pre-norm decoder's residual add and the norm of
+        the next sublayer's input. The fused kernel writes the sum into `branch` (a sublayer's
+        fresh output, handed over; x + branch rounds as branch + x); torch adds out of place."""
+        if not self.unit_offset:
+            fused = fused_add_rms_norm(branch, x, self.weight, self.eps, self.weight_in_float32)
+            if fused is not None:
+                return fused
+        summed = x + branch
+        return summed, self(summed)

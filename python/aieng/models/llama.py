@@ -177,8 +177,9 @@ class LlamaDecoderLayer(nn.Module):
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(positions, x, ctx))
             return x + self.post_feedforward_layernorm(self.mlp_module(x))
-        x = x + self._residual(self.self_attn(positions, self.input_layernorm(x), ctx))
-        return x + self._residual(self.mlp_module(self.post_attention_layernorm(x)))
+        attn = self._residual(self.self_attn(positions, self.input_layernorm(x), ctx))
+        x, h = self.post_attention_layernorm.add_and_norm(x, attn)  # x + attn, its norm
+        return x + self._residual(self.mlp_module(h))
 
     @property
     def mlp_module(self) -> nn.Module:
