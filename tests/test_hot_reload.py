@@ -1,13 +1,15 @@
-"""Hot reload with double buffering through `aieng serve --model-dir` and the admin API: a new
-version loads beside the serving one, passes a smoke generation and is switched in atomically
-while requests keep flowing — none fails, each is served wholly by one version — and the old
-version is freed once its requests finish. Refusals (memory, tokenizer, unknown, busy) are
-clear and leave the serving version untouched."""
+"""Hot reload with double buffering, and canary and shadow traffic, through `aieng serve
+--model-dir` and the admin API: a new version loads beside the serving one, passes a smoke
+generation and is switched in atomically while requests keep flowing — none fails, each is
+served wholly by one version — and the old version is freed once its requests finish. A canary
+takes its share of requests; a shadow is compared with the primary and never returned.
+Refusals (memory, tokenizer, unknown, busy) are clear and leave the serving version untouched."""
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
 import shutil
 import threading
 import time
@@ -49,6 +51,7 @@ def model_dir(tmp_path_factory):
     version_folder(root, "1.1.0", seed=1, tokenizer_from=first)
     version_folder(root, "2.0.0-rc.1", seed=2, tokenizer_from=first)
     version_folder(root, "3.0.0", seed=3, memory_bytes=1 << 60, tokenizer_from=first)
+    version_folder(root, "1.0.1", seed=0, tokenizer_from=first)  # the same weights as 1.0.0
     other = version_folder(root, "1.2.0", seed=4, tokenizer_from=first)
     (other / "tokenizer.json").write_text(
         (other / "tokenizer.json").read_text().replace('"unk_token"', '"unk_token" ', 1)
@@ -182,3 +185,94 @@ def test_name_at_version_routes_to_the_serving_version(model_dir):
             json={"model": f"{MODEL_NAME}@1.1.0", "prompt": "a", "max_tokens": 1},
         )
         assert "version 1.1.0 is not serving (serving: tiny-llama@1.0.0)" in response.text
+
+
+def wait_state(server, version, state, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while (current := versions(server)[version]["state"]) != state:
+        assert current != "failed" and time.monotonic() < deadline, versions(server)
+        time.sleep(0.05)
+
+
+def route(server, **body):
+    return httpx.post(
+        f"{server.url}/admin/models/{MODEL_NAME}/route", json=body, headers=ADMIN, timeout=10
+    )
+
+
+def test_a_canary_takes_its_share_and_ends_cleanly(model_dir):
+    with ThreadServer(
+        model_dir / "v1.0.0", model_dir=str(model_dir), admin_key="admin-secret"
+    ) as s:
+        assert route(s, version="1.1.0", mode="canary", percent=0).status_code == 400
+        assert route(s, version="1.1.0", mode="blue").status_code == 400
+        assert route(s, version="1.1.0", mode="canary", percent=50).status_code == 202
+        wait_state(s, "1.1.0", "canary")
+        listing = httpx.get(f"{s.url}/admin/models", headers=ADMIN).json()
+        assert listing["route"] == {"version": "1.1.0", "mode": "canary", "percent": 50.0}
+        busy = route(s, version="1.0.1", mode="shadow")
+        assert busy.status_code == 409 and "end that route first" in busy.text
+        answers = [complete(s) for _ in range(40)]
+        assert all(status == 200 for status, _, _ in answers)
+        by_version: dict[str, set] = {}
+        for _, version, text in answers:
+            by_version.setdefault(version, set()).add(text)
+        assert set(by_version) == {"1.0.0", "1.1.0"}
+        assert 8 <= sum(v == "1.1.0" for _, v, _ in answers) <= 32  # 50% of 40, loosely
+        assert all(len(texts) == 1 for texts in by_version.values())
+        ended = httpx.delete(f"{s.url}/admin/models/{MODEL_NAME}/route", headers=ADMIN)
+        assert ended.status_code == 200 and ended.json()["state"] == "unloaded"
+        assert {complete(s)[1] for _ in range(6)} == {"1.0.0"}
+        assert httpx.get(f"{s.url}/admin/models", headers=ADMIN).json()["route"] is None
+
+
+@pytest.mark.parametrize("candidate, agrees", [("1.0.1", True), ("1.1.0", False)])
+def test_shadow_traffic_is_compared_and_never_returned(model_dir, caplog, candidate, agrees):
+    with ThreadServer(
+        model_dir / "v1.0.0", model_dir=str(model_dir), admin_key="admin-secret"
+    ) as s:
+        assert route(s, version=candidate, mode="shadow").status_code == 202
+        wait_state(s, candidate, "shadow")
+        with caplog.at_level(logging.INFO, logger="aieng.shadow"):
+            answers = [complete(s, stream=i % 2 == 1) for i in range(6)]
+            deadline = time.monotonic() + 60
+            while s.metrics().get("aieng_shadow_requests_total{outcome=compared}", 0) < 6:
+                assert time.monotonic() < deadline, s.metrics()
+                time.sleep(0.05)
+        assert {(status, version) for status, version, _ in answers} == {(200, "1.0.0")}
+        metrics = s.metrics()
+        assert metrics["aieng_shadow_agreement_total"] == (6 if agrees else 0)
+        assert metrics["aieng_shadow_latency_ratio_count"] == 6
+        records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "aieng.shadow"]
+        assert len(records) == 6
+        for record in records:
+            assert record["shadow_version"] == candidate and record["exact_match"] is agrees
+            assert record["primary_latency_s"] > 0 and record["shadow_latency_s"] > 0
+            assert (record["first_difference"] is None) is agrees
+
+
+def test_shadow_mirrors_are_dropped_first_under_load(model_dir):
+    server = ThreadServer(
+        model_dir / "v1.0.0",
+        engine={"max_num_seqs": 1},
+        model_dir=str(model_dir),
+        admin_key="admin-secret",
+    )
+    with server as s:
+        assert route(s, version="1.0.1", mode="shadow").status_code == 202
+        wait_state(s, "1.0.1", "shadow")
+        clients = [threading.Thread(target=complete, args=(s,)) for _ in range(8)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(60)
+        deadline = time.monotonic() + 60
+        while True:
+            m = s.metrics()
+            compared = m.get("aieng_shadow_requests_total{outcome=compared}", 0)
+            dropped = m.get("aieng_shadow_requests_total{outcome=dropped}", 0)
+            if compared + dropped == 8 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    assert compared + dropped == 8
+    assert dropped >= 1  # with requests waiting on the primary, mirrors are dropped, not queued

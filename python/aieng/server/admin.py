@@ -4,6 +4,9 @@ tracks which engine each generation request holds.
     GET    /admin/models                               the versions, their states and memory
     POST   /admin/models/{name}/load  {"version": V}   load V beside the serving version, 202
     DELETE /admin/models/{name}/versions/{V}           free a draining (or loading) version
+    POST   /admin/models/{name}/route {"version": V, "mode": "canary", "percent": P}
+                                      or {"version": V, "mode": "shadow"}   load V as candidate
+    DELETE /admin/models/{name}/route                  end it: the candidate drains, is freed
 
 Admin requests carry `Authorization: Bearer <admin key>` — a key separate from the API key, so
 API clients cannot switch models. Without `--model-dir` and `--admin-key` these routes are 404.
@@ -21,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import ApiError, invalid
 from aieng.server.model_versions import VersionError
+from aieng.server.traffic_split import MODES
 
 router = APIRouter(include_in_schema=False)
 VERSION_HEADER = b"x-aieng-model-version"
@@ -56,6 +60,7 @@ async def list_versions(request: Request) -> JSONResponse:
     body: dict[str, Any] = {
         "object": "list",
         "serving": f"{ctx.versions.name}@{ctx.versions.serving}",
+        "route": None if ctx.versions.split is None else ctx.versions.split.describe(),
         "data": ctx.versions.describe(),
     }
     return JSONResponse(body)
@@ -79,6 +84,52 @@ async def load_version(name: str, request: Request) -> JSONResponse:
     except VersionError as error:
         raise _version_error(error) from None
     return JSONResponse(state.describe(), 202)
+
+
+@router.post("/admin/models/{name}/route")
+async def start_route(name: str, request: Request) -> JSONResponse:
+    ctx = _admin(request)
+    _check_name(ctx, name)
+    body = await _json_object(request)
+    version, mode, percent = body.get("version"), body.get("mode"), body.get("percent", 0)
+    if not isinstance(version, str):
+        raise invalid("field 'version' (a string) is required", "version")
+    if mode not in MODES:
+        raise invalid(f"field 'mode' must be one of {', '.join(MODES)}, got {mode!r}", "mode")
+    if mode == "canary" and (
+        not isinstance(percent, int | float) or isinstance(percent, bool) or not 0 < percent <= 100
+    ):
+        raise invalid(
+            f"field 'percent' must be in (0, 100] for a canary, got {percent!r}", "percent"
+        )
+    assert ctx.versions is not None
+    try:
+        state = ctx.versions.start_load(ctx, version, (mode, float(percent)))
+    except VersionError as error:
+        raise _version_error(error) from None
+    return JSONResponse(state.describe(), 202)
+
+
+@router.delete("/admin/models/{name}/route")
+async def end_route(name: str, request: Request) -> JSONResponse:
+    ctx = _admin(request)
+    _check_name(ctx, name)
+    assert ctx.versions is not None
+    try:
+        state = await ctx.versions.end_split(ctx)
+    except VersionError as error:
+        raise _version_error(error) from None
+    return JSONResponse(state.describe())
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise invalid("the body must be a JSON object", None) from None
+    if not isinstance(body, dict):
+        raise invalid("the body must be a JSON object", None)
+    return body
 
 
 @router.delete("/admin/models/{name}/versions/{version}")

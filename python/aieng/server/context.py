@@ -17,8 +17,10 @@ from aieng.server.config import ServerConfig
 from aieng.server.errors import ApiError, invalid
 from aieng.server.metrics import ServerMetrics
 from aieng.server.request_log import RequestRecord, log_request
+from aieng.server.traffic_split import mirror
 
 if TYPE_CHECKING:
+    from aieng.server.generation import Generation
     from aieng.server.model_versions import ModelVersions
 
 
@@ -75,14 +77,21 @@ class ServerContext:
             error = ApiError(503, self.engine.not_running(), code="engine_dead")
         if error is None:
             assert self.engine is not None
-            if generation_request is not None:  # released by EngineLeaseMiddleware
-                state = generation_request.scope.setdefault("state", {})
-                if "engine_lease" not in state:
-                    self.leases[id(self.engine)] += 1
-                    state["engine_lease"] = id(self.engine)
-                if self.versions is not None:
-                    state["model_version"] = self.versions.serving
-            return self.engine
+            if generation_request is None:
+                return self.engine
+            engine, version = self.engine, None
+            if self.versions is not None:
+                version = self.versions.serving
+                split = self.versions.split
+                if split is not None and split.engine.alive and split.takes_request():
+                    engine, version = split.engine, split.version  # canary
+            state = generation_request.scope.setdefault("state", {})
+            if "engine_lease" not in state:  # released by EngineLeaseMiddleware
+                self.leases[id(engine)] += 1
+                state["engine_lease"] = id(engine)
+            if version is not None:
+                state["model_version"] = version
+            return engine
         if generation_request is not None:
             self.metrics.rejected(error.code or "unavailable")
             log_request(
@@ -99,6 +108,12 @@ class ServerContext:
     def engine_failed(self) -> bool:
         """The engine loop died of a failure: the server should exit non-zero and be restarted."""
         return self.engine is not None and self.engine.failure is not None
+
+    def after_admitted(self, generation: Generation) -> None:
+        """A generation request was admitted: mirror it to a shadow candidate if one runs."""
+        split = None if self.versions is None else self.versions.split
+        if split is not None and split.mode == "shadow" and generation.engine is self.engine:
+            mirror(self, split, generation)
 
     def switch_engine(self, engine: AsyncLLMEngine) -> None:
         """Requests admitted from now on go to `engine` (hot reload); those admitted before

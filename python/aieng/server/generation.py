@@ -95,6 +95,7 @@ class Generation:
         self._open = len(prompts)
         self._admitted = False
         self._closed = False
+        self.done = asyncio.Event()  # set once the request is over (shadow comparisons wait)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -119,6 +120,7 @@ class Generation:
             stream = self.engine.generate(engine_id, prompt, params, deadline=deadline)
             self._pumps.append(asyncio.create_task(self._pump(index, engine_id, stream)))
         self._admitted = True
+        self.ctx.after_admitted(self)
 
     async def _pump(self, index: int, engine_id: str, stream: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -142,6 +144,7 @@ class Generation:
         if self._admitted:
             self._account()
         self._log()
+        self.done.set()
 
     # ------------------------------------------------------------------ deltas
 

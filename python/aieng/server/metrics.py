@@ -204,6 +204,20 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens scheduled per engine step.", STEP_TOKEN_BUCKETS
         )
+        self.shadow_requests = counter(
+            "shadow_requests",
+            "Shadow traffic by outcome: compared, dropped (load), skipped (n > 1 or several "
+            "prompts), failed, primary_incomplete.",
+            "outcome",
+        )
+        self.shadow_agreement = counter(
+            "shadow_agreement", "Compared shadow requests whose text matched the primary's."
+        )
+        self.shadow_latency_ratio = histogram(
+            "shadow_latency_ratio",
+            "Shadow latency / primary latency per compared request.",
+            (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0),
+        )
         self.http_requests = counter(
             "http_requests", "HTTP answers by route and status code.", "route", "status"
         )
@@ -215,6 +229,19 @@ class ServerMetrics:
             metric.labels(model_name)
         for metric in (self.tpot, self.e2e, self.queue_time, self.iteration_tokens):
             metric.labels(model_name)
+        for metric in (self.shadow_agreement, self.shadow_latency_ratio):
+            metric.labels(model_name)
+
+    def shadow_outcome(self, outcome: str) -> None:
+        """A request not compared with its shadow: skipped, dropped, failed, primary_incomplete."""
+        self.shadow_requests.labels(self.model_name, outcome).inc()
+
+    def shadow_compared(self, exact_match: bool, latency_ratio: float | None) -> None:
+        self.shadow_requests.labels(self.model_name, "compared").inc()
+        if exact_match:
+            self.shadow_agreement.labels(self.model_name).inc()
+        if latency_ratio is not None:
+            self.shadow_latency_ratio.labels(self.model_name).observe(latency_ratio)
 
     def _generated_tokens(self) -> float:
         return self.generated

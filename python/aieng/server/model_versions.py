@@ -33,6 +33,7 @@ import torch
 
 from aieng.model_manifest import MANIFEST, ManifestError, ModelManifest, Version
 from aieng.sampling import SamplingParams
+from aieng.server.traffic_split import TrafficSplit
 
 if TYPE_CHECKING:
     from aieng.async_engine import AsyncLLMEngine
@@ -125,7 +126,8 @@ def process_rss_bytes() -> int:
 @dataclass
 class VersionState:
     manifest: ModelManifest
-    state: str = "available"  # available | loading | serving | draining | unloaded | failed
+    # available | loading | serving | canary | shadow | draining | unloaded | failed
+    state: str = "available"
     error: str | None = None
     load_s: float | None = None
     rss_before_unload: int | None = None
@@ -170,6 +172,7 @@ class ModelVersions:
         self._load_version = load_version
         self._loading: asyncio.Task | None = None
         self._draining: dict[str, AsyncLLMEngine] = {}
+        self.split: TrafficSplit | None = None  # a canary or shadow candidate
 
     def resolve(self, model: str) -> str | None:
         """`name` or `name@version` -> the version to serve it with (None: not this model)."""
@@ -182,8 +185,11 @@ class ModelVersions:
         ordered = sorted(self.states.values(), key=lambda s: s.manifest.version.sort_key())
         return [s.describe() for s in ordered]
 
-    def start_load(self, ctx: ServerContext, version: str) -> VersionState:
-        """Checks what can be checked at once, then loads in the background."""
+    def start_load(
+        self, ctx: ServerContext, version: str, split: tuple[str, float] | None = None
+    ) -> VersionState:
+        """Checks what can be checked at once, then loads in the background; then switches to
+        it, or with `split` = (mode, percent) serves it beside the primary (traffic_split)."""
         state = self.states.get(version)
         if state is None:
             raise VersionError(
@@ -191,8 +197,15 @@ class ModelVersions:
                 f"{self.name} has no version {version!r} (known: {', '.join(sorted(self.states))})",
                 "version_not_found",
             )
-        if version == self.serving:
+        if version == self.serving or (self.split is not None and version == self.split.version):
             raise VersionError(409, f"{self.name}@{version} is already serving", "already_serving")
+        if split is not None and self.split is not None:
+            raise VersionError(
+                409,
+                f"{self.name}@{self.split.version} already takes {self.split.mode} traffic; "
+                "end that route first",
+                "route_in_use",
+            )
         if self._loading is not None and not self._loading.done():
             raise VersionError(409, "another version is loading; wait for it", "load_in_progress")
         if state.state == "draining":
@@ -216,7 +229,7 @@ class ModelVersions:
             )
         self._check_tokenizer(state.manifest)
         state.set("loading")
-        self._loading = asyncio.create_task(self._load_and_switch(ctx, version))
+        self._loading = asyncio.create_task(self._load_and_switch(ctx, version, split))
         return state
 
     def _check_tokenizer(self, manifest: ModelManifest) -> None:
@@ -237,7 +250,9 @@ class ModelVersions:
                     "tokenizer_mismatch",
                 )
 
-    async def _load_and_switch(self, ctx: ServerContext, version: str) -> None:
+    async def _load_and_switch(
+        self, ctx: ServerContext, version: str, split: tuple[str, float] | None = None
+    ) -> None:
         from aieng.async_engine import AsyncLLMEngine
 
         state = self.states[version]
@@ -257,6 +272,12 @@ class ModelVersions:
             state.set("failed", f"{type(error).__name__}: {error}")
             return
         state.load_s = round(time.perf_counter() - start, 3)
+        if split is not None:
+            mode, percent = split
+            self.split = TrafficSplit(version, new, mode, percent)
+            state.set(mode)
+            logger.info("%s@%s takes %s traffic", self.name, version, mode)
+            return
         old_version, old_engine = self.serving, ctx.engine
         ctx.switch_engine(new)  # atomic: the next admitted request goes to the new version
         self.serving = version
@@ -288,6 +309,22 @@ class ModelVersions:
             await asyncio.sleep(DRAIN_POLL_S)
         del engine
         await self._free(version)
+
+    async def end_split(self, ctx: ServerContext) -> VersionState:
+        """Stops sending traffic to the candidate; it drains and is freed."""
+        split = self.split
+        if split is None:
+            raise VersionError(404, f"{self.name} has no canary or shadow route", "no_route")
+        self.split = None
+        state = self.states[split.version]
+        state.set("draining")
+        self._draining[split.version] = split.engine
+        for task in list(split.tasks):
+            task.cancel()
+        version = split.version
+        del split
+        await self._drain(ctx, version)
+        return state
 
     async def unload(self, version: str) -> VersionState:
         """DELETE: a draining version is aborted and freed now; the serving one cannot go."""
