@@ -148,6 +148,7 @@ class LLMEngine:
         self._by_core_id: dict[str, tuple[_Request, _Sequence]] = {}
         self._by_slot: dict[int, tuple[_Request, _Sequence]] = {}
         self._unscheduled: set[int] = set()  # slots not yet in any step
+        self._slot_seconds = np.zeros(0)  # step time charged to each slot (_charge_step)
         # Sampling rows the runner learns of with the next step.
         self._added: list[NewSamplingRow] = []
         self._finished_slots: list[int] = []
@@ -273,7 +274,9 @@ class LLMEngine:
         self.core.abort(seq.core_id)
         self._finished_slots.append(seq.slot)
         self._by_core_id.pop(seq.core_id, None)
-        self._by_slot.pop(seq.slot, None)
+        entry = self._by_slot.pop(seq.slot, None)
+        if entry is not None:
+            self._release_slot(entry[0], seq.slot)
         self._unscheduled.discard(seq.slot)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -306,6 +309,7 @@ class LLMEngine:
         """Runs one engine step. Returns the full output of every request that finished
         and the delta of every streaming request that changed."""
         self._check_alive()
+        started = time.monotonic()
         plan = self.core.schedule()
         self.last_step_num_tokens = plan.num_tokens
         step = RunnerStep(plan, self._added, self._finished_slots)
@@ -326,6 +330,7 @@ class LLMEngine:
             # Rows of live requests the runner may not have applied before it raised.
             self._added[:0] = [row for row in step.added if row.slot in self._by_slot]
             return outputs
+        self._charge_step(plan, time.monotonic() - started)
         tokens = result.sampled_token_ids
         failed: list[RequestOutput] = []
         if len(tokens) and tokens.min() < 0:
@@ -333,6 +338,25 @@ class LLMEngine:
             tokens = np.where(tokens < 0, 0, tokens)  # their requests are gone from the core
         out = self.core.update(tokens, result.num_sampled)
         return failed + self._process(plan, out, result)
+
+    def _charge_step(self, plan, seconds: float) -> None:
+        """Splits a step's wall time over its requests by scheduled tokens (per slot, in
+        numpy); a slot's total moves to its request's metrics when the slot is released."""
+        slots = np.asarray(plan.slots, dtype=np.int64)
+        tokens = np.diff(np.asarray(plan.query_start_loc, dtype=np.float64))
+        if not len(slots) or tokens.sum() <= 0:
+            return
+        if len(self._slot_seconds) <= slots.max():
+            grown = np.zeros(max(int(slots.max()) + 1, 2 * len(self._slot_seconds)))
+            grown[: len(self._slot_seconds)] = self._slot_seconds
+            self._slot_seconds = grown
+        np.add.at(self._slot_seconds, slots, seconds * tokens / tokens.sum())
+
+    def _release_slot(self, request: _Request, slot: int) -> None:
+        """The slot's charged step time goes to its request (a slot is reused after this)."""
+        if slot < len(self._slot_seconds):
+            request.metrics.engine_seconds += float(self._slot_seconds[slot])
+            self._slot_seconds[slot] = 0.0
 
     def _mark_scheduled(self, slots: np.ndarray) -> None:
         now = time.monotonic()
@@ -416,6 +440,7 @@ class LLMEngine:
                 continue
             request, seq = entry
             self._by_slot.pop(seq.slot, None)
+            self._release_slot(request, seq.slot)
             self._finished_slots.append(seq.slot)
             seq.finish_reason = done.finish_reason
             seq.stop_reason = done.stop_reason

@@ -14,6 +14,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_output_tokens: int = 0
+    # The request's share of the engine's step time: each step's wall time split over its
+    # requests by the tokens each had scheduled in it (what the request costs to serve).
+    engine_seconds: float = 0.0
 
     @property
     def time_to_first_token(self) -> float | None:

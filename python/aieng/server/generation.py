@@ -84,6 +84,7 @@ class Generation:
                     choice.logprobs = []
         self.engine_ids = [ctx.new_engine_id() for _ in prompts]
         self.cached_tokens = 0
+        self.engine_seconds = 0.0  # the prompts' shares of engine step time (cost)
         self.queue_time: float | None = None
         self.first_output: float | None = None
         self.last_output: float | None = None
@@ -211,6 +212,8 @@ class Generation:
             self._last_output_of[index] = self.last_output = now
         if out.finished:
             self.cached_tokens += out.num_cached_tokens
+            if out.metrics is not None:
+                self.engine_seconds += out.metrics.engine_seconds
         deltas = []
         for c in out.outputs:
             choice = self.choices[index * self.n + c.index]
@@ -334,8 +337,18 @@ class Generation:
                 e2e=time.monotonic() - self.arrival,
                 finish_reason=",".join(reasons) or None,
                 error=self.error,
+                **self._cost(),
             )
         )
+
+    def _cost(self) -> dict[str, float]:
+        if not self._admitted:
+            return {}
+        cost: dict[str, float] = {"engine_s": self.engine_seconds}
+        per_hour = self.ctx.config.cost_per_hour
+        if per_hour is not None:
+            cost["cost_usd"] = self.engine_seconds * per_hour / 3600
+        return cost
 
 
 async def _disconnected(http: Request) -> None:

@@ -24,6 +24,8 @@ class RequestRecord:
     e2e: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    engine_s: float | None = None  # its share of the engine's step time
+    cost_usd: float | None = None  # engine_s at --cost-per-hour
 
 
 class _JsonFormatter(logging.Formatter):
