@@ -193,7 +193,8 @@ def kv_write(
     strides = [check_head_layout(n, t, k.dtype) for n, t in (("k", k), ("v", v))]
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         raise KernelError("kv_write: slot_mapping must be contiguous int64")
-    args = [None, k, v, 0, *strides, None, slot_mapping, None, None, 0]
+    args: list[torch.Tensor | int | float | None] = [None, k, v, 0, *strides, None, slot_mapping]
+    args += [None, None, 0]  # cos, sin, rotate
     args += [*cache_args(kv_cache, k.dtype), 0, num_kv_heads, head_dim]
     args.append(float(torch.finfo(k.dtype).tiny))
     _launch(_kernel("rope_kv_write", k.dtype), rope_grid(num_tokens, 0, num_kv_heads), 32, args)
@@ -240,7 +241,7 @@ def check_cases(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Cal
     slots = torch.tensor([5, 0, 11, 2, 7, 9], device=device)
     gate_up = randn(7, 2 * 96)
 
-    def split(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         return q.view(tokens, heads, -1), k.view(tokens, kv_heads, -1), v.view(tokens, kv_heads, -1)
 
@@ -263,7 +264,8 @@ def check_cases(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Cal
         q, k, v = split(qkv.clone())
         c, plain = cache(), plain_cache()
         rope_kv_write(q, k, v, positions, cos, sin, slots, c)
-        kv_write(*split(qkv)[1:], slots, plain)
+        _, k_view, v_view = split(qkv)
+        kv_write(k_view, v_view, slots, plain)
         return flat(q, c.k, c.v_scale, *plain)
 
     def rope_reference() -> torch.Tensor:

@@ -149,12 +149,12 @@ def fused_kv_write(
         return False
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         return False
-    quantized = isinstance(kv_cache, QuantizedKVCache)
     if any(not t.is_contiguous() or t.device != k.device for t in kv_cache):
         return False
-    if kv_cache[0].dtype != (torch.int8 if quantized else k.dtype):
-        return False
-    if quantized and kv_cache.k_scale.dtype != k.dtype:
+    if isinstance(kv_cache, QuantizedKVCache):
+        if kv_cache.k.dtype != torch.int8 or kv_cache.k_scale.dtype != k.dtype:
+            return False
+    elif kv_cache[0].dtype != k.dtype:
         return False
     from aieng.kernels.fused import kv_write
 
