@@ -248,3 +248,15 @@ def test_the_model_paths_launch_what_the_compiled_kernels_take(
         check_arguments(kernel, parameters[kernel], pack_args(args)[1])
         dim3(grid, "grid")
         dim3(block, "block")
+
+
+def test_a_check_that_cannot_start_turns_every_kernel_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken(device, dtype):
+        raise RuntimeError("no NVRTC")
+
+    selection = FusedKernels(runs_on=on_every_device, check=broken)
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        assert not any(selection.usable(op, torch.zeros(2, 4)) for op in OPS)
+    assert "start-up check failed (no NVRTC)" in caplog.text

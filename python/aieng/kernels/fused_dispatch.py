@@ -86,7 +86,10 @@ class FusedKernels:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return frozenset()
             self.checked[key] = frozenset()  # a call from inside the check itself gets torch
-            self.checked[key] = frozenset(self.check(device, dtype))
+            try:
+                self.checked[key] = frozenset(self.check(device, dtype))
+            except Exception as error:  # a check that cannot even start turns every kernel off
+                logger.warning("the fused kernels' start-up check failed (%s); torch runs", error)
             logger.info(
                 "fused kernels on %s in %s: %s", device, dtype, ", ".join(sorted(self.checked[key]))
             )
