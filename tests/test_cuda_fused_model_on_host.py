@@ -17,17 +17,22 @@ import numpy as np
 import pytest
 import torch
 from fake_scheduler import FakeScheduler
+from test_fused_dispatch import tiny_config
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
 import aieng.kernels.fused as fused
-from aieng.attention.backend import QuantizedKVCache
+from aieng.attention.backend import ForwardContext, QuantizedKVCache
+from aieng.attention.causal import CausalAttention, DenseBatch
 from aieng.attention.cuda_paged import write_step_kv
 from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.engine_args import EngineArgs
 from aieng.kernels import fused_dispatch
 from aieng.kernels.fused_dispatch import FusedKernels
 from aieng.layers.activation import silu_and_mul, silu_and_mul_torch
+from aieng.layers.linear import dense_everywhere
 from aieng.layers.norm import RMSNorm, rms_norm
+from aieng.layers.rotary import RotaryEmbedding
+from aieng.models.llama import LlamaDecoderLayer
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
 
@@ -176,9 +181,33 @@ def test_the_cuda_backends_kv_write(host_fused, dtype, int8, heads, kv_heads, he
         assert torch.equal(got, want)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+@pytest.mark.parametrize("residual_multiplier", [1.0, 0.22])  # Llama; Granite's multiplier
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_the_decoder_layer(host_fused, residual_multiplier, dtype) -> None:
+    """The pre-norm layer with its fused add + norm against the same layer with fusions off."""
+    config = tiny_config(residual_multiplier=residual_multiplier)
+    rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+    layer = LlamaDecoderLayer(config, rotary, dtype, dense_everywhere, 0)
+    generator = torch.Generator().manual_seed(1)
+    for parameter in layer.parameters():
+        parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    x = torch.randn(2 * 5, config.hidden_size, generator=generator).to(dtype)
+    positions = torch.arange(5).repeat(2)
+    ctx = ForwardContext(CausalAttention(), DenseBatch(2, 5), None)
+    fused_dispatch.FUSED.passed(x.device, dtype)  # the start-up check's own launches first
+    host_fused.launched.clear()
+    ours = layer(positions, x, ctx)
+    assert host_fused.launched.count(fused_dispatch.kernel_name("add_rms_norm", dtype)) == 2
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AIENG_DISABLE_FUSED", "1")
+        reference = layer(positions, x, ctx)
+    assert relative(ours, reference) < BOUNDS[dtype]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])  # qwen3: q/k norms on views, torch
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def greedy(folder: Path) -> list:
