@@ -258,3 +258,21 @@ def test_seeded_noise_is_exponential_and_keyed():
     assert abs(noise.mean().item() - 1.0) < 0.02 and abs(noise.var().item() - 1.0) < 0.05
     assert torch.equal(noise, seeded_exponential(keys, 1 << 16))
     assert not torch.equal(noise[0], noise[1])
+
+
+def test_zero_exponential_noise_on_an_impossible_token_never_fails_the_row():
+    """Seeded Exp(1) noise is exactly 0 for about one (row, token) in 2**24 (a uniform that
+    rounds to 1 in float32): on a token of probability 0 the race was 0 / 0 = NaN, which argmax
+    picked, failing a healthy request ('no valid token'). Found by a 30-second load test."""
+    from aieng.sampler import exponential_race, seeded_exponential
+
+    probs = torch.tensor([[0.0, 0.7, 0.3], [0.5, 0.0, 0.5], [0.0, 0.0, 0.0]])
+    noise = torch.tensor([[0.0, 1.0, 1.0], [2.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
+    assert exponential_race(probs, noise).tolist() == [1, 2, -1]
+    # a token with probability and zero noise wins, as the race's limit says
+    assert exponential_race(torch.tensor([[0.2, 0.8]]), torch.tensor([[0.0, 1.0]])).tolist() == [0]
+    # the seeded noise really reaches 0: the largest 24-bit uniform rounds to 1.0 in float32
+    keys = torch.tensor([[0, 0]], dtype=torch.int64)
+    assert seeded_exponential(keys, 1 << 16).min() >= 0
+    top = torch.tensor([(1 << 24) - 1], dtype=torch.int64)
+    assert float(-torch.log((top.float() + 0.5) * (1.0 / (1 << 24)))) == 0.0

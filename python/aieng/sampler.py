@@ -364,10 +364,21 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         if batch.seeded_rows is not None and batch.seeded_keys is not None:
             noise[batch.seeded_rows] = seeded_exponential(batch.seeded_keys, probs.shape[-1])
-        race = probs / noise
-        tokens = row_argmax(race)
-        drawn = race.gather(1, tokens[:, None])[:, 0] > 0  # False for NaN and masked (0)
-        return torch.where(drawn, tokens, torch.full_like(tokens, -1))
+        return exponential_race(probs, noise)
+
+
+def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(probs / noise) per row, noise ~ Exp(1): a draw from probs (the exponential race,
+    Gumbel-max's twin). -1 where nothing can be drawn (a NaN, or every probability 0).
+
+    Exp(1) noise can be exactly 0 (a uniform rounded to 1 in float32; torch's exponential_
+    at u = 0): it is raised to the smallest normal float, so that such a token wins if it has
+    any probability and a token of probability 0 gives 0 / tiny = 0, never 0 / 0 = NaN — which
+    argmax would pick and fail the row."""
+    race = probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)
+    tokens = row_argmax(race)
+    drawn = race.gather(1, tokens[:, None])[:, 0] > 0  # False for NaN and masked (0)
+    return torch.where(drawn, tokens, torch.full_like(tokens, -1))
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
