@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import signal
@@ -41,6 +42,16 @@ from pathlib import Path
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+
+from aieng.benchmarks.load_timeline import (
+    Timeline,
+    sample_server,
+    switch_phases,
+    switch_version,
+    windows,
+)
+from aieng.benchmarks.load_timeline import markdown as timeline_markdown
+from aieng.benchmarks.load_timeline import plot as timeline_plot
 
 SEED_TEXT = (
     "In the beginning God created the heaven and the earth. And the earth was without form, "
@@ -251,16 +262,23 @@ async def calibrate(url: str, workload: Workload, concurrency: int, seconds: flo
 
 
 async def run_load(
-    url: str, workload: Workload, rate: float, duration: float, canary_every: float, seed: int
+    url: str,
+    workload: Workload,
+    rate: float,
+    duration: float,
+    canary_every: float,
+    seed: int,
+    start: float | None = None,
 ) -> tuple[list[Outcome], list[Canary], float]:
-    """Open loop: arrivals at exponential gaps, never waiting for earlier requests."""
+    """Open loop: arrivals at exponential gaps, never waiting for earlier requests. `start`:
+    the perf_counter the arrival times count from (default: now)."""
     rng = random.Random(seed)
     outcomes: list[Outcome] = []
     canaries: list[Canary] = []
     tasks: list[asyncio.Task] = []
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=workload.timeout, limits=limits) as client:
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
         next_arrival, next_canary, canary_index = 0.0, canary_every, 0
         while next_arrival < duration:
             await asyncio.sleep(max(0.0, start + next_arrival - time.perf_counter()))
@@ -474,6 +492,7 @@ def markdown(result: dict) -> str:
         f"({s['goodput_fraction']:.0%} of completions within both targets).",
         "",
         "Checks: " + "; ".join(checks) + ".",
+        *timeline_markdown(result),
         "",
         f"Command: `{result['command']}`",
         "",
@@ -539,7 +558,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write load_test<label>.{md,json,png} here")
     ap.add_argument("--label", default="", help="suffix of the result file names")
+    ap.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
+    ap.add_argument("--window", type=float, default=60.0, help="seconds per reported window")
+    ap.add_argument("--switch-version", help="load this version at --switch-at (--model-dir)")
+    ap.add_argument("--switch-at", type=float, default=30.0, help="seconds into the load")
+    ap.add_argument("--admin-key", default=os.environ.get("AIENG_ADMIN_KEY"), help="for --switch")
     args = ap.parse_args(argv)
+    if args.switch_version is not None and not args.admin_key:
+        ap.error("--switch-version needs --admin-key (or AIENG_ADMIN_KEY)")
     if (args.url is None) == (args.spawn is None):
         ap.error("give exactly one of --url and --spawn")
     return args
@@ -578,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"{stem}.md").write_text(text)
         (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
         plot(result, outcomes, args.out / f"{stem}.png")
+        timeline_plot(result, args.out / f"{stem}_timeline.png")
     return 0 if ok else 1
 
 
@@ -610,9 +637,24 @@ async def _run(args: argparse.Namespace, url: str) -> tuple[dict, list[Outcome]]
     else:
         rate = float(args.rate)
     before = scrape(url)
+    start, stop, timeline = time.perf_counter(), asyncio.Event(), Timeline()
+    watchers = [asyncio.create_task(sample_server(url, args.sample_every, start, stop, timeline))]
+    if args.switch_version is not None:
+        watchers.append(
+            asyncio.create_task(
+                switch_version(
+                    url, model["id"], args.switch_version, args.switch_at, args.admin_key,
+                    start, timeline,
+                )
+            )
+        )  # fmt: skip
     outcomes, canaries, elapsed = await run_load(
-        url, workload, rate, args.duration, args.canary_every, args.seed
+        url, workload, rate, args.duration, args.canary_every, args.seed, start
     )
+    if len(watchers) > 1:
+        await watchers[1]  # the switch finishes (the old version freed) before the report
+    stop.set()
+    await watchers[0]
     idle_metrics = await asyncio.to_thread(wait_idle, url)
     deltas = server_deltas(before, idle_metrics)
     state = await asyncio.to_thread(end_state, url, model["id"], idle_metrics)
@@ -639,7 +681,12 @@ async def _run(args: argparse.Namespace, url: str) -> tuple[dict, list[Outcome]]
         "cross_check": cross_check(summary, deltas, canary_report),
         "canaries": canary_report,
         "end_state": state,
+        "samples": timeline.samples,
+        "windows": windows(outcomes, args.window, args.duration),
     }
+    if timeline.switch is not None:
+        result["switch"] = timeline.switch
+        result["switch_phases"] = switch_phases(outcomes, timeline.switch)
     return result, outcomes
 
 

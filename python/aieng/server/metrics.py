@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -171,6 +171,7 @@ class ServerMetrics:
     ):
         self.model_name = model_name
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds
         self.registry.register(EngineCollector(stats, model_name))
         self.registry.register(GpuMemoryCollector(gpu_memory, model_name))
         self.registry.register(
