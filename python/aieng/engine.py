@@ -200,12 +200,17 @@ class LLMEngine:
 
     def check_token_ids(self, params: SamplingParams) -> None:
         """Every token id a request brings must be in the model's vocabulary."""
-        for token in params.stop_token_ids or ():
-            if not 0 <= token < self.vocab_size:
-                raise InvalidArgumentError(
-                    f"stop_token_ids: token id {token} is outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
+        fields = {
+            "stop_token_ids": params.stop_token_ids or (),
+            "logit_bias": params.logit_bias or (),
+            "allowed_token_ids": params.allowed_token_ids or (),
+        }
+        for name, tokens in fields.items():
+            for token in tokens:
+                if not 0 <= token < self.vocab_size:
+                    raise InvalidArgumentError(
+                        f"{name}: token id {token} is outside the vocabulary [0, {self.vocab_size})"
+                    )
 
     def add_request(
         self,

@@ -59,6 +59,11 @@ class SamplingBatch:
     # Structured outputs: rows (M,) and their allowed tokens as a bitmask (M, ceil(V / 32))
     # int32, token t at bit t % 32 of word t / 32 (the StepPlan's grammar_bitmask()).
     grammar_bitmask: tuple[np.ndarray, np.ndarray] | None = None
+    # logit_bias: rows (B,), token ids (B,), biases (B,) float32 — added after the reported
+    # logprobs are taken, like penalties; allowed_token_ids: rows (A,), ids (A,) — every other
+    # token of those rows is masked before anything else, like a grammar.
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -101,6 +106,8 @@ class SamplingTable:
         self.num_output = np.zeros(0, np.int64)
         self.min_tokens = np.zeros(0, np.int64)
         self.min_tokens_ids: dict[int, list[int]] = {}
+        self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}  # slot -> (ids, biases)
+        self.allowed_ids: dict[int, list[int]] = {}  # slot -> allowed_token_ids
         self.output_counts: torch.Tensor | None = None  # (capacity, V), made on first penalty
         self.prompt_mask: torch.Tensor | None = None
         self._grow(capacity)
@@ -145,6 +152,14 @@ class SamplingTable:
             self.min_tokens_ids[slot] = banned
         else:
             self.min_tokens_ids.pop(slot, None)
+        if params.logit_bias:
+            self.logit_bias[slot] = (list(params.logit_bias), list(params.logit_bias.values()))
+        else:
+            self.logit_bias.pop(slot, None)
+        if params.allowed_token_ids:
+            self.allowed_ids[slot] = list(params.allowed_token_ids)
+        else:
+            self.allowed_ids.pop(slot, None)
         has_penalty = (
             params.repetition_penalty != 1.0
             or params.presence_penalty != 0.0
@@ -166,6 +181,8 @@ class SamplingTable:
 
     def remove_request(self, slot: int) -> None:
         self.min_tokens_ids.pop(slot, None)
+        self.logit_bias.pop(slot, None)
+        self.allowed_ids.pop(slot, None)
         if slot < self.capacity:
             self.has_penalty[slot] = False
 
@@ -213,6 +230,37 @@ class SamplingTable:
             seeded_keys = torch.from_numpy(halves).to(device)
         num_logprobs = self.num_logprobs[slots]
         logprob_rows = np.flatnonzero(num_logprobs >= 0)
+        bias = allowed = None
+        if self.logit_bias:
+            found = [
+                (r, self.logit_bias[s])
+                for r, s in enumerate(slots.tolist())
+                if s in self.logit_bias
+            ]
+            if found:
+                rows = [r for r, (ids, _) in found for _ in ids]
+                ids = [t for _, (ids, _) in found for t in ids]
+                values = [v for _, (_, vs) in found for v in vs]
+                bias = (
+                    torch.tensor(rows, dtype=torch.long).to(device),
+                    torch.tensor(ids, dtype=torch.long).to(device),
+                    torch.tensor(values, dtype=torch.float32).to(device),
+                )
+        if self.allowed_ids:
+            found_ids = [
+                (r, self.allowed_ids[s])
+                for r, s in enumerate(slots.tolist())
+                if s in self.allowed_ids
+            ]
+            if found_ids:
+                allowed = (
+                    torch.tensor([r for r, ids in found_ids for _ in ids], dtype=torch.long).to(
+                        device
+                    ),
+                    torch.tensor([t for _, ids in found_ids for t in ids], dtype=torch.long).to(
+                        device
+                    ),
+                )
         return SamplingBatch(
             slots=slots,
             all_greedy=all_greedy,
@@ -231,6 +279,8 @@ class SamplingTable:
             seeded_keys=seeded_keys,
             logprob_rows=logprob_rows,
             num_logprobs=num_logprobs[logprob_rows],
+            bias=bias,
+            allowed=allowed,
         )
 
     def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
@@ -332,12 +382,18 @@ class Sampler:
         logits = logits.float()
         if batch.grammar_bitmask is not None:
             logits = apply_grammar_bitmask(logits, *batch.grammar_bitmask)
+        if batch.allowed is not None:
+            logits = allow_only(logits, *batch.allowed)
         raw_logprobs = None
         if len(batch.logprob_rows):  # reported logprobs: before any processing
             rows = torch.from_numpy(batch.logprob_rows).to(logits.device)
             raw_logprobs = torch.log_softmax(logits[rows], dim=-1)
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
+        if batch.bias is not None:
+            logits = logits.index_put(
+                (batch.bias[0], batch.bias[1]), batch.bias[2], accumulate=True
+            )
         if batch.blocked_rows is not None:
             logits.index_put_(
                 (batch.blocked_rows, batch.blocked_ids),
@@ -365,6 +421,16 @@ class Sampler:
         if batch.seeded_rows is not None and batch.seeded_keys is not None:
             noise[batch.seeded_rows] = seeded_exponential(batch.seeded_keys, probs.shape[-1])
         return exponential_race(probs, noise)
+
+
+def allow_only(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """logits (S, V): on each row named in `rows`, every token but its (row, id) pairs -> -inf
+    (allowed_token_ids)."""
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[rows, ids] = True
+    restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    restricted[rows] = True
+    return logits.masked_fill(restricted[:, None] & ~keep, -math.inf)
 
 
 def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

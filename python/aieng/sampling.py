@@ -37,6 +37,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> added to its logit before sampling, in [-100, 100] (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    # only these token ids may be drawn (vLLM's allowed_token_ids)
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -82,6 +86,16 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError(
+                    "allowed_token_ids must be a non-empty list of ints, got "
+                    f"{self.allowed_token_ids!r}"
+                )
+            for token in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token, minimum=0)
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
@@ -93,6 +107,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _check_logit_bias(bias: object) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    checked = {}
+    for token, value in bias.items():
+        _check_int("logit_bias", token, minimum=0)
+        _check_float("logit_bias", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {value}")
+        checked[int(token)] = float(value)
+    return checked or None
 
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> None:

@@ -17,6 +17,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
+MAX_ALLOWED_TOKENS = 1 << 20  # allowed_token_ids: bounded by the body size anyway
 INT64 = 1 << 63
 INT32 = 1 << 31
 
@@ -81,6 +83,9 @@ class SamplingFields(_Lenient):
     )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(
+        None, min_length=1, max_length=MAX_ALLOWED_TOKENS
+    )
     # Structured outputs (aieng.structured_outputs reads them): OpenAI's and vLLM's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -100,8 +105,14 @@ class SamplingFields(_Lenient):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+        """OpenAI's form: token ids as strings, biases in [-100, 100]."""
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or len(key) > 18:
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {bias}")
+        if value is not None and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
         return value
 
     @property
