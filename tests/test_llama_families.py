@@ -13,7 +13,7 @@ from hf_parity import (
     check_batched,
     check_prefix_hit,
 )
-from tiny_models import COMMON, _randomize_norms
+from tiny_models import save_tiny
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
@@ -65,13 +65,7 @@ CHECKPOINTS = {
 
 
 def build(name, folder):
-    config_cls, model_cls, overrides = CHECKPOINTS[name]
-    config = config_cls(**{**COMMON, **overrides})
-    torch.manual_seed(0)
-    model = model_cls(config).to(torch.float32)
-    _randomize_norms(model)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return save_tiny(*CHECKPOINTS[name], folder)
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))

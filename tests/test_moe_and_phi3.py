@@ -10,7 +10,7 @@ import transformers
 from hf_parity import HFReference, check_batched, check_prefix_hit
 from safetensors import safe_open
 from text_fixtures import byte_level_bpe, save_model_dir
-from tiny_models import COMMON, _randomize_norms
+from tiny_models import COMMON, save_tiny
 
 from aieng import LLM, SamplingParams
 from aieng.attention.backend import ForwardContext
@@ -90,12 +90,7 @@ CHECKPOINTS = {
 
 def build(name, folder, **extra):
     config_cls, model_cls, overrides = CHECKPOINTS[name]
-    config = config_cls(**{**COMMON, **overrides, **extra})
-    torch.manual_seed(0)
-    model = model_cls(config).to(torch.float32)
-    _randomize_norms(model)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return save_tiny(config_cls, model_cls, {**overrides, **extra}, folder)
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))

@@ -57,7 +57,13 @@ ARCHITECTURES = {
 def build_checkpoint(arch: str, folder: Path, seed: int = 0, **overrides) -> Path:
     """Save a tiny `arch` model to `folder` (safetensors) and return the folder."""
     config_cls, model_cls, extra = ARCHITECTURES[arch]
-    config = config_cls(**{**COMMON, **extra, **overrides})
+    return save_tiny(config_cls, model_cls, {**extra, **overrides}, folder, seed)
+
+
+def save_tiny(config_cls, model_cls, overrides: dict, folder: Path, seed: int = 0) -> Path:
+    """A random-weight float32 `model_cls` of COMMON's shape with `overrides`, norms and biases
+    randomised, saved to `folder` (safetensors)."""
+    config = config_cls(**{**COMMON, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     _randomize_norms(model)

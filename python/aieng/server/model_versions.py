@@ -105,14 +105,9 @@ def free_memory_bytes(device: str) -> int:
     if device == "cuda" and torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info()
         return int(free)
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    from aieng.runner import available_ram
+
+    return available_ram()
 
 
 def process_rss_bytes() -> int:
