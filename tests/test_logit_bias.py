@@ -1,7 +1,8 @@
-"""logit_bias (OpenAI's) and allowed_token_ids (vLLM's): in the library, in the sampler, and
-through the server with the official openai client."""
+"""logit_bias (OpenAI's), allowed_token_ids and bad_words (vLLM's): in the library, in the
+sampler, and through the server with the official openai client."""
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
@@ -103,3 +104,51 @@ def test_through_the_server_with_the_openai_client(model):
         ids = httpx.post(f"{server.url}/tokenize", json={"model": MODEL_NAME, "prompt": text})
     assert ids.json()["tokens"] == [77] * 4
     assert restricted.usage.completion_tokens == 6
+
+
+def test_bad_words_are_never_generated(llm):
+    tokenizer = llm.engine.tokenizer
+    prompt = [5, 17, 42, 9]
+    [plain] = llm.generate([prompt], greedy(), use_tqdm=False)
+    text, ids = plain.outputs[0].text, list(plain.outputs[0].token_ids)
+
+    # a bad word the greedy output contains, tokenized back to the same ids: two tokens where
+    # some pair round-trips (the prefix rule), else one
+    def round_trips(seq):
+        return tokenizer.encode(tokenizer.decode(seq), add_special_tokens=False) == seq
+
+    pairs = [ids[i : i + 2] for i in range(len(ids) - 1) if round_trips(ids[i : i + 2])]
+    singles = [[t] for t in ids if round_trips([t])]
+    word = tokenizer.decode((pairs or singles)[0])
+    assert word.strip(), (ids, word)
+    [clean] = llm.generate([prompt], greedy(bad_words=[word]), use_tqdm=False)
+    banned = [tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word.lstrip())]
+    out = clean.outputs[0].token_ids
+    for seq in banned:
+        for i in range(len(out) - len(seq) + 1):
+            assert out[i : i + len(seq)] != seq, (seq, out)
+    assert clean.outputs[0].token_ids != ids and word in text
+    with pytest.raises(ValueError, match="non-blank"):
+        SamplingParams(bad_words=["  "])
+
+
+def test_a_multi_token_bad_word_bans_its_last_token_only_after_its_prefix():
+    from aieng.sampler import SamplingTable
+
+    table = SamplingTable(vocab_size=16)
+    table.add_request(2, greedy(), [1, 1], bad_words_ids=[[3, 4], [9], [5, 6, 7]])
+
+    def banned():
+        batch = table.batch(np.array([2]))
+        return sorted(batch.blocked_ids.tolist()) if batch.blocked_ids is not None else []
+
+    assert banned() == [9]
+    table.append_tokens(np.array([2]), np.array([3]))
+    assert banned() == [4, 9]
+    table.append_tokens(np.array([2]), np.array([5]))
+    assert banned() == [9]
+    table.append_tokens(np.array([2]), np.array([6]))
+    assert banned() == [7, 9]
+    table.remove_request(2)
+    table.add_request(2, greedy(), [1])  # the slot reused without bad words
+    assert banned() == []

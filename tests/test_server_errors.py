@@ -76,7 +76,7 @@ COMPLETION_CASES = [
     ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", ["99999", "vocabulary"]),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", []),
     ({"prompt": "x", "allowed_token_ids": [99999]}, "allowed_token_ids", ["99999", "vocabulary"]),
-    ({"prompt": "x", "bad_words": ["a"]}, "bad_words", ["unsupported"]),
+    ({"prompt": "x", "bad_words": "word"}, "bad_words", ["list"]),
     ({"prompt": "x", "best_of": 3}, "best_of", ["best_of"]),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
     ({"max_tokens": 3}, "prompt", ["missing"]),

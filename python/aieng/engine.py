@@ -198,6 +198,17 @@ class LLMEngine:
             compiler = self._grammar_compiler
         return compiler.compile(constraint.kind, constraint.source())
 
+    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as the token ids it has written alone and after a space (vLLM's
+        reading), without special tokens; ids past the model's vocabulary cannot be drawn."""
+        words: list[list[int]] = []
+        for word in params.bad_words or ():
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and max(ids) < self.vocab_size and ids not in words:
+                    words.append(ids)
+        return words
+
     def check_token_ids(self, params: SamplingParams) -> None:
         """Every token id a request brings must be in the model's vocabulary."""
         fields = {
@@ -269,7 +280,9 @@ class LLMEngine:
             skip_special_tokens=params.skip_special_tokens,
             grammar=request.grammar,
         )
-        self._added.append(NewSamplingRow(seq.slot, params, request.prompt_token_ids))
+        self._added.append(
+            NewSamplingRow(seq.slot, params, request.prompt_token_ids, self._bad_words_ids(params))
+        )
         self._by_core_id[seq.core_id] = (request, seq)
         self._by_slot[seq.slot] = (request, seq)
         self._unscheduled.add(seq.slot)

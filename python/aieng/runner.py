@@ -131,7 +131,11 @@ class ModelRunner:
             self.sampling.remove_request(slot)
         for row in step.added:
             self.sampling.add_request(
-                row.slot, row.params, row.prompt_token_ids, eos_token_ids=self.eos_token_ids
+                row.slot,
+                row.params,
+                row.prompt_token_ids,
+                eos_token_ids=self.eos_token_ids,
+                bad_words_ids=row.bad_words_ids,
             )
         plan = step.plan
         self.inputs.apply_new_blocks(

@@ -21,6 +21,7 @@ class NewSamplingRow:
     slot: int
     params: SamplingParams
     prompt_token_ids: list[int]
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
 
 
 @dataclass

@@ -108,6 +108,8 @@ class SamplingTable:
         self.min_tokens_ids: dict[int, list[int]] = {}
         self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}  # slot -> (ids, biases)
         self.allowed_ids: dict[int, list[int]] = {}  # slot -> allowed_token_ids
+        self.bad_words: dict[int, list[list[int]]] = {}  # slot -> bad words' token ids
+        self.recent: dict[int, list[int]] = {}  # slot -> its last output tokens (bad words)
         self.output_counts: torch.Tensor | None = None  # (capacity, V), made on first penalty
         self.prompt_mask: torch.Tensor | None = None
         self._grow(capacity)
@@ -123,6 +125,7 @@ class SamplingTable:
         prompt_token_ids: Sequence[int],
         eos_token_ids: Sequence[int] = (),
         output_token_ids: Sequence[int] = (),
+        bad_words_ids: Sequence[Sequence[int]] = (),
     ) -> None:
         """Set slot's state; `output_token_ids` are tokens it already generated (a request
         moved here mid-way), which count for penalties and seeded draws."""
@@ -160,6 +163,12 @@ class SamplingTable:
             self.allowed_ids[slot] = list(params.allowed_token_ids)
         else:
             self.allowed_ids.pop(slot, None)
+        if bad_words_ids:
+            self.bad_words[slot] = [list(w) for w in bad_words_ids]
+            self.recent[slot] = list(output_token_ids)[-self._bad_word_context(slot) :]
+        else:
+            self.bad_words.pop(slot, None)
+            self.recent.pop(slot, None)
         has_penalty = (
             params.repetition_penalty != 1.0
             or params.presence_penalty != 0.0
@@ -183,6 +192,8 @@ class SamplingTable:
         self.min_tokens_ids.pop(slot, None)
         self.logit_bias.pop(slot, None)
         self.allowed_ids.pop(slot, None)
+        self.bad_words.pop(slot, None)
+        self.recent.pop(slot, None)
         if slot < self.capacity:
             self.has_penalty[slot] = False
 
@@ -210,16 +221,22 @@ class SamplingTable:
                     prompt_mask=self.prompt_mask[index],
                 )
         blocked_rows = blocked_ids = None
+        rows, ids = [], []
         if self.min_tokens_ids:
-            rows, ids = [], []
             for r in np.flatnonzero(self.num_output[slots] < self.min_tokens[slots]).tolist():
                 banned = self.min_tokens_ids.get(int(slots[r]))
                 if banned:
                     rows += [r] * len(banned)
                     ids += banned
-            if rows:
-                blocked_rows = torch.tensor(rows, dtype=torch.long).to(device)
-                blocked_ids = torch.tensor(ids, dtype=torch.long).to(device)
+        if self.bad_words:
+            for r, slot in enumerate(slots.tolist()):
+                if slot in self.bad_words:
+                    banned = self._bad_word_bans(slot)
+                    rows += [r] * len(banned)
+                    ids += banned
+        if rows:
+            blocked_rows = torch.tensor(rows, dtype=torch.long).to(device)
+            blocked_ids = torch.tensor(ids, dtype=torch.long).to(device)
         seeded_rows = seeded_keys = None
         seeded = np.flatnonzero(self.has_seed[slots]) if not all_greedy else np.zeros(0, np.int64)
         if len(seeded):
@@ -283,10 +300,29 @@ class SamplingTable:
             allowed=allowed,
         )
 
+    def _bad_word_context(self, slot: int) -> int:
+        return max((len(w) - 1 for w in self.bad_words.get(slot, ())), default=0)
+
+    def _bad_word_bans(self, slot: int) -> list[int]:
+        """The last token of each bad word whose other tokens end the output so far."""
+        recent = self.recent.get(slot, [])
+        banned = []
+        for word in self.bad_words[slot]:
+            prefix = word[:-1]
+            if not prefix or recent[len(recent) - len(prefix) :] == prefix:
+                banned.append(word[-1])
+        return banned
+
     def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
         """Record accepted tokens: token i belongs to slots[i] (a slot may repeat)."""
         slots = np.asarray(slots, dtype=np.int64)
         np.add.at(self.num_output, slots, 1)
+        if self.bad_words:
+            for slot, token in zip(slots.tolist(), np.asarray(token_ids).tolist(), strict=True):
+                if slot in self.bad_words:
+                    keep = self._bad_word_context(slot)
+                    history = [*self.recent.get(slot, []), token]
+                    self.recent[slot] = history[len(history) - keep :] if keep else []
         if self.output_counts is not None and len(slots) and self.has_penalty[slots].any():
             index = torch.from_numpy(slots).to(self.device)
             tokens = torch.from_numpy(np.asarray(token_ids, np.int64)).to(self.device)

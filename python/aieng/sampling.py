@@ -41,6 +41,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # only these token ids may be drawn (vLLM's allowed_token_ids)
     allowed_token_ids: list[int] | None = None
+    # words never to generate (vLLM's bad_words): each is tokenized as written and with a
+    # leading space; its last token is banned wherever the output ends with the others
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -87,6 +90,14 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words
+            ):
+                raise ValueError(
+                    f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"
+                )
+            self.bad_words = list(self.bad_words) or None
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
                 raise ValueError(

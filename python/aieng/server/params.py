@@ -36,7 +36,6 @@ NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
     "guided_choice": ("use structured_outputs or response_format", (None,)),
     "guided_grammar": ("use structured_outputs or response_format", (None,)),
     "prompt_logprobs": ("prompt logprobs are not supported", (None,)),
-    "bad_words": ("bad_words is not supported", (None, [])),
 }
 
 
@@ -136,6 +135,7 @@ def sampling_params(
         "structured_outputs": constraint_of(req),
         "logit_bias": {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         "allowed_token_ids": req.allowed_token_ids,
+        "bad_words": req.bad_words or None,
     }
     for name in MODEL_DEFAULTED:
         value = getattr(req, name)

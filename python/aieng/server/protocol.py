@@ -19,6 +19,7 @@ MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
 MAX_ALLOWED_TOKENS = 1 << 20  # allowed_token_ids: bounded by the body size anyway
+MAX_BAD_WORDS = 256
 INT64 = 1 << 63
 INT32 = 1 << 31
 
@@ -85,6 +86,9 @@ class SamplingFields(_Lenient):
     skip_special_tokens: bool = True
     allowed_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(
         None, min_length=1, max_length=MAX_ALLOWED_TOKENS
+    )
+    bad_words: list[Annotated[Str, Field(min_length=1, max_length=256)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS
     )
     # Structured outputs (aieng.structured_outputs reads them): OpenAI's and vLLM's
     response_format: dict[str, Any] | None = None
