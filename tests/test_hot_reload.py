@@ -276,3 +276,47 @@ def test_shadow_mirrors_are_dropped_first_under_load(model_dir):
             time.sleep(0.05)
     assert compared + dropped == 8
     assert dropped >= 1  # with requests waiting on the primary, mirrors are dropped, not queued
+
+
+def test_serve_all_versions_routes_name_at_version_to_each(model_dir):
+    server = ThreadServer(
+        model_dir / "v1.0.0",
+        model_dir=str(model_dir),
+        admin_key="admin-secret",
+        serve_all_versions=True,
+    )
+    with server as s:
+        deadline = time.monotonic() + 120
+        while any(v["state"] == "loading" for v in versions(s).values()) or (
+            versions(s)["1.1.0"]["state"] == "available" and time.monotonic() < deadline
+        ):
+            assert time.monotonic() < deadline, versions(s)
+            time.sleep(0.1)
+        listed = versions(s)
+        assert listed["1.0.0"]["state"] == "serving"
+        # every version that fits is loaded beside the default; the 2**60-byte one is not
+        loaded = {v for v, state in listed.items() if state["state"] == "loaded"}
+        assert {"1.0.1", "1.1.0", "1.2.0", "2.0.0-rc.1"} <= loaded
+        assert listed["3.0.0"]["state"] == "available"
+        assert "requires 1152921504606846976 bytes" in listed["3.0.0"]["error"]
+        texts = {}
+        for version in ("1.0.0", "1.0.1", "1.1.0"):
+            status, served, text = complete(s, model=f"{MODEL_NAME}@{version}")
+            assert (status, served) == (200, version)
+            texts[version] = text
+        assert complete(s)[1] == "1.0.0"  # the bare name: the default version
+        ids = [m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]]
+        assert ids[0] == MODEL_NAME and f"{MODEL_NAME}@1.1.0" in ids
+        assert f"{MODEL_NAME}@3.0.0" not in ids
+        assert texts["1.0.0"] == texts["1.0.1"] != texts["1.1.0"]  # same weights, other weights
+        # making a loaded version the default is instant; the old default stays loaded
+        switched = httpx.post(
+            f"{s.url}/admin/models/{MODEL_NAME}/load", json={"version": "1.1.0"}, headers=ADMIN
+        )
+        assert switched.status_code == 202 and switched.json()["state"] == "serving"
+        assert complete(s)[1] == "1.1.0"
+        assert complete(s, model=f"{MODEL_NAME}@1.0.0")[:2] == (200, "1.0.0")
+        # unloading a loaded version stops serving it
+        gone = httpx.delete(f"{s.url}/admin/models/{MODEL_NAME}/versions/1.0.1", headers=ADMIN)
+        assert gone.status_code == 200 and gone.json()["state"] == "unloaded"
+        assert complete(s, model=f"{MODEL_NAME}@1.0.1")[0] == 404

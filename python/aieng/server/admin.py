@@ -138,7 +138,7 @@ async def unload_version(name: str, version: str, request: Request) -> JSONRespo
     _check_name(ctx, name)
     assert ctx.versions is not None
     try:
-        state = await ctx.versions.unload(version)
+        state = await ctx.versions.unload(ctx, version)
     except VersionError as error:
         raise _version_error(error) from None
     return JSONResponse(state.describe())

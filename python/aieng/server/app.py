@@ -54,6 +54,8 @@ def build_app(
             yield
         finally:
             loading.cancel()
+            if ctx.versions is not None:
+                ctx.versions.stop_all()
             if ctx.engine is not None:
                 ctx.engine.stop()
 
@@ -111,6 +113,8 @@ async def _load(
     async_engine = AsyncLLMEngine(engine, on_step=ctx.metrics.observe_step)
     async_engine.start()
     ctx.attach(async_engine)
+    if ctx.versions is not None and ctx.config.serve_all_versions:
+        ctx.versions.background = asyncio.create_task(ctx.versions.load_all(ctx))
     logger.info(
         "serving %s (max_model_len %d, %d KV blocks)",
         ctx.config.served_model_name,

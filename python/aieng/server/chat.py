@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from aieng.async_engine import AsyncLLMEngine
 from aieng.errors import ChatTemplateError
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
@@ -31,11 +32,11 @@ router = APIRouter(route_class=OffLoopBodyRoute)
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
-    engine = ctx.ready_engine(request)
     ctx.check_model(body.model)
+    engine = ctx.ready_engine(request, body.model)
     check_request(body)
     ignored = note_ignored_fields(body, ctx.warned_fields)
-    ids = await render_chat(ctx, body.messages, add_generation_prompt=True)
+    ids = await render_chat(ctx, body.messages, add_generation_prompt=True, engine=engine)
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = resolve_max_tokens(
         body.max_new_tokens,
@@ -59,9 +60,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 
 async def render_chat(
-    ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool
+    ctx: ServerContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    engine: AsyncLLMEngine | None = None,
 ) -> list[int]:
-    tokenizer = ctx.engine.tokenizer  # type: ignore[union-attr]
+    """The conversation through the chat template of `engine` (the one the request will run
+    on: versions may differ in template) or of the default engine."""
+    tokenizer = (engine or ctx.engine).tokenizer  # type: ignore[union-attr]
 
     def render() -> list[int]:
         conversation = [{"role": m.role, "content": m.text} for m in messages]

@@ -102,6 +102,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "aieng-model.json; the latest stable version serves first (hot reload: --admin-key)",
     )
     server.add_argument(
+        "--serve-all-versions",
+        action="store_true",
+        help="with --model-dir: load every version that fits in memory at start, each served "
+        "as NAME@VERSION beside the default (latest stable) one",
+    )
+    server.add_argument(
         "--admin-key",
         default=os.environ.get("AIENG_ADMIN_KEY"),
         help="the admin API's key (POST /admin/models/NAME/load, ...); also AIENG_ADMIN_KEY",
@@ -144,6 +150,7 @@ def server_config(args: argparse.Namespace, model_path: Path) -> ServerConfig:
         log_format=args.log_format,
         cost_per_hour=args.cost_per_hour,
         model_dir=args.model_dir,
+        serve_all_versions=args.serve_all_versions,
         admin_key=args.admin_key or None,
     )
 

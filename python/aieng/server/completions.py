@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from aieng.async_engine import AsyncLLMEngine
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
@@ -31,11 +32,11 @@ router = APIRouter(route_class=OffLoopBodyRoute)
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
-    engine = ctx.ready_engine(request)
     ctx.check_model(body.model)
+    engine = ctx.ready_engine(request, body.model)
     check_request(body)
     ignored = note_ignored_fields(body, ctx.warned_fields)
-    prompts = await _prompt_ids(ctx, body)
+    prompts = await _prompt_ids(ctx, body, engine)
     params = []
     for ids in prompts:
         max_tokens = resolve_max_tokens(
@@ -54,12 +55,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return mark_ignored_fields(response, ignored)
 
 
-async def _prompt_ids(ctx: ServerContext, body: CompletionRequest) -> list[list[int]]:
+async def _prompt_ids(
+    ctx: ServerContext, body: CompletionRequest, engine: AsyncLLMEngine
+) -> list[list[int]]:
     prompts = body.prompts
     if isinstance(prompts[0], str):
         if any(not p for p in prompts):
             raise invalid("the prompt is empty", "prompt")
-        tokenizer = ctx.engine.tokenizer  # type: ignore[union-attr]
+        tokenizer = engine.tokenizer
         ids = await asyncio.to_thread(tokenizer.encode_batch, prompts, True)
         if any(not p for p in ids):
             raise invalid("the prompt has no tokens", "prompt")

@@ -27,6 +27,7 @@ class ServerConfig:
     cost_per_hour: float | None = None  # the machine's price in USD, for the cost metrics
     model_dir: str | None = None  # versions of the served model (hot reload); see model_versions
     admin_key: str | None = None  # the admin API's key (hot reload), separate from api_key
+    serve_all_versions: bool = False  # load every version of model_dir at start (name@version)
 
     def __post_init__(self) -> None:
         for name in (

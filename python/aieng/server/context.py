@@ -62,7 +62,9 @@ class ServerContext:
         self.model_defaults = dict(engine.engine.runner.config.generation_defaults)
         self.admission.state = ServerState.READY
 
-    def ready_engine(self, generation_request: Request | None = None) -> AsyncLLMEngine:
+    def ready_engine(
+        self, generation_request: Request | None = None, model: str | None = None
+    ) -> AsyncLLMEngine:
         """The engine, or 503 while it loads, after a failure, or while draining. A generation
         request refused here is counted and logged like any other refusal."""
         state = self.admission.state
@@ -82,8 +84,12 @@ class ServerContext:
             engine, version = self.engine, None
             if self.versions is not None:
                 version = self.versions.serving
+                asked = self.versions.resolve(model) if model else None
+                pinned = None if asked is None else self.versions.pinned.get(asked)
                 split = self.versions.split
-                if split is not None and split.engine.alive and split.takes_request():
+                if pinned is not None:  # name@version of a version loaded beside the default
+                    engine, version = pinned, asked
+                elif split is not None and split.engine.alive and split.takes_request():
                     engine, version = split.engine, split.version  # canary
             state = generation_request.scope.setdefault("state", {})
             if "engine_lease" not in state:  # released by EngineLeaseMiddleware
@@ -130,11 +136,12 @@ class ServerContext:
     def check_model(self, name: str | None) -> None:
         if name is not None and self.versions is not None:
             version = self.versions.resolve(name)
-            if version is not None and version != self.versions.serving:
+            loaded = {self.versions.serving, *self.versions.pinned}
+            if version is not None and version not in loaded:
+                served = ", ".join(f"{self.versions.name}@{v}" for v in sorted(loaded))
                 raise ApiError(
                     404,
-                    f"model {name!r}: version {version} is not serving (serving: "
-                    f"{self.versions.name}@{self.versions.serving})",
+                    f"model {name!r}: version {version} is not serving (serving: {served})",
                     param="model",
                     code="model_not_found",
                 )

@@ -168,6 +168,48 @@ class ModelVersions:
         self._loading: asyncio.Task | None = None
         self._draining: dict[str, AsyncLLMEngine] = {}
         self.split: TrafficSplit | None = None  # a canary or shadow candidate
+        # `--serve-all-versions`: other versions loaded beside the default one, each served to
+        # requests for name@version (state "loaded")
+        self.pinned: dict[str, AsyncLLMEngine] = {}
+        self.background: asyncio.Task | None = None  # load_all, when asked for
+
+    def stop_all(self) -> None:
+        """Server shutdown: every engine but the default one (the server stops that)."""
+        if self.background is not None:
+            self.background.cancel()
+        engines = [*self.pinned.values(), *self._draining.values()]
+        if self.split is not None:
+            engines.append(self.split.engine)
+        for engine in engines:
+            engine.stop()
+
+    def engine_for(self, ctx: ServerContext, version: str) -> AsyncLLMEngine | None:
+        """The engine serving `version` (None: not loaded)."""
+        if version == self.serving:
+            return ctx.engine
+        if self.split is not None and version == self.split.version:
+            return self.split.engine
+        return self.pinned.get(version)
+
+    async def load_all(self, ctx: ServerContext) -> None:
+        """At start (`--serve-all-versions`): every other version that fits in the memory free
+        now is loaded beside the default one, newest first; the others stay available."""
+        ordered = sorted(self.states.values(), key=lambda s: s.manifest.version.sort_key())
+        for state in reversed(ordered):
+            version = str(state.manifest.version)
+            if version == self.serving:
+                continue
+            try:
+                self._check_fits(ctx, state)
+                state.set("loading")
+                engine = await self._load(ctx, state)
+            except Exception as error:
+                state.set("available", f"not loaded at start: {error}")
+                logger.warning("%s@%s not loaded at start: %s", self.name, version, error)
+                continue
+            self.pinned[version] = engine
+            state.set("loaded")
+            logger.info("%s@%s loaded beside %s", self.name, version, self.serving)
 
     def resolve(self, model: str) -> str | None:
         """`name` or `name@version` -> the version to serve it with (None: not this model)."""
@@ -205,7 +247,19 @@ class ModelVersions:
             raise VersionError(409, "another version is loading; wait for it", "load_in_progress")
         if state.state == "draining":
             raise VersionError(409, f"{self.name}@{version} is still draining", "draining")
-        requirements = state.manifest.requirements
+        if version in self.pinned and split is None:  # already loaded: switch at once
+            self._promote(ctx, version)
+            return state
+        if version in self.pinned:
+            raise VersionError(409, f"{self.name}@{version} is loaded and served", "loaded")
+        self._check_fits(ctx, state)
+        self._check_tokenizer(state.manifest)
+        state.set("loading")
+        self._loading = asyncio.create_task(self._load_and_switch(ctx, version, split))
+        return state
+
+    def _check_fits(self, ctx: ServerContext, state: VersionState) -> None:
+        version, requirements = str(state.manifest.version), state.manifest.requirements
         device = ctx.engine.engine.runner.device.type if ctx.engine is not None else "cpu"
         if requirements.device not in ("any", device):
             raise VersionError(
@@ -219,13 +273,21 @@ class ModelVersions:
             raise VersionError(
                 507,
                 f"{self.name}@{version} requires {requirements.memory_bytes} bytes of memory; "
-                f"{free} are free while the serving version holds its own",
+                f"{free} are free while the loaded versions hold their own",
                 "insufficient_memory",
             )
-        self._check_tokenizer(state.manifest)
-        state.set("loading")
-        self._loading = asyncio.create_task(self._load_and_switch(ctx, version, split))
-        return state
+
+    def _promote(self, ctx: ServerContext, version: str) -> None:
+        """A loaded version becomes the default; the old default stays loaded for name@version."""
+        engine = self.pinned.pop(version)
+        old_version, old_engine = self.serving, ctx.engine
+        ctx.switch_engine(engine)
+        self.serving = version
+        self.states[version].set("serving")
+        if old_engine is not None:
+            self.pinned[old_version] = old_engine
+            self.states[old_version].set("loaded")
+        logger.info("%s@%s is the default version now", self.name, version)
 
     def _check_tokenizer(self, manifest: ModelManifest) -> None:
         """A switch keeps requests tokenized by one version running on the other (those admitted
@@ -248,25 +310,13 @@ class ModelVersions:
     async def _load_and_switch(
         self, ctx: ServerContext, version: str, split: tuple[str, float] | None = None
     ) -> None:
-        from aieng.async_engine import AsyncLLMEngine
-
         state = self.states[version]
-        start = time.perf_counter()
-        new: AsyncLLMEngine | None = None
         try:
-            folder = state.manifest.folder
-            assert folder is not None
-            engine = await asyncio.to_thread(self._load_version, folder)
-            new = AsyncLLMEngine(engine, on_step=ctx.metrics.observe_step)
-            new.start()
-            await self._smoke(new, version)
+            new = await self._load(ctx, state)
         except Exception as error:  # the serving version stays
             logger.exception("loading %s@%s failed", self.name, version)
-            if new is not None:
-                new.stop()
             state.set("failed", f"{type(error).__name__}: {error}")
             return
-        state.load_s = round(time.perf_counter() - start, 3)
         if split is not None:
             mode, percent = split
             self.split = TrafficSplit(version, new, mode, percent)
@@ -283,6 +333,25 @@ class ModelVersions:
             self._draining[old_version] = old_engine
             del old_engine, new  # only _draining holds the old engine now: freeing it frees it
             await self._drain(ctx, old_version)
+
+    async def _load(self, ctx: ServerContext, state: VersionState) -> AsyncLLMEngine:
+        """Loads a version into a new engine (in a worker thread), starts it and smoke-tests it;
+        stopped again if the smoke generation fails."""
+        from aieng.async_engine import AsyncLLMEngine
+
+        start = time.perf_counter()
+        folder = state.manifest.folder
+        assert folder is not None
+        engine = await asyncio.to_thread(self._load_version, folder)
+        new = AsyncLLMEngine(engine, on_step=ctx.metrics.observe_step)
+        new.start()
+        try:
+            await self._smoke(new, str(state.manifest.version))
+        except BaseException:
+            new.stop()
+            raise
+        state.load_s = round(time.perf_counter() - start, 3)
+        return new
 
     async def _smoke(self, engine: AsyncLLMEngine, version: str) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=SMOKE_MAX_TOKENS, ignore_eos=True)
@@ -321,7 +390,7 @@ class ModelVersions:
         await self._drain(ctx, version)
         return state
 
-    async def unload(self, version: str) -> VersionState:
+    async def unload(self, ctx: ServerContext, version: str) -> VersionState:
         """DELETE: a draining version is aborted and freed now; the serving one cannot go."""
         state = self.states.get(version)
         if state is None:
@@ -332,7 +401,11 @@ class ModelVersions:
                 f"{self.name}@{version} is serving; load another version first",
                 "serving",
             )
-        if version in self._draining:
+        if version in self.pinned:  # stop serving name@version; drain, then free
+            self._draining[version] = self.pinned.pop(version)
+            state.set("draining")
+            await self._drain(ctx, version)
+        elif version in self._draining:
             self._draining[version].abort_all()
             await self._free(version)
         elif state.state == "loading" and self._loading is not None:

@@ -26,7 +26,22 @@ HEARTBEAT_LIMIT_S = 60.0  # a loop silent this long is stuck
 
 @router.get("/v1/models", responses=ERROR_RESPONSES)
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model(context_of(request))]})
+    ctx = context_of(request)
+    models = [_model(ctx)]
+    if ctx.versions is not None:  # every loaded version also by name@version
+        versions = ctx.versions
+        for version in sorted({versions.serving, *versions.pinned}):
+            engine = versions.engine_for(ctx, version)
+            models.append(
+                {
+                    **_model(ctx),
+                    "id": f"{versions.name}@{version}",
+                    "root": str(versions.states[version].manifest.folder),
+                    "parent": versions.name,
+                    **({"max_model_len": engine.max_model_len} if engine is not None else {}),
+                }
+            )
+    return JSONResponse({"object": "list", "data": models})
 
 
 @router.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
