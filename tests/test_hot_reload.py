@@ -320,3 +320,27 @@ def test_serve_all_versions_routes_name_at_version_to_each(model_dir):
         gone = httpx.delete(f"{s.url}/admin/models/{MODEL_NAME}/versions/1.0.1", headers=ADMIN)
         assert gone.status_code == 200 and gone.json()["state"] == "unloaded"
         assert complete(s, model=f"{MODEL_NAME}@1.0.1")[0] == 404
+
+
+def test_a_model_dir_with_two_models_serves_both(tmp_path, model_dir):
+    root = tmp_path / "two"
+    shutil.copytree(model_dir / "v1.0.0", root / "a-1.0.0")
+    other = version_folder(root, "0.1.0", seed=5, tokenizer_from=model_dir / "v1.0.0")
+    manifest = json.loads((other / "aieng-model.json").read_text())
+    (other / "aieng-model.json").write_text(json.dumps({**manifest, "name": "other"}))
+    with ThreadServer(root / "a-1.0.0", model_dir=str(root), admin_key="admin-secret") as s:
+        deadline = time.monotonic() + 120
+        while complete(s, model="other")[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        mine, theirs = complete(s), complete(s, model="other")
+        assert mine[:2] == (200, "1.0.0") and theirs[:2] == (200, "0.1.0")
+        assert mine[2] != theirs[2]
+        assert complete(s, model="other@0.1.0")[:2] == (200, "0.1.0")
+        assert complete(s, model="other@9.9.9")[0] == 404
+        ids = {m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]}
+        assert {MODEL_NAME, "other", "other@0.1.0", f"{MODEL_NAME}@1.0.0"} <= ids
+        assert httpx.get(f"{s.url}/v1/models/other@0.1.0").status_code == 200
+        listing = httpx.get(f"{s.url}/admin/models", headers=ADMIN).json()
+        assert listing["models"]["other"]["serving"] == "other@0.1.0"
+        assert {d["name"] for d in listing["data"]} == {MODEL_NAME, "other"}

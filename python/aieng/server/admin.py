@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import ApiError, invalid
-from aieng.server.model_versions import VersionError
+from aieng.server.model_versions import ModelVersions, VersionError
 from aieng.server.traffic_split import MODES
 
 router = APIRouter(include_in_schema=False)
@@ -41,12 +41,15 @@ def _admin(request: Request) -> ServerContext:
     return ctx
 
 
-def _check_name(ctx: ServerContext, name: str) -> None:
-    assert ctx.versions is not None
-    if name != ctx.versions.name:
+def _versions(ctx: ServerContext, name: str) -> ModelVersions:
+    versions = ctx.catalog.get(name)
+    if versions is None:
         raise ApiError(
-            404, f"model {name!r} is not served here (this server serves {ctx.versions.name!r})"
+            404,
+            f"model {name!r} is not served here (this server serves "
+            f"{', '.join(sorted(ctx.catalog))})",
         )
+    return versions
 
 
 def _version_error(error: VersionError) -> ApiError:
@@ -57,11 +60,19 @@ def _version_error(error: VersionError) -> ApiError:
 async def list_versions(request: Request) -> JSONResponse:
     ctx = _admin(request)
     assert ctx.versions is not None
+    own = ctx.versions
     body: dict[str, Any] = {
         "object": "list",
-        "serving": f"{ctx.versions.name}@{ctx.versions.serving}",
-        "route": None if ctx.versions.split is None else ctx.versions.split.describe(),
-        "data": ctx.versions.describe(),
+        "serving": f"{own.name}@{own.serving}",  # the server's own model
+        "route": None if own.split is None else own.split.describe(),
+        "models": {
+            name: {
+                "serving": f"{name}@{v.serving}",
+                "route": None if v.split is None else v.split.describe(),
+            }
+            for name, v in sorted(ctx.catalog.items())
+        },
+        "data": [d for _, v in sorted(ctx.catalog.items()) for d in v.describe()],
     }
     return JSONResponse(body)
 
@@ -69,7 +80,7 @@ async def list_versions(request: Request) -> JSONResponse:
 @router.post("/admin/models/{name}/load")
 async def load_version(name: str, request: Request) -> JSONResponse:
     ctx = _admin(request)
-    _check_name(ctx, name)
+    versions = _versions(ctx, name)
     try:
         body = await request.json()
     except ValueError:
@@ -78,9 +89,8 @@ async def load_version(name: str, request: Request) -> JSONResponse:
     version = body.get("version") if isinstance(body, dict) else None
     if not isinstance(version, str):
         raise invalid("field 'version' (a string) is required", "version")
-    assert ctx.versions is not None
     try:
-        state = ctx.versions.start_load(ctx, version)
+        state = versions.start_load(ctx, version)
     except VersionError as error:
         raise _version_error(error) from None
     return JSONResponse(state.describe(), 202)
@@ -89,7 +99,7 @@ async def load_version(name: str, request: Request) -> JSONResponse:
 @router.post("/admin/models/{name}/route")
 async def start_route(name: str, request: Request) -> JSONResponse:
     ctx = _admin(request)
-    _check_name(ctx, name)
+    versions = _versions(ctx, name)
     body = await _json_object(request)
     version, mode, percent = body.get("version"), body.get("mode"), body.get("percent", 0)
     if not isinstance(version, str):
@@ -102,9 +112,8 @@ async def start_route(name: str, request: Request) -> JSONResponse:
         raise invalid(
             f"field 'percent' must be in (0, 100] for a canary, got {percent!r}", "percent"
         )
-    assert ctx.versions is not None
     try:
-        state = ctx.versions.start_load(ctx, version, (mode, float(percent)))
+        state = versions.start_load(ctx, version, (mode, float(percent)))
     except VersionError as error:
         raise _version_error(error) from None
     return JSONResponse(state.describe(), 202)
@@ -113,10 +122,9 @@ async def start_route(name: str, request: Request) -> JSONResponse:
 @router.delete("/admin/models/{name}/route")
 async def end_route(name: str, request: Request) -> JSONResponse:
     ctx = _admin(request)
-    _check_name(ctx, name)
-    assert ctx.versions is not None
+    versions = _versions(ctx, name)
     try:
-        state = await ctx.versions.end_split(ctx)
+        state = await versions.end_split(ctx)
     except VersionError as error:
         raise _version_error(error) from None
     return JSONResponse(state.describe())
@@ -135,10 +143,9 @@ async def _json_object(request: Request) -> dict[str, Any]:
 @router.delete("/admin/models/{name}/versions/{version}")
 async def unload_version(name: str, version: str, request: Request) -> JSONResponse:
     ctx = _admin(request)
-    _check_name(ctx, name)
-    assert ctx.versions is not None
+    versions = _versions(ctx, name)
     try:
-        state = await ctx.versions.unload(ctx, version)
+        state = await versions.unload(ctx, version)
     except VersionError as error:
         raise _version_error(error) from None
     return JSONResponse(state.describe())

@@ -24,7 +24,12 @@ from aieng.server.context import ServerContext
 from aieng.server.errors import install_error_handlers
 from aieng.server.http_metrics import HttpMetricsMiddleware
 from aieng.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
-from aieng.server.model_versions import ModelVersions, scan_model_dir, serving_version
+from aieng.server.model_versions import (
+    ModelVersions,
+    default_version,
+    scan_model_dir,
+    serving_version,
+)
 from aieng.server.params import IGNORED_FIELDS_HEADER
 
 logger = logging.getLogger(__name__)
@@ -43,9 +48,13 @@ def build_app(
     if config.model_dir is not None:
         if load_version is None:
             raise ValueError("model_dir needs load_version")
-        versions = scan_model_dir(Path(config.model_dir))
-        serving = serving_version(config, versions)
-        ctx.versions = ModelVersions(versions, str(serving.version), load_version)
+        catalog = scan_model_dir(Path(config.model_dir))
+        serving = serving_version(config, catalog)
+        for name, versions in catalog.items():
+            own = name == serving.name
+            first = serving if own else default_version(versions)
+            ctx.catalog[name] = ModelVersions(versions, str(first.version), load_version, own)
+        ctx.versions = ctx.catalog[serving.name]
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -54,8 +63,10 @@ def build_app(
             yield
         finally:
             loading.cancel()
-            if ctx.versions is not None:
-                ctx.versions.stop_all()
+            if ctx.catalog_loading is not None:
+                ctx.catalog_loading.cancel()
+            for versions in ctx.catalog.values():
+                versions.stop_all()
             if ctx.engine is not None:
                 ctx.engine.stop()
 
@@ -113,14 +124,23 @@ async def _load(
     async_engine = AsyncLLMEngine(engine, on_step=ctx.metrics.observe_step)
     async_engine.start()
     ctx.attach(async_engine)
-    if ctx.versions is not None and ctx.config.serve_all_versions:
-        ctx.versions.background = asyncio.create_task(ctx.versions.load_all(ctx))
+    if ctx.catalog:  # the other models of --model-dir, then (if asked) every other version
+        ctx.catalog_loading = asyncio.create_task(_load_catalog(ctx))
     logger.info(
         "serving %s (max_model_len %d, %d KV blocks)",
         ctx.config.served_model_name,
         engine.max_model_len,
         engine.runner.num_blocks,
     )
+
+
+async def _load_catalog(ctx: ServerContext) -> None:
+    others = [v for v in ctx.catalog.values() if not v.primary]
+    for versions in others:
+        await versions.start_default(ctx)
+    if ctx.config.serve_all_versions:
+        for versions in ctx.catalog.values():
+            await versions.load_all(ctx)
 
 
 def _without_422(app: FastAPI) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections import Counter
@@ -43,7 +44,9 @@ class ServerContext:
         self._token_text: dict[int, str] = {}
         self.warned_fields: set[str] = set()  # unknown request fields already logged
         # `--model-dir`: the versions of the served model (None: one model, no versions)
-        self.versions: ModelVersions | None = None
+        self.versions: ModelVersions | None = None  # the server's own model's
+        self.catalog: dict[str, ModelVersions] = {}  # every model of --model-dir, by name
+        self.catalog_loading: asyncio.Task | None = None
         # generation requests admitted to each engine (by id) and not yet answered in full:
         # an engine switched out is freed only once its count is 0
         self.leases: Counter[int] = Counter()
@@ -82,11 +85,20 @@ class ServerContext:
             if generation_request is None:
                 return self.engine
             engine, version = self.engine, None
-            if self.versions is not None:
-                version = self.versions.serving
-                asked = self.versions.resolve(model) if model else None
-                pinned = None if asked is None else self.versions.pinned.get(asked)
-                split = self.versions.split
+            versions = self.versions_of(model)
+            if versions is not None:
+                default = versions.default_engine(self)
+                if default is None:
+                    raise ApiError(
+                        503,
+                        f"model {versions.name!r} is still loading",
+                        code="starting",
+                        headers={"Retry-After": "5"},
+                    )
+                engine, version = default, versions.serving
+                asked = versions.resolve(model) if model else None
+                pinned = None if asked is None else versions.pinned.get(asked)
+                split = versions.split
                 if pinned is not None:  # name@version of a version loaded beside the default
                     engine, version = pinned, asked
                 elif split is not None and split.engine.alive and split.takes_request():
@@ -115,11 +127,21 @@ class ServerContext:
         """The engine loop died of a failure: the server should exit non-zero and be restarted."""
         return self.engine is not None and self.engine.failure is not None
 
+    def versions_of(self, model: str | None) -> ModelVersions | None:
+        """The versions of the model a request names (the server's own without a name)."""
+        if model is not None and self.catalog:
+            found = self.catalog.get(model.partition("@")[0])
+            if found is not None:
+                return found
+        return self.versions
+
     def after_admitted(self, generation: Generation) -> None:
         """A generation request was admitted: mirror it to a shadow candidate if one runs."""
-        split = None if self.versions is None else self.versions.split
-        if split is not None and split.mode == "shadow" and generation.engine is self.engine:
-            mirror(self, split, generation)
+        for versions in self.catalog.values():
+            split = versions.split
+            default = versions.default_engine(self)
+            if split is not None and split.mode == "shadow" and generation.engine is default:
+                mirror(self, split, generation)
 
     def switch_engine(self, engine: AsyncLLMEngine) -> None:
         """Requests admitted from now on go to `engine` (hot reload); those admitted before
@@ -134,11 +156,12 @@ class ServerContext:
             del self.leases[engine_id]
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and self.versions is not None:
-            version = self.versions.resolve(name)
-            loaded = {self.versions.serving, *self.versions.pinned}
+        versions = self.versions_of(name)
+        if name is not None and versions is not None:
+            version = versions.resolve(name)
+            loaded = {versions.serving, *versions.pinned}
             if version is not None and version not in loaded:
-                served = ", ".join(f"{self.versions.name}@{v}" for v in sorted(loaded))
+                served = ", ".join(f"{versions.name}@{v}" for v in sorted(loaded))
                 raise ApiError(
                     404,
                     f"model {name!r}: version {version} is not serving (serving: {served})",

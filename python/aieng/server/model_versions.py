@@ -56,29 +56,31 @@ class VersionError(ValueError):
         self.status, self.code = status, code
 
 
-def scan_model_dir(folder: Path) -> dict[str, ModelManifest]:
-    """DIR/* with an aieng-model.json -> {version: manifest}; one model name per folder."""
+def scan_model_dir(folder: Path) -> dict[str, dict[str, ModelManifest]]:
+    """DIR/* with an aieng-model.json -> {name: {version: manifest}}."""
     if not folder.is_dir():
         raise ValueError(f"--model-dir {folder}: not a folder")
     subfolders = sorted(folder.iterdir())
     found = [ModelManifest.load(sub) for sub in subfolders if (sub / MANIFEST).is_file()]
     if not found:
         raise ValueError(f"--model-dir {folder}: no subfolder holds {MANIFEST}")
-    names = sorted({m.name for m in found})
-    if len(names) > 1:
-        raise ValueError(
-            f"--model-dir {folder}: one model name per folder, found {', '.join(names)}"
-        )
-    versions: dict[str, ModelManifest] = {}
+    catalog: dict[str, dict[str, ModelManifest]] = {}
     for manifest in found:
+        versions = catalog.setdefault(manifest.name, {})
         key = str(manifest.version)
         if key in versions:
             raise ValueError(
-                f"--model-dir {folder}: version {key} is in both {versions[key].folder} and "
-                f"{manifest.folder}"
+                f"--model-dir {folder}: {manifest.name} {key} is in both {versions[key].folder} "
+                f"and {manifest.folder}"
             )
         versions[key] = manifest
-    return versions
+    return catalog
+
+
+def default_version(versions: dict[str, ModelManifest]) -> ModelManifest:
+    """The latest stable version, or the newest pre-release where there is none."""
+    stable = [m for m in versions.values() if m.version.stable]
+    return max(stable or list(versions.values()), key=lambda m: m.version.sort_key())
 
 
 def latest_stable(versions: dict[str, ModelManifest]) -> ModelManifest:
@@ -91,13 +93,14 @@ def latest_stable(versions: dict[str, ModelManifest]) -> ModelManifest:
     return max(stable, key=lambda m: m.version.sort_key())
 
 
-def serving_version(config: Any, versions: dict[str, ModelManifest]) -> ModelManifest:
-    """The version a server starts with: the one at `config.model_path` if it is one of them,
-    else the latest stable."""
-    for manifest in versions.values():
-        if manifest.folder is not None and str(manifest.folder) == str(config.model_path):
-            return manifest
-    return latest_stable(versions)
+def serving_version(config: Any, catalog: dict[str, dict[str, ModelManifest]]) -> ModelManifest:
+    """The version the server's own engine starts with: the one at `config.model_path` if it is
+    in the catalog, else the latest stable of the first name."""
+    for versions in catalog.values():
+        for manifest in versions.values():
+            if manifest.folder is not None and str(manifest.folder) == str(config.model_path):
+                return manifest
+    return latest_stable(catalog[sorted(catalog)[0]])
 
 
 def free_memory_bytes(device: str) -> int:
@@ -159,10 +162,15 @@ class ModelVersions:
         versions: dict[str, ModelManifest],
         serving: str,
         load_version: Callable[[Path], LLMEngine],
+        primary: bool = True,
     ):
+        """`primary`: the server's own engine (ctx.engine) serves the default version; another
+        model of the catalog keeps its default engine here (loaded by `start_default`)."""
         self.states = {key: VersionState(m) for key, m in versions.items()}
-        self.states[serving].set("serving")
+        self.states[serving].set("serving" if primary else "loading")
         self.serving = serving
+        self.primary = primary
+        self._engine: AsyncLLMEngine | None = None  # the default engine when not primary
         self.name = versions[serving].name
         self._load_version = load_version
         self._loading: asyncio.Task | None = None
@@ -180,13 +188,37 @@ class ModelVersions:
         engines = [*self.pinned.values(), *self._draining.values()]
         if self.split is not None:
             engines.append(self.split.engine)
+        if self._engine is not None:
+            engines.append(self._engine)
         for engine in engines:
             engine.stop()
+
+    def default_engine(self, ctx: ServerContext) -> AsyncLLMEngine | None:
+        return ctx.engine if self.primary else self._engine
+
+    def _set_default(self, ctx: ServerContext, engine: AsyncLLMEngine) -> None:
+        if self.primary:
+            ctx.switch_engine(engine)
+        else:
+            self._engine = engine
+
+    async def start_default(self, ctx: ServerContext) -> None:
+        """A model other than the server's own: its default version loads in the background
+        (requests for it get 503 until it serves)."""
+        state = self.states[self.serving]
+        try:
+            self._engine = await self._load(ctx, state)
+        except Exception as error:
+            logger.exception("loading %s failed", state.manifest.ref)
+            state.set("failed", f"{type(error).__name__}: {error}")
+            return
+        state.set("serving")
+        logger.info("serving %s", state.manifest.ref)
 
     def engine_for(self, ctx: ServerContext, version: str) -> AsyncLLMEngine | None:
         """The engine serving `version` (None: not loaded)."""
         if version == self.serving:
-            return ctx.engine
+            return self.default_engine(ctx)
         if self.split is not None and version == self.split.version:
             return self.split.engine
         return self.pinned.get(version)
@@ -280,8 +312,8 @@ class ModelVersions:
     def _promote(self, ctx: ServerContext, version: str) -> None:
         """A loaded version becomes the default; the old default stays loaded for name@version."""
         engine = self.pinned.pop(version)
-        old_version, old_engine = self.serving, ctx.engine
-        ctx.switch_engine(engine)
+        old_version, old_engine = self.serving, self.default_engine(ctx)
+        self._set_default(ctx, engine)
         self.serving = version
         self.states[version].set("serving")
         if old_engine is not None:
@@ -323,8 +355,8 @@ class ModelVersions:
             state.set(mode)
             logger.info("%s@%s takes %s traffic", self.name, version, mode)
             return
-        old_version, old_engine = self.serving, ctx.engine
-        ctx.switch_engine(new)  # atomic: the next admitted request goes to the new version
+        old_version, old_engine = self.serving, self.default_engine(ctx)
+        self._set_default(ctx, new)  # atomic: the next admitted request goes to the new version
         self.serving = version
         state.set("serving")
         logger.info("%s@%s serving (loaded in %.2f s)", self.name, version, state.load_s)

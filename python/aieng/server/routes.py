@@ -26,28 +26,42 @@ HEARTBEAT_LIMIT_S = 60.0  # a loop silent this long is stuck
 
 @router.get("/v1/models", responses=ERROR_RESPONSES)
 async def list_models(request: Request) -> JSONResponse:
-    ctx = context_of(request)
+    return JSONResponse({"object": "list", "data": _models(context_of(request))})
+
+
+def _models(ctx: ServerContext) -> list[dict[str, Any]]:
+    """The server's model, and with --model-dir every other model and loaded version."""
     models = [_model(ctx)]
-    if ctx.versions is not None:  # every loaded version also by name@version
-        versions = ctx.versions
+    for name, versions in sorted(ctx.catalog.items()):  # --model-dir: every loaded version
+        engine = versions.default_engine(ctx)
+        if not versions.primary and engine is not None:
+            models.append(
+                {**_model(ctx), "id": name, "root": name, "max_model_len": engine.max_model_len}
+            )
         for version in sorted({versions.serving, *versions.pinned}):
             engine = versions.engine_for(ctx, version)
+            if engine is None:
+                continue
             models.append(
                 {
                     **_model(ctx),
-                    "id": f"{versions.name}@{version}",
+                    "id": f"{name}@{version}",
                     "root": str(versions.states[version].manifest.folder),
-                    "parent": versions.name,
-                    **({"max_model_len": engine.max_model_len} if engine is not None else {}),
+                    "parent": name,
+                    "max_model_len": engine.max_model_len,
                 }
             )
-    return JSONResponse({"object": "list", "data": models})
+    return models
 
 
 @router.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
 async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
     """The served model by its name (or its path); 404 for any other."""
     ctx = context_of(request)
+    if ctx.catalog:
+        for model in _models(ctx):
+            if model["id"] == model_id:
+                return JSONResponse(model)
     if not ctx.config.knows_model(model_id):
         raise ApiError(
             404,
