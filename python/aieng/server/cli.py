@@ -168,10 +168,14 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
     try:
         engine = engine_args(args)
-        if args.model_dir is not None:  # the latest stable version serves first
-            from aieng.server.model_versions import latest_stable, scan_model_dir
+        if args.model_dir is not None:  # MODEL if it is one of them, else a latest stable
+            from types import SimpleNamespace
 
-            first = latest_stable(scan_model_dir(Path(args.model_dir)))
+            from aieng.server.model_versions import scan_model_dir, serving_version
+
+            catalog = scan_model_dir(Path(args.model_dir))
+            given = SimpleNamespace(model_path=getattr(args, "model", None) or "")
+            first = serving_version(given, catalog)
             engine = dataclasses.replace(engine, model=str(first.folder))
             args.model = str(first.folder)
             args.served_model_name = args.served_model_name or first.name

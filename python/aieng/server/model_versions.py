@@ -60,7 +60,7 @@ def scan_model_dir(folder: Path) -> dict[str, dict[str, ModelManifest]]:
     """DIR/* with an aieng-model.json -> {name: {version: manifest}}."""
     if not folder.is_dir():
         raise ValueError(f"--model-dir {folder}: not a folder")
-    subfolders = sorted(folder.iterdir())
+    subfolders = sorted(folder.resolve().iterdir())
     found = [ModelManifest.load(sub) for sub in subfolders if (sub / MANIFEST).is_file()]
     if not found:
         raise ValueError(f"--model-dir {folder}: no subfolder holds {MANIFEST}")
@@ -96,9 +96,10 @@ def latest_stable(versions: dict[str, ModelManifest]) -> ModelManifest:
 def serving_version(config: Any, catalog: dict[str, dict[str, ModelManifest]]) -> ModelManifest:
     """The version the server's own engine starts with: the one at `config.model_path` if it is
     in the catalog, else the latest stable of the first name."""
+    given = Path(config.model_path).resolve() if config.model_path else None
     for versions in catalog.values():
         for manifest in versions.values():
-            if manifest.folder is not None and str(manifest.folder) == str(config.model_path):
+            if manifest.folder is not None and manifest.folder == given:
                 return manifest
     return latest_stable(catalog[sorted(catalog)[0]])
 
