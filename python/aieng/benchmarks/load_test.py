@@ -610,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _run(args: argparse.Namespace, url: str) -> tuple[dict, list[Outcome]]:
     async with httpx.AsyncClient(timeout=60) as client:
-        [model] = (await client.get(f"{url}/v1/models")).json()["data"]
+        # the server's own model first (with --model-dir, NAME@VERSION entries follow)
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]
         ids = (await client.post(f"{url}/tokenize", json={"prompt": SEED_TEXT * 8})).json()
         idle = {}
         for prompt in CANARY_PROMPTS:
