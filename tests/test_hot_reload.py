@@ -261,21 +261,34 @@ def test_shadow_mirrors_are_dropped_first_under_load(model_dir):
     with server as s:
         assert route(s, version="1.0.1", mode="shadow").status_code == 202
         wait_state(s, "1.0.1", "shadow")
-        clients = [threading.Thread(target=complete, args=(s,)) for _ in range(8)]
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join(60)
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+        long = threading.Thread(
+            target=httpx.post,
+            args=(f"{s.url}/v1/completions",),
+            kwargs={"json": body, "timeout": 120},
+        )
+        long.start()  # holds the primary's only row
+        deadline = time.monotonic() + 30
+        while s.metrics()["aieng_num_requests_running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        clients = []
+        for _ in range(6):  # each admitted while earlier ones wait on the primary
+            clients.append(threading.Thread(target=complete, args=(s,)))
+            clients[-1].start()
+            time.sleep(0.1)
+        for c in [long, *clients]:
+            c.join(120)
         deadline = time.monotonic() + 60
         while True:
             m = s.metrics()
             compared = m.get("aieng_shadow_requests_total{outcome=compared}", 0)
             dropped = m.get("aieng_shadow_requests_total{outcome=dropped}", 0)
-            if compared + dropped == 8 or time.monotonic() > deadline:
+            if compared + dropped == 7 or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-    assert compared + dropped == 8
-    assert dropped >= 1  # with requests waiting on the primary, mirrors are dropped, not queued
+    assert compared + dropped == 7
+    assert dropped >= 4  # with requests waiting on the primary, mirrors are dropped, not queued
 
 
 def test_serve_all_versions_routes_name_at_version_to_each(model_dir):
