@@ -102,6 +102,8 @@ class SamplingTable:
         self.has_seed = np.zeros(0, bool)
         self.greedy = np.zeros(0, bool)
         self.has_penalty = np.zeros(0, bool)
+        # logit_bias, allowed_token_ids or bad_words: only these rows are walked in Python
+        self.has_token_rules = np.zeros(0, bool)
         self.num_logprobs = np.zeros(0, np.int32)  # -1: no logprobs
         self.num_output = np.zeros(0, np.int64)
         self.min_tokens = np.zeros(0, np.int64)
@@ -175,6 +177,9 @@ class SamplingTable:
             or params.frequency_penalty != 0.0
         )
         self.has_penalty[slot] = has_penalty
+        self.has_token_rules[slot] = bool(
+            params.logit_bias or params.allowed_token_ids or bad_words_ids
+        )
         if has_penalty and self.output_counts is None:
             shape = (self.capacity, self.vocab_size)
             self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
@@ -196,6 +201,7 @@ class SamplingTable:
         self.recent.pop(slot, None)
         if slot < self.capacity:
             self.has_penalty[slot] = False
+            self.has_token_rules[slot] = False
 
     def batch(self, slots: np.ndarray) -> SamplingBatch:
         """slots (S,): the slot of each sampled row, in the plan's sampling order."""
@@ -228,12 +234,12 @@ class SamplingTable:
                 if banned:
                     rows += [r] * len(banned)
                     ids += banned
-        if self.bad_words:
-            for r, slot in enumerate(slots.tolist()):
-                if slot in self.bad_words:
-                    banned = self._bad_word_bans(slot)
-                    rows += [r] * len(banned)
-                    ids += banned
+        ruled = np.flatnonzero(self.has_token_rules[slots]).tolist()  # rows with token rules
+        for r in ruled:
+            if int(slots[r]) in self.bad_words:
+                banned = self._bad_word_bans(int(slots[r]))
+                rows += [r] * len(banned)
+                ids += banned
         if rows:
             blocked_rows = torch.tensor(rows, dtype=torch.long).to(device)
             blocked_ids = torch.tensor(ids, dtype=torch.long).to(device)
@@ -248,11 +254,9 @@ class SamplingTable:
         num_logprobs = self.num_logprobs[slots]
         logprob_rows = np.flatnonzero(num_logprobs >= 0)
         bias = allowed = None
-        if self.logit_bias:
+        if ruled:
             found = [
-                (r, self.logit_bias[s])
-                for r, s in enumerate(slots.tolist())
-                if s in self.logit_bias
+                (r, self.logit_bias[int(slots[r])]) for r in ruled if slots[r] in self.logit_bias
             ]
             if found:
                 rows = [r for r, (ids, _) in found for _ in ids]
@@ -263,11 +267,8 @@ class SamplingTable:
                     torch.tensor(ids, dtype=torch.long).to(device),
                     torch.tensor(values, dtype=torch.float32).to(device),
                 )
-        if self.allowed_ids:
             found_ids = [
-                (r, self.allowed_ids[s])
-                for r, s in enumerate(slots.tolist())
-                if s in self.allowed_ids
+                (r, self.allowed_ids[int(slots[r])]) for r in ruled if slots[r] in self.allowed_ids
             ]
             if found_ids:
                 allowed = (
@@ -318,7 +319,9 @@ class SamplingTable:
         slots = np.asarray(slots, dtype=np.int64)
         np.add.at(self.num_output, slots, 1)
         if self.bad_words:
-            for slot, token in zip(slots.tolist(), np.asarray(token_ids).tolist(), strict=True):
+            tokens = np.asarray(token_ids)
+            for i in np.flatnonzero(self.has_token_rules[slots]).tolist():
+                slot, token = int(slots[i]), int(tokens[i])
                 if slot in self.bad_words:
                     keep = self._bad_word_context(slot)
                     history = [*self.recent.get(slot, []), token]
@@ -338,6 +341,7 @@ class SamplingTable:
             "has_seed",
             "greedy",
             "has_penalty",
+            "has_token_rules",
             "num_logprobs",
             "num_output",
             "min_tokens",
