@@ -1,0 +1,98 @@
+"""This process's place in the tensor-parallel group, and the collectives the model layers use.
+
+Before `init_tensor_parallel` (or after `destroy_tensor_parallel`) the process is rank 0 of a
+group of one and every collective is the identity, so model code calls them unconditionally.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class _State:
+    rank: int = 0
+    world_size: int = 1
+    group: dist.ProcessGroup | None = None  # the tensor-parallel group (NCCL or gloo)
+    cpu_group: dist.ProcessGroup | None = None  # gloo, for host-side messages
+
+
+_state = _State()
+
+
+def init_tensor_parallel(
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    init_method: str = "env://",
+    timeout_s: float = 60.0,
+) -> None:
+    """Join the default process group (rendezvous through `init_method`: env:// reads
+    MASTER_ADDR, MASTER_PORT; tcp://host:port names it) as `rank` of `world_size`; every rank is
+    one tensor-parallel rank. `timeout_s` bounds every collective: a peer that died or hangs
+    makes the others raise instead of waiting forever."""
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    group = dist.group.WORLD
+    cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo")
+    _state.rank, _state.world_size = rank, world_size
+    _state.group, _state.cpu_group = group, cpu_group
+
+
+def destroy_tensor_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state.rank, _state.world_size, _state.group, _state.cpu_group = 0, 1, None, None
+
+
+def get_tp_rank() -> int:
+    return _state.rank
+
+
+def get_tp_world_size() -> int:
+    return _state.world_size
+
+
+def get_tp_group() -> dist.ProcessGroup | None:
+    return _state.group
+
+
+def get_cpu_group() -> dist.ProcessGroup | None:
+    return _state.cpu_group
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum of `x` over the ranks (in place; returns x)."""
+    if _state.world_size == 1:
+        return x
+    dist.all_reduce(x, group=_state.group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The ranks' `x` concatenated along `dim`, in rank order."""
+    if _state.world_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_state.world_size)]
+    dist.all_gather(parts, x.contiguous(), group=_state.group)
+    return torch.cat(parts, dim=dim)
+
+
+def shard_range(size: int, what: str) -> tuple[int, int]:
+    """[start, end) of this rank's equal share of `size` items (heads, columns, vocab rows);
+    raises ValueError naming `what` when the ranks cannot share it equally."""
+    n = _state.world_size
+    if size % n:
+        raise ValueError(f"{what}: {size} is not divisible by tensor_parallel_size {n}")
+    per = size // n
+    return _state.rank * per, (_state.rank + 1) * per
