@@ -24,10 +24,10 @@ import numpy as np
 
 from aieng._core import EngineCore, Grammar, GrammarCompiler, InvalidArgumentError, Tokenizer
 from aieng.config import ModelConfig
+from aieng.distributed.executor import make_runner
 from aieng.engine_args import EngineArgs
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from aieng.runner import ModelRunner
-from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, RunnerStep
+from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, PromptLogprobs, RunnerStep
 from aieng.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ FATAL_DEVICE_ERRORS = (
     "CUBLAS_STATUS",
     "cuDNN error",
     "NCCL error",
+    "tensor-parallel group failed",  # aieng.distributed.executor.FAILURE: ranks out of step
 )
 
 
@@ -94,6 +95,8 @@ class _Request:
     num_cached_tokens: int = 0
     priority: int = 0
     grammar: Grammar | None = None  # each sequence gets its own matcher of it
+    # With params.prompt_logprobs: per prompt position, filled as the prefill computes it.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -108,6 +111,7 @@ class _Request:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -133,7 +137,7 @@ class LLMEngine:
             )
         self.eos_token_ids = sorted(eos)
         self.max_model_len = config.effective_max_model_len(model_config.max_position_embeddings)
-        self.runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
+        self.runner = make_runner(config, self.eos_token_ids, on_failure=self._runner_failed)
         self.core = EngineCore(
             num_blocks=self.runner.num_blocks,
             block_size=config.block_size,
@@ -240,6 +244,8 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         request = _Request(request_id, text, ids, [], metrics, stream=stream, grammar=grammar)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(ids)
         for index in range(params.n):
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seq_params = params
@@ -266,10 +272,13 @@ class LLMEngine:
 
     def _add_sequence(self, request: _Request, seq: _Sequence, priority: int) -> None:
         params = seq.params
+        # The first sequence scores the prompt: it must compute every prompt token itself.
+        score_prompt = params.prompt_logprobs if seq.index == 0 else None
         seq.slot = self.core.add_request(
             seq.core_id,
             request.prompt_token_ids,
-            max_tokens=params.max_tokens,
+            # max_tokens 0 (score the prompt only): the core samples one token, never shown.
+            max_tokens=max(1, params.max_tokens),
             min_tokens=params.min_tokens,
             ignore_eos=params.ignore_eos,
             eos_token_ids=self.eos_token_ids,
@@ -279,9 +288,16 @@ class LLMEngine:
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
             grammar=request.grammar,
+            skip_prefix_cache=score_prompt is not None,
         )
         self._added.append(
-            NewSamplingRow(seq.slot, params, request.prompt_token_ids, self._bad_words_ids(params))
+            NewSamplingRow(
+                seq.slot,
+                params,
+                request.prompt_token_ids,
+                self._bad_words_ids(params),
+                prompt_logprobs=score_prompt,
+            )
         )
         self._by_core_id[seq.core_id] = (request, seq)
         self._by_slot[seq.slot] = (request, seq)
@@ -415,8 +431,24 @@ class LLMEngine:
         outputs = [self._finish_request(rid, "error", cause) for rid in request_ids]
         return [o for o in outputs if o is not None]
 
+    def _record_prompt_logprobs(self, scored: PromptLogprobs) -> None:
+        for i, (slot, position) in enumerate(
+            zip(scored.slots.tolist(), scored.positions.tolist(), strict=True)
+        ):
+            entry = self._by_slot.get(slot)
+            if entry is None or entry[0].prompt_logprobs is None:
+                continue
+            request = entry[0]
+            k = int(scored.num_top[i])
+            ids, values = scored.top_ids[i, :k].tolist(), scored.top_logprobs[i, :k].tolist()
+            top = dict(zip(ids, values, strict=True))
+            top[request.prompt_token_ids[position + 1]] = float(scored.chosen[i])
+            request.prompt_logprobs[position + 1] = top
+
     def _process(self, plan, out, result: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.monotonic()
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(result.prompt_logprobs)
         logprobs = result.logprobs
         logprob_of_row: dict[int, int] = {}
         if len(logprobs.rows):
@@ -431,6 +463,9 @@ class LLMEngine:
             if entry is None:
                 continue
             request, seq = entry
+            if seq.params.max_tokens == 0:  # the core's one token is not part of the output
+                changed[request.request_id] = request
+                continue
             seq.token_ids.append(token)
             if text:
                 seq.text.append(text)
@@ -462,6 +497,8 @@ class LLMEngine:
             self._finished_slots.append(seq.slot)
             seq.finish_reason = done.finish_reason
             seq.stop_reason = done.stop_reason
+            if seq.params.max_tokens == 0:
+                seq.finish_reason, seq.stop_reason = "length", None
             changed[request.request_id] = request
         results = []
         for request in changed.values():
@@ -478,6 +515,11 @@ class LLMEngine:
             request = self._waiting_siblings.pop(request_id)
             for seq in request.sequences[1:]:
                 self._add_sequence(request, seq, request.priority)
+
+    def _runner_failed(self, reason: str) -> None:
+        """A tensor-parallel worker died between steps (called from the runner's watcher
+        thread): the engine is dead, and says why."""
+        self.dead_reason = reason
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:

@@ -56,6 +56,10 @@ def fraction(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be in (0, 1]"
 
 
+def positive(value: float) -> str | None:
+    return None if value > 0 else "must be positive"
+
+
 def _block_size(value: int) -> str | None:
     if 1 <= value <= MAX_BLOCK_SIZE and value & (value - 1) == 0:
         return None
@@ -199,6 +203,22 @@ class EngineArgs:
         False,
         "run every step eagerly, without CUDA graphs (which replay decode steps of 1, 2, 4, 8, "
         "16, 32, ... up to max_num_seqs rows); no effect on CPU",
+    )
+
+    tensor_parallel_size: int = option(
+        1,
+        "ranks the model is split over (torch.distributed: NCCL on GPUs, gloo on CPUs); the "
+        "engine's process is rank 0 and starts the others on this machine, unless a launcher "
+        "(torchrun) started every rank (RANK, WORLD_SIZE in the environment)",
+        check=at_least(1),
+        metavar="N",
+    )
+    distributed_timeout_s: float = option(
+        60.0,
+        "seconds a tensor-parallel collective may wait for a rank; past it the rank is taken as "
+        "hung and the engine stops",
+        check=positive,
+        metavar="S",
     )
 
     def __post_init__(self) -> None:

@@ -29,6 +29,7 @@ from aieng.gpu_memory import log_gpu_memory
 from aieng.input_buffers import InputBuffers
 from aieng.kv_cache import KVCacheSpec
 from aieng.models.loader import LoadTimes, load_model, resolve_dtype
+from aieng.prompt_logprobs import PromptScorer
 from aieng.runner_io import ModelRunnerOutput, RunnerStep, SampledLogprobs
 from aieng.sampler import Sampler, SamplerOutput, SamplingTable
 
@@ -38,6 +39,8 @@ CPU_KV_CACHE_FRACTION = 0.2  # of available RAM, when kv_cache_memory is not giv
 
 
 class ModelRunner:
+    samples = True  # False on tensor-parallel ranks > 0: they run the model, rank 0 samples
+
     def __init__(self, args: EngineArgs, eos_token_ids: Sequence[int] = ()):
         """args.kv_cache_memory: bytes for the KV cache (default on CPU: a fraction of available
         RAM; on CUDA: what gpu_memory_utilization of the GPU leaves after a profiling forward of
@@ -96,6 +99,7 @@ class ModelRunner:
             self.config.vocab_size, self.device, capacity=max(64, args.max_num_seqs)
         )
         self.sampler = Sampler(self.device, args.seed)
+        self.prompt_scorer = PromptScorer(self.device)
         self.graphs = (
             capture_decode_graphs(self, args.max_num_seqs, self.num_blocks) if graphs else None
         )
@@ -129,7 +133,10 @@ class ModelRunner:
     def execute(self, step: RunnerStep) -> ModelRunnerOutput:
         for slot in step.finished_slots:
             self.sampling.remove_request(slot)
+            self.prompt_scorer.remove(slot)
         for row in step.added:
+            if row.prompt_logprobs is not None:
+                self.prompt_scorer.add(row.slot, row.prompt_logprobs, row.prompt_token_ids)
             self.sampling.add_request(
                 row.slot,
                 row.params,
@@ -149,11 +156,18 @@ class ModelRunner:
             hidden = self.graphs.run(plan, block_tables)  # (T, hidden), replayed
         else:
             hidden = self._forward(plan, block_tables, self.kv_caches)  # (T, hidden)
+        scored = (
+            self.prompt_scorer.score(plan, hidden, self.model.compute_logits)
+            if self.prompt_scorer
+            else None
+        )
         logits_indices = plan.logits_indices
         if len(logits_indices) == 0:  # only partial prefills this step
-            return ModelRunnerOutput.empty()
+            return ModelRunnerOutput.empty(scored)
         rows = torch.from_numpy(np.asarray(logits_indices, np.int64)).to(self.device)
         logits = self.model.compute_logits(hidden[rows])  # (S, vocab)
+        if not self.samples:
+            return ModelRunnerOutput.empty()
         batch = self.sampling.batch(plan.slots[plan.sample_request_rows])
         batch.grammar_bitmask = plan.grammar_bitmask()  # computed while the model ran
         sampled = self.sampler(logits, batch)
@@ -161,7 +175,10 @@ class ModelRunner:
         accepted = tokens >= 0
         self.sampling.append_tokens(batch.slots[accepted], tokens[accepted])
         return ModelRunnerOutput(
-            sampled_token_ids=tokens, num_sampled=np.ones(len(tokens), np.int32), logprobs=logprobs
+            sampled_token_ids=tokens,
+            num_sampled=np.ones(len(tokens), np.int32),
+            logprobs=logprobs,
+            prompt_logprobs=scored,
         )
 
     def _forward(

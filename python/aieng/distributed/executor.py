@@ -1,0 +1,476 @@
+"""The engine's runner for `tensor_parallel_size` N: the plain ModelRunner for N = 1, else a
+`TensorParallelRunner` that behaves like one (vLLM's driver worker).
+
+The process that runs the engine is rank 0: it holds rank 0's runner in-process and, on one
+machine, spawns ranks 1..N-1 (`torch.multiprocessing`, spawn) which rendezvous with it through
+env:// — the path a launcher (torchrun) takes on several machines, where every process finds its
+RANK and WORLD_SIZE in the environment and ranks > 0 become workers (`launched_place`).
+
+Each step rank 0 broadcasts one message (`messages.Execute`) and runs its own runner; the
+collectives inside the model keep the ranks in step, and rank 0's sampled tokens are the step's.
+
+Failures are fatal: after one the ranks are out of step. A worker that dies is seen by a
+watcher thread at once (and by the collective it leaves, which raises); one that hangs makes
+the next collective raise after `distributed_timeout_s`. Either way the engine learns it through
+`on_failure` or a `TensorParallelError` (its message starts with `FAILURE`, which the engine
+counts as fatal), the remaining workers are stopped and joined, and nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from aieng.engine_args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+FAILURE = "tensor-parallel group failed"
+JOIN_S = 5.0  # how long a worker gets to leave on its own before it is killed
+REPORT_WAIT_S = 2.0  # after a collective fails: how long to wait for the worker's exit
+
+
+class TensorParallelError(RuntimeError):
+    """A rank died, hung or failed: the group cannot run another step."""
+
+
+def make_runner(
+    args: EngineArgs,
+    eos_token_ids: Sequence[int],
+    on_failure: Callable[[str], None] | None = None,
+):
+    """The runner for `args.tensor_parallel_size`. `on_failure(reason)` is called from a
+    watcher thread when a worker dies between steps. In a process a launcher started as a
+    rank > 0, this serves as that worker until rank 0 shuts down, then exits the process."""
+    from aieng.distributed import parallel_state
+
+    if parallel_state.get_tp_world_size() > 1:
+        raise RuntimeError(
+            "this process already holds a tensor-parallel engine (rank "
+            f"{parallel_state.get_tp_rank()} of {parallel_state.get_tp_world_size()}); shut it "
+            "down first (engine.runner.shutdown())"
+        )
+    size = args.tensor_parallel_size
+    if size == 1:
+        from aieng.runner import ModelRunner
+
+        return ModelRunner(args, eos_token_ids=eos_token_ids)
+    place = launched_place(args)
+    if place is not None and place.rank > 0:
+        from aieng.distributed.worker import run_launched
+
+        raise SystemExit(run_launched(args, place))
+    return TensorParallelRunner(args, eos_token_ids, on_failure, launched=place is not None)
+
+
+def launched_place(args: EngineArgs):
+    """This process's RankPlace when a launcher set RANK and WORLD_SIZE for a group of
+    tensor_parallel_size processes; None when nothing launched it so."""
+    from aieng.distributed.rank import RankPlace
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if world == 1 and args.tensor_parallel_size == 1:
+        return None
+    if world != args.tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size {args.tensor_parallel_size} but the launcher started "
+            f"WORLD_SIZE={world} processes: one process per rank"
+        )
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return RankPlace(rank, world, local_rank)
+
+
+def run_as_launched_worker(args: EngineArgs) -> int | None:
+    """For commands that do more than build an engine (`aieng serve`): in a launcher's rank
+    > 0, serve as a worker and return the exit status; elsewhere None."""
+    if args.tensor_parallel_size == 1:
+        return None
+    place = launched_place(args)
+    if place is None or place.rank == 0:
+        return None
+    from aieng.distributed.worker import run_launched
+
+    return run_launched(args, place)
+
+
+def check_size(args: EngineArgs) -> None:
+    """Refuses a size the machine cannot hold: more ranks than CUDA devices. More ranks than
+    CPU cores only warns: it runs, each rank on one thread, slower."""
+    from aieng.distributed.rank import uses_cuda
+
+    size = args.tensor_parallel_size
+    if uses_cuda(args):
+        import torch
+
+        count = torch.cuda.device_count()
+        if size > count:
+            raise ValueError(
+                f"tensor_parallel_size {size} needs {size} CUDA devices, this machine has {count}"
+            )
+    elif size > (os.cpu_count() or 1):
+        logger.warning(
+            "tensor_parallel_size %d exceeds the %d CPU cores: the ranks share cores",
+            size,
+            os.cpu_count() or 1,
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def _master_env(addr: str, port: int):
+    """MASTER_ADDR/MASTER_PORT for env:// while the driver joins, then as they were."""
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+class _Workers:
+    """The spawned ranks 1..N-1: their processes, start-up reports and the watcher thread.
+    Kept apart from the runner so a finalizer can close them without holding the runner."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        self.errors: dict[int, str] = {}
+        self.failure: str | None = None
+        self.closing = False
+        self.lock = threading.Lock()
+        self.on_failure: Callable[[str], None] | None = None
+        self._stop_recv: Connection | None = None
+        self._stop_send: Connection | None = None
+
+    def spawn(self, args: EngineArgs, eos: Sequence[int], world: int, addr: str, port: int) -> None:
+        import torch.multiprocessing as mp
+
+        from aieng.distributed.rank import RankPlace
+        from aieng.distributed.worker import run_spawned
+
+        ctx = mp.get_context("spawn")
+        for rank in range(1, world):
+            recv, send = ctx.Pipe(duplex=False)
+            place = RankPlace(rank, world, rank)
+            proc = ctx.Process(
+                target=run_spawned,
+                args=(args, list(eos), place, addr, port, send),
+                name=f"aieng-tp-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            send.close()
+            self.procs.append(proc)
+            self.conns.append(recv)
+
+    def reason(self, index: int) -> str:
+        """What happened to worker `index` (rank index + 1), with its own error if it sent one."""
+        proc = self.procs[index]
+        self.collect_reports()
+        error = self.errors.get(index)
+        text = f"worker rank {index + 1} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
+        return f"{text}: {error}" if error else text
+
+    def collect_reports(self) -> None:
+        for index, conn in enumerate(self.conns):
+            try:
+                while conn.poll():
+                    kind, text = conn.recv()
+                    if kind == "error":
+                        self.errors[index] = text
+            except (EOFError, OSError):
+                continue
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until every worker reported ready; a worker that failed or died raises."""
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(len(self.procs)))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TensorParallelError(
+                    f"{FAILURE}: worker rank {min(pending) + 1} not ready within "
+                    f"distributed_timeout_s ({timeout_s:g} s)"
+                )
+            objects = [self.conns[i] for i in pending] + [self.procs[i].sentinel for i in pending]
+            for ready in wait(objects, timeout=min(remaining, 0.5)):
+                for index in list(pending):
+                    proc, conn = self.procs[index], self.conns[index]
+                    if ready is conn:
+                        try:
+                            kind, text = conn.recv()
+                        except EOFError:
+                            kind, text = "error", ""
+                        if kind == "ready":
+                            pending.discard(index)
+                        else:
+                            self.errors[index] = text
+                            proc.join(REPORT_WAIT_S)
+                            raise self.start_error(index)
+                    elif ready == proc.sentinel:
+                        proc.join()
+                        raise self.start_error(index)
+
+    def start_error(self, index: int) -> Exception:
+        """A worker's start-up failure as the driver's one line: its own exception's type when
+        that is a plain input error (ValueError), else a TensorParallelError."""
+        self.collect_reports()
+        error = self.errors.get(index, "")
+        name, _, text = error.partition(": ")
+        if name == "ValueError":
+            return ValueError(text)
+        return TensorParallelError(f"{FAILURE} at start-up: {self.reason(index)}")
+
+    def watch(self) -> None:
+        import multiprocessing as mp
+
+        self._stop_recv, self._stop_send = mp.Pipe(duplex=False)
+        threading.Thread(target=self._watch, name="aieng-tp-watcher", daemon=True).start()
+
+    def _watch(self) -> None:
+        sentinels = {proc.sentinel: i for i, proc in enumerate(self.procs)}
+        ready = wait([*sentinels, self._stop_recv])
+        if self.closing or self._stop_recv in ready:
+            return
+        index = next(sentinels[s] for s in ready if s in sentinels)
+        self.procs[index].join()
+        reason = f"{FAILURE}: {self.reason(index)}"
+        logger.error("%s", reason)
+        self.fail(reason)
+
+    def fail(self, reason: str) -> None:
+        """Records the first failure, stops every worker, tells the engine (once)."""
+        with self.lock:
+            if self.failure is not None or self.closing:
+                return
+            self.failure = reason
+        self.stop()
+        if self.on_failure is not None:
+            self.on_failure(reason)
+
+    def stop(self) -> None:
+        """Every worker that is still running is terminated, killed if it must be, joined."""
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(JOIN_S)
+            if proc.is_alive():  # stopped (SIGSTOP) or ignoring SIGTERM
+                proc.kill()
+                proc.join()
+
+    def close(self, goodbye: Callable[[], None] | None) -> None:
+        """A clean exit: `goodbye` broadcasts Shutdown, the workers leave on their own."""
+        with self.lock:
+            if self.closing:
+                return
+            self.closing = True
+            failed = self.failure is not None
+        if self._stop_send is not None:
+            self._stop_send.send(None)
+        if goodbye is not None and not failed:
+            try:
+                goodbye()
+                for proc in self.procs:
+                    proc.join(JOIN_S)
+            except Exception as error:
+                logger.warning("tensor-parallel shutdown message failed: %s", error)
+        self.stop()
+
+
+class TensorParallelRunner:
+    """Rank 0 of a tensor-parallel group, shaped like a ModelRunner for the engine: the
+    attributes are rank 0's runner's, and every forward first goes to the other ranks."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        eos_token_ids: Sequence[int],
+        on_failure: Callable[[str], None] | None = None,
+        launched: bool = False,
+    ):
+        from aieng.distributed import parallel_state
+        from aieng.distributed.rank import RankPlace, RankRunner, join_group, rank_args
+
+        check_size(args)
+        self.args = args
+        self.world_size = args.tensor_parallel_size
+        self._workers = _Workers()
+        self._workers.on_failure = on_failure
+        self._group = None
+        place = RankPlace(0, self.world_size, 0)
+        try:
+            if launched:
+                self._group = join_group(args, place)
+            else:
+                self._group = self._start_workers(args, eos_token_ids, place)
+            self._local = RankRunner(rank_args(args, place), eos_token_ids, samples=True)
+            if not launched:
+                self._workers.wait_ready(args.distributed_timeout_s)
+        except BaseException as error:
+            self._workers.close(None)
+            parallel_state.destroy_tensor_parallel()
+            if isinstance(error, Exception) and self._workers.procs:
+                worker_error = self._first_worker_error()
+                if worker_error is not None and not isinstance(error, ValueError):
+                    raise worker_error from error
+            raise
+        if not launched:
+            self._workers.watch()
+        self._finalizer = weakref.finalize(self, _close, self._workers, self._group)
+        logger.info("tensor parallelism: %d ranks, this process is rank 0", self.world_size)
+
+    def _start_workers(self, args: EngineArgs, eos: Sequence[int], place):
+        """Spawns ranks 1..N-1 on this machine and joins them (env:// on MASTER_ADDR, a free
+        MASTER_PORT unless MASTER_PORT is given)."""
+        from aieng.distributed.rank import join_group
+
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("MASTER_PORT") or free_port(addr))
+        _check_port_free(addr, port)
+        self._workers.spawn(args, eos, self.world_size, addr, port)
+        joined: list[Any] = []
+        failure: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                with _master_env(addr, port):
+                    joined.append(join_group(args, place))
+            except BaseException as error:
+                failure.append(error)
+
+        # The rendezvous waits for every worker; one that dies first must not make it wait out
+        # the whole timeout, so it runs beside a watch on the workers.
+        thread = threading.Thread(target=join, name="aieng-tp-join", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + args.distributed_timeout_s
+        while thread.is_alive():
+            thread.join(0.1)
+            dead = [i for i, p in enumerate(self._workers.procs) if p.exitcode is not None]
+            if dead:
+                raise self._workers.start_error(dead[0])
+            if time.monotonic() > deadline:
+                raise TensorParallelError(
+                    f"{FAILURE}: the ranks did not meet at {addr}:{port} within "
+                    f"distributed_timeout_s ({args.distributed_timeout_s:g} s)"
+                )
+        if failure:
+            raise failure[0]
+        return joined[0]
+
+    def _first_worker_error(self) -> Exception | None:
+        self._workers.collect_reports()
+        for index in range(len(self._workers.procs)):
+            if index in self._workers.errors:
+                return self._workers.start_error(index)
+        return None
+
+    # ------------------------------------------------------------------ like a ModelRunner
+
+    def __getattr__(self, name: str) -> Any:
+        """num_blocks, max_num_batched_tokens, config, device, kv_spec, load_times, ...: rank
+        0's runner's."""
+        if name.startswith("__") or name == "_local":
+            raise AttributeError(name)
+        return getattr(self._local, name)
+
+    def execute(self, step):
+        from aieng.distributed.messages import Execute
+
+        return self._on_every_rank(Execute.of(step), lambda: self._local.execute(step))
+
+    def prompt_logprobs(self, *args: Any, **kwargs: Any):
+        from aieng.distributed.messages import Call
+
+        message = Call("prompt_logprobs", args, kwargs)
+        return self._on_every_rank(message, lambda: self._local.prompt_logprobs(*args, **kwargs))
+
+    def _on_every_rank(self, message, run_local: Callable[[], Any]) -> Any:
+        from aieng.distributed.messages import broadcast_message
+
+        if self._workers.failure is not None:
+            raise TensorParallelError(self._workers.failure)
+        if self._workers.closing:
+            raise TensorParallelError(f"{FAILURE}: the runner was shut down")
+        try:
+            broadcast_message(message, self._group)
+            return run_local()
+        except Exception as error:
+            # Whatever raised, the other ranks may be inside a collective this rank never
+            # joins: the group is out of step, and the failure is fatal.
+            raise self._fail(error) from error
+
+    def _fail(self, error: Exception) -> TensorParallelError:
+        """The step raised: a worker died (wait a moment for its exit to say how), hung (the
+        collective timed out) or this rank failed."""
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while time.monotonic() < deadline and self._workers.failure is None:
+            dead = [i for i, p in enumerate(self._workers.procs) if p.exitcode is not None]
+            if dead:
+                self._workers.fail(f"{FAILURE}: {self._workers.reason(dead[0])}")
+                break
+            time.sleep(0.05)
+        if self._workers.failure is None:
+            timeout = self.args.distributed_timeout_s
+            self._workers.fail(
+                f"{FAILURE}: {type(error).__name__}: {error} (a rank hung past "
+                f"distributed_timeout_s = {timeout:g} s, or this rank failed mid-step)"
+            )
+        return TensorParallelError(self._workers.failure)
+
+    def shutdown(self) -> None:
+        """Tells the workers to leave, joins them, leaves the group. Idempotent."""
+        self._finalizer()
+
+
+def _close(workers: _Workers, group) -> None:
+    from aieng.distributed import parallel_state
+    from aieng.distributed.messages import Shutdown, broadcast_message
+
+    goodbye = None if group is None else (lambda: broadcast_message(Shutdown(), group))
+    workers.close(goodbye)
+    parallel_state.destroy_tensor_parallel()
+
+
+def _check_port_free(addr: str, port: int) -> None:
+    """The rendezvous port must be free on this machine: say so in one line, before spawning."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((addr, port))
+        except OSError as error:
+            raise TensorParallelError(
+                f"tensor-parallel rendezvous port {addr}:{port} (MASTER_ADDR:MASTER_PORT) cannot "
+                f"be used: {error.strerror or error}"
+            ) from None

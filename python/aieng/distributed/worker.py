@@ -1,0 +1,130 @@
+"""A tensor-parallel worker: ranks 1..N-1, each a process holding its rank's runner.
+
+The worker joins the group, builds its runner, then runs whatever rank 0 broadcasts — one
+`Execute` per engine step, a `Call` for other forwards — until a `Shutdown` or until the group
+breaks (a dead driver closes its connections). Its sampled tokens are never needed: the driver
+samples.
+
+Started two ways: spawned by the driver on one machine (`run_spawned`, which reports start-up
+failures to the driver through a pipe), or by a launcher such as torchrun on every machine
+(`run_launched`; RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT from the environment).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+from aieng.engine_args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+
+def serve_steps(runner, group) -> None:
+    """Runs rank 0's messages on `runner` until Shutdown; a broken group raises."""
+    from aieng.distributed.messages import Call, Execute, Shutdown, receive_message
+
+    while True:
+        message = receive_message(group)
+        if isinstance(message, Shutdown):
+            return
+        if isinstance(message, Execute):
+            runner.execute(message.step)
+        elif isinstance(message, Call):
+            getattr(runner, message.method)(*message.args, **message.kwargs)
+        else:
+            raise TypeError(f"unknown tensor-parallel message {type(message).__name__}")
+
+
+def run_worker(args: EngineArgs, eos_token_ids: Sequence[int], place, report=None) -> None:
+    """Join, build this rank's runner, serve steps, leave. `report(kind, text)`: tells the
+    driver the worker is ready, or why it failed."""
+    from aieng.distributed import parallel_state
+    from aieng.distributed.rank import RankRunner, join_group, rank_args
+
+    try:
+        group = join_group(args, place)
+        runner = RankRunner(rank_args(args, place), eos_token_ids, samples=False)
+    except BaseException as error:
+        if report is not None:
+            report("error", f"{type(error).__name__}: {error}")
+        raise
+    if report is not None:
+        report("ready", "")
+    try:
+        serve_steps(runner, group)
+    finally:
+        parallel_state.destroy_tensor_parallel()
+
+
+def run_spawned(
+    args: EngineArgs,
+    eos_token_ids: Sequence[int],
+    place,
+    master_addr: str,
+    master_port: int,
+    conn: Connection,
+) -> None:
+    """The target of a process the driver spawned on this machine."""
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(place.rank),
+        WORLD_SIZE=str(place.world_size),
+        LOCAL_RANK=str(place.local_rank),
+    )
+
+    def report(kind: str, text: str) -> None:
+        try:
+            conn.send((kind, text))
+        except OSError:  # the driver is gone
+            pass
+
+    try:
+        run_worker(args, eos_token_ids, place, report)
+    except BaseException as error:
+        if not isinstance(error, KeyboardInterrupt):
+            report("error", f"{type(error).__name__}: {error}")
+            traceback.print_exc()
+        sys.exit(1)
+
+
+def run_launched(args: EngineArgs, place) -> int:
+    """A rank > 0 started by a launcher (torchrun): serve until rank 0 shuts down; the exit
+    status, 0 after a clean shutdown, 1 after a failure (logged)."""
+    try:
+        run_worker(args, (), place)
+    except Exception as error:
+        logger.error(
+            "tensor-parallel rank %d failed: %s: %s", place.rank, type(error).__name__, error
+        )
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m aieng.distributed.worker [engine options]` on a machine whose processes a
+    launcher started: rank 0 serves as `aieng serve` does, the others run here."""
+    import argparse
+
+    from aieng.distributed.executor import launched_place
+    from aieng.models.default import default_model_path
+
+    parser = argparse.ArgumentParser(prog="python -m aieng.distributed.worker")
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(argv))
+    if args.model is None:
+        args.model = str(default_model_path())
+    place = launched_place(args)
+    if place is None or place.rank == 0:
+        parser.error("run by a launcher as a rank > 0 (RANK and WORLD_SIZE in the environment)")
+    return run_launched(args, place)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(main())
