@@ -229,6 +229,6 @@ def test_invalid_sampling_params_and_missing_models():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     with pytest.raises(FileNotFoundError, match="model folder not found"):
         LLM("/nonexistent/model")

@@ -53,7 +53,7 @@ COMPLETION_CASES = [
     ({"prompt": "x", "n": 17}, "n", ["16"]),
     ({"prompt": "x", "logprobs": 21}, "logprobs", ["20"]),
     ({"prompt": "x", "presence_penalty": 5}, "presence_penalty", []),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens", []),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens", []),
     ({"prompt": "x", "top_k": -2}, "top_k", []),
     ({"prompt": "x", "min_p": 2}, "min_p", []),
     ({"prompt": "x", "seed": 2**70}, "seed", []),

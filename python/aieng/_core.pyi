@@ -228,10 +228,13 @@ class EngineCore:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         grammar: Grammar | None = None,
+        skip_prefix_cache: bool = False,
     ) -> int:
         """Queues a request and returns its slot. With `grammar`, the request gets a matcher of
         its own: its sampling rows get masks, every token advances it, and a complete grammar
-        ends the request (finish reason "stop")."""
+        ends the request (finish reason "stop"). With `skip_prefix_cache`, the request reads no
+        cached prefix (it computes every prompt token, e.g. to score them); its own blocks are
+        still cached for others."""
     def abort(self, request_id: str) -> FinishedRequest: ...
     def schedule(self) -> StepPlan: ...
     def update(self, sampled: _Tokens, num_sampled: _Tokens | None = None) -> StepOutputs:

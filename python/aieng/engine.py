@@ -27,7 +27,7 @@ from aieng.config import ModelConfig
 from aieng.distributed.executor import make_runner
 from aieng.engine_args import EngineArgs
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, RunnerStep
+from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, PromptLogprobs, RunnerStep
 from aieng.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,8 @@ class _Request:
     num_cached_tokens: int = 0
     priority: int = 0
     grammar: Grammar | None = None  # each sequence gets its own matcher of it
+    # With params.prompt_logprobs: per prompt position, filled as the prefill computes it.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -109,6 +111,7 @@ class _Request:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -241,6 +244,8 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         request = _Request(request_id, text, ids, [], metrics, stream=stream, grammar=grammar)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(ids)
         for index in range(params.n):
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seq_params = params
@@ -267,10 +272,13 @@ class LLMEngine:
 
     def _add_sequence(self, request: _Request, seq: _Sequence, priority: int) -> None:
         params = seq.params
+        # The first sequence scores the prompt: it must compute every prompt token itself.
+        score_prompt = params.prompt_logprobs if seq.index == 0 else None
         seq.slot = self.core.add_request(
             seq.core_id,
             request.prompt_token_ids,
-            max_tokens=params.max_tokens,
+            # max_tokens 0 (score the prompt only): the core samples one token, never shown.
+            max_tokens=max(1, params.max_tokens),
             min_tokens=params.min_tokens,
             ignore_eos=params.ignore_eos,
             eos_token_ids=self.eos_token_ids,
@@ -280,9 +288,16 @@ class LLMEngine:
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
             grammar=request.grammar,
+            skip_prefix_cache=score_prompt is not None,
         )
         self._added.append(
-            NewSamplingRow(seq.slot, params, request.prompt_token_ids, self._bad_words_ids(params))
+            NewSamplingRow(
+                seq.slot,
+                params,
+                request.prompt_token_ids,
+                self._bad_words_ids(params),
+                prompt_logprobs=score_prompt,
+            )
         )
         self._by_core_id[seq.core_id] = (request, seq)
         self._by_slot[seq.slot] = (request, seq)
@@ -416,8 +431,24 @@ class LLMEngine:
         outputs = [self._finish_request(rid, "error", cause) for rid in request_ids]
         return [o for o in outputs if o is not None]
 
+    def _record_prompt_logprobs(self, scored: PromptLogprobs) -> None:
+        for i, (slot, position) in enumerate(
+            zip(scored.slots.tolist(), scored.positions.tolist(), strict=True)
+        ):
+            entry = self._by_slot.get(slot)
+            if entry is None or entry[0].prompt_logprobs is None:
+                continue
+            request = entry[0]
+            k = int(scored.num_top[i])
+            ids, values = scored.top_ids[i, :k].tolist(), scored.top_logprobs[i, :k].tolist()
+            top = dict(zip(ids, values, strict=True))
+            top[request.prompt_token_ids[position + 1]] = float(scored.chosen[i])
+            request.prompt_logprobs[position + 1] = top
+
     def _process(self, plan, out, result: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.monotonic()
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(result.prompt_logprobs)
         logprobs = result.logprobs
         logprob_of_row: dict[int, int] = {}
         if len(logprobs.rows):
@@ -432,6 +463,9 @@ class LLMEngine:
             if entry is None:
                 continue
             request, seq = entry
+            if seq.params.max_tokens == 0:  # the core's one token is not part of the output
+                changed[request.request_id] = request
+                continue
             seq.token_ids.append(token)
             if text:
                 seq.text.append(text)
@@ -463,6 +497,8 @@ class LLMEngine:
             self._finished_slots.append(seq.slot)
             seq.finish_reason = done.finish_reason
             seq.stop_reason = done.stop_reason
+            if seq.params.max_tokens == 0:
+                seq.finish_reason, seq.stop_reason = "length", None
             changed[request.request_id] = request
         results = []
         for request in changed.values():

@@ -64,3 +64,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (it has
+    # no context); each maps the prompt token and the top alternatives to their logprobs.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -29,6 +29,7 @@ from aieng.gpu_memory import log_gpu_memory
 from aieng.input_buffers import InputBuffers
 from aieng.kv_cache import KVCacheSpec
 from aieng.models.loader import LoadTimes, load_model, resolve_dtype
+from aieng.prompt_logprobs import PromptScorer
 from aieng.runner_io import ModelRunnerOutput, RunnerStep, SampledLogprobs
 from aieng.sampler import Sampler, SamplerOutput, SamplingTable
 
@@ -98,6 +99,7 @@ class ModelRunner:
             self.config.vocab_size, self.device, capacity=max(64, args.max_num_seqs)
         )
         self.sampler = Sampler(self.device, args.seed)
+        self.prompt_scorer = PromptScorer(self.device)
         self.graphs = (
             capture_decode_graphs(self, args.max_num_seqs, self.num_blocks) if graphs else None
         )
@@ -131,7 +133,10 @@ class ModelRunner:
     def execute(self, step: RunnerStep) -> ModelRunnerOutput:
         for slot in step.finished_slots:
             self.sampling.remove_request(slot)
+            self.prompt_scorer.remove(slot)
         for row in step.added:
+            if row.prompt_logprobs is not None:
+                self.prompt_scorer.add(row.slot, row.prompt_logprobs, row.prompt_token_ids)
             self.sampling.add_request(
                 row.slot,
                 row.params,
@@ -151,9 +156,14 @@ class ModelRunner:
             hidden = self.graphs.run(plan, block_tables)  # (T, hidden), replayed
         else:
             hidden = self._forward(plan, block_tables, self.kv_caches)  # (T, hidden)
+        scored = (
+            self.prompt_scorer.score(plan, hidden, self.model.compute_logits)
+            if self.prompt_scorer
+            else None
+        )
         logits_indices = plan.logits_indices
         if len(logits_indices) == 0:  # only partial prefills this step
-            return ModelRunnerOutput.empty()
+            return ModelRunnerOutput.empty(scored)
         rows = torch.from_numpy(np.asarray(logits_indices, np.int64)).to(self.device)
         logits = self.model.compute_logits(hidden[rows])  # (S, vocab)
         if not self.samples:
@@ -165,7 +175,10 @@ class ModelRunner:
         accepted = tokens >= 0
         self.sampling.append_tokens(batch.slots[accepted], tokens[accepted])
         return ModelRunnerOutput(
-            sampled_token_ids=tokens, num_sampled=np.ones(len(tokens), np.int32), logprobs=logprobs
+            sampled_token_ids=tokens,
+            num_sampled=np.ones(len(tokens), np.int32),
+            logprobs=logprobs,
+            prompt_logprobs=scored,
         )
 
     def _forward(

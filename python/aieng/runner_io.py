@@ -22,6 +22,8 @@ class NewSamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    # Score this row's prompt tokens (top-k alternatives): set for one sequence per request.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -55,6 +57,21 @@ class SampledLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens computed this step, for the rows that asked for them.
+
+    Entry i scores the prompt token at position `positions[i] + 1` of the request in slot
+    `slots[i]` (the logits at `positions[i]` predict it)."""
+
+    slots: np.ndarray  # (P,) int64
+    positions: np.ndarray  # (P,) int64
+    chosen: np.ndarray  # (P,) float32: log-probability of the actual prompt token
+    top_ids: np.ndarray  # (P, K) int64: K = the largest prompt_logprobs asked for in the step
+    top_logprobs: np.ndarray  # (P, K) float32; entry i is valid up to num_top[i]
+    num_top: np.ndarray  # (P,) int32
+
+
+@dataclass
 class ModelRunnerOutput:
     """Tokens accepted this step, sampling row after sampling row (the plan's logits rows).
 
@@ -64,7 +81,13 @@ class ModelRunnerOutput:
     sampled_token_ids: np.ndarray  # (N,) int64
     num_sampled: np.ndarray  # (S,) int32
     logprobs: SampledLogprobs  # per sampling row's first token
+    prompt_logprobs: PromptLogprobs | None = None
 
     @classmethod
-    def empty(cls) -> ModelRunnerOutput:
-        return cls(np.zeros(0, np.int64), np.zeros(0, np.int32), SampledLogprobs.empty())
+    def empty(cls, prompt_logprobs: PromptLogprobs | None = None) -> ModelRunnerOutput:
+        return cls(
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int32),
+            SampledLogprobs.empty(),
+            prompt_logprobs,
+        )

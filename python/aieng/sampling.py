@@ -31,9 +31,14 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: score the prompt only (with prompt_logprobs), generate nothing
     min_tokens: int = 0
     logprobs: int | None = None
+    # Log-probability of every prompt token given the ones before it, plus the top
+    # `prompt_logprobs` alternatives at each position (vLLM's name). Computed in the prefill's
+    # own forward; such a request reads no cached prefix (a cached block has no logits stored),
+    # so it computes its whole prompt.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -81,7 +86,7 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("max_tokens", self.max_tokens, minimum=0)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -89,6 +94,8 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(

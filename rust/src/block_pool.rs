@@ -191,7 +191,7 @@ impl BlockPool {
     /// and new blocks are taken for the rest. All or nothing.
     pub fn allocate(&self, tokens: &[u32]) -> Result<BlockTable> {
         let mut inner = self.inner.lock();
-        let lease = self.wrap(inner.open_table(tokens));
+        let lease = self.wrap(inner.open_table(tokens, true));
         match inner.reserve(lease.id, tokens.len()) {
             Ok(()) => {
                 inner.debug_check();
@@ -295,15 +295,16 @@ impl PoolInner {
         &self.block_tokens[start..start + self.block_size]
     }
 
-    /// A table holding the cached prefix of `tokens` (no new blocks yet).
-    pub(crate) fn open_table(&mut self, tokens: &[u32]) -> u32 {
+    /// A table holding the cached prefix of `tokens` (none with `read_cache` false; no new
+    /// blocks yet).
+    pub(crate) fn open_table(&mut self, tokens: &[u32], read_cache: bool) -> u32 {
         let mut state = TableState {
             blocks: Vec::with_capacity(tokens.len().div_ceil(self.block_size)),
             hashed_blocks: 0,
             last_hash: ROOT_HASH,
             num_cached_tokens: 0,
         };
-        if self.prefix_caching && !tokens.is_empty() {
+        if read_cache && self.prefix_caching && !tokens.is_empty() {
             self.take_cached_prefix(&mut state, tokens);
         }
         match self.free_table_ids.pop() {

@@ -667,6 +667,7 @@ impl PyEngineCore {
         request_id, prompt_token_ids, *, max_tokens = 16, min_tokens = 0, ignore_eos = false,
         eos_token_ids = None, stop_token_ids = None, priority = 0, stop = None,
         include_stop_str_in_output = false, skip_special_tokens = true, grammar = None,
+        skip_prefix_cache = false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -683,6 +684,7 @@ impl PyEngineCore {
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
         grammar: Option<PyRef<'_, PyGrammar>>,
+        skip_prefix_cache: bool,
     ) -> PyResult<u32> {
         let count = |name: &str, v: i64| {
             usize::try_from(v).map_err(|_| {
@@ -705,6 +707,7 @@ impl PyEngineCore {
             stop: stop.unwrap_or_default(),
             include_stop_str_in_output,
             skip_special_tokens,
+            skip_prefix_cache,
         };
         let prompt = u32_tokens(prompt_token_ids, "prompt_token_ids")?;
         let grammar = grammar.as_ref().map(|g| g.inner.as_ref());

@@ -18,6 +18,9 @@ pub struct RequestParams {
     pub stop: Vec<String>,
     pub include_stop_str_in_output: bool,
     pub skip_special_tokens: bool,
+    /// Never read the prefix cache (the request computes every prompt token, e.g. to score
+    /// them); its own blocks are still cached for others.
+    pub skip_prefix_cache: bool,
 }
 
 impl Default for RequestParams {
@@ -32,6 +35,7 @@ impl Default for RequestParams {
             stop: Vec::new(),
             include_stop_str_in_output: false,
             skip_special_tokens: true,
+            skip_prefix_cache: false,
         }
     }
 }

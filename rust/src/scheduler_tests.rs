@@ -610,6 +610,35 @@ fn prefix_hits_skip_cached_tokens() {
 }
 
 #[test]
+fn skip_prefix_cache_computes_every_prompt_token_and_still_caches() {
+    let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
+    let shared = prompt(9, 12);
+    core.add_request("first", &shared, params(1)).unwrap();
+    run(&mut core);
+    let scorer = RequestParams {
+        skip_prefix_cache: true,
+        ..params(1)
+    };
+    core.add_request("scored", &shared, scorer).unwrap();
+    let plan = core.schedule().unwrap();
+    assert_eq!(plan.num_computed_tokens, vec![0], "no cached prefix read");
+    assert_eq!(plan.query_start_loc, vec![0, 12]);
+    assert_eq!(core.num_cached_tokens("scored"), Some(0));
+    core.update(&sample(&core, &plan)).unwrap();
+    run(&mut core);
+    core.add_request("reader", &shared, params(1)).unwrap();
+    let plan = core.schedule().unwrap();
+    assert_eq!(
+        plan.num_computed_tokens,
+        vec![8],
+        "the cache still serves others"
+    );
+    core.update(&sample(&core, &plan)).unwrap();
+    run(&mut core);
+    core.check_invariants().unwrap();
+}
+
+#[test]
 fn many_requests_finish_with_the_right_lengths_under_pressure() {
     let mut cfg = config(40, 4, 24);
     cfg.max_num_seqs = 6;

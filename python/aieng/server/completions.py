@@ -1,8 +1,16 @@
-"""`POST /v1/completions`: OpenAI's legacy completions, streaming and not, batched prompts."""
+"""`POST /v1/completions`: OpenAI's legacy completions, streaming and not, batched prompts.
+
+`echo` returns each prompt before its completion; with `logprobs` the prompt's tokens come first
+in `logprobs` too, each scored in the prefill's own forward (SamplingParams.prompt_logprobs; the
+first token has no context, so its logprob is null). With `max_tokens` 0 only the prompt is
+scored: lm-evaluation-harness's loglikelihood requests.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -38,18 +46,24 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     ignored = note_ignored_fields(body, ctx.warned_fields)
     prompts = await _prompt_ids(ctx, body, engine)
     params = []
+    score_prompt = body.logprobs if body.echo else None
     for ids in prompts:
         max_tokens = resolve_max_tokens(
             body.max_tokens, len(ids), engine.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS
         )
-        params.append(sampling_params(body, max_tokens, body.logprobs, ctx.model_defaults))
+        sampling = sampling_params(body, max_tokens, body.logprobs, ctx.model_defaults)
+        params.append(dataclasses.replace(sampling, prompt_logprobs=score_prompt))
     await compile_constraint(engine, params[0], body)
     generation = Generation(ctx, request, engine, prompts, params)
+    echo = None
+    if body.echo:
+        texts = body.prompts if isinstance(body.prompts[0], str) else None
+        echo = _Echo(ctx, generation, texts)  # type: ignore[arg-type]
     response = await respond(
         generation,
         body.stream,
         body.include_usage_in_stream,
-        _shapes(ctx, generation),
+        _shapes(ctx, generation, echo),
         body.continuous_usage_in_stream,
     )
     return mark_ignored_fields(response, ignored)
@@ -74,22 +88,66 @@ async def _prompt_ids(
     return [list(p) for p in prompts]  # type: ignore[arg-type]
 
 
-def _shapes(ctx: ServerContext, generation: Generation) -> Shapes:
+class _Echo:
+    """Each choice's prompt, as text and (with logprobs) as OpenAI's legacy logprobs."""
+
+    def __init__(self, ctx: ServerContext, generation: Generation, texts: list[str] | None):
+        self.ctx, self.generation = ctx, generation
+        tokenizer = generation.engine.tokenizer
+        self.texts = texts or [
+            tokenizer.decode(p, skip_special_tokens=False) for p in generation.prompts
+        ]
+
+    def text(self, choice: int) -> str:
+        return self.texts[choice // self.generation.n]
+
+    def logprobs(self, choice: int) -> dict[str, Any] | None:
+        """The prompt's tokens, logprobs (the first null), top alternatives and offsets."""
+        index = choice // self.generation.n
+        scored = self.generation.prompt_logprobs[index]
+        if scored is None:
+            return None
+        prompt = self.generation.prompts[index]
+        k = self.generation.params[index].logprobs or 0
+        out = _logprobs_of(self.ctx, prompt, scored, k, 0)
+        out["token_logprobs"][0] = out["top_logprobs"][0] = None
+        return out
+
+    def prepend(self, choice: int, text: str, logprobs: dict[str, Any] | None, start: int):
+        """(echoed text, merged logprobs, where the generated tokens' text begins)."""
+        head = self.logprobs(choice)
+        if head is None:
+            return self.text(choice) + text, logprobs, start
+        tail = logprobs or {key: [] for key in head if key != "_end"}
+        end = head.pop("_end")
+        if logprobs is not None:  # the completion's offsets continue after the prompt's
+            tail["text_offset"] = [end + offset - start for offset in tail["text_offset"]]
+        merged = {key: head[key] + tail[key] for key in head}
+        return self.text(choice) + text, merged, end
+
+
+def _shapes(ctx: ServerContext, generation: Generation, echo: _Echo | None) -> Shapes:
     offsets: dict[int, int] = {}  # choice -> text length of its tokens sent so far
 
     def choice_delta(d: Delta) -> dict[str, Any]:
-        logprobs = _logprobs(ctx, generation, d.token_ids, d.logprobs, offsets.get(d.index, 0))
-        if logprobs is not None:
-            offsets[d.index] = logprobs.pop("_end")
+        text, start = d.text, offsets.get(d.index, 0)
+        if echo is not None and d.index not in offsets:
+            head = echo.logprobs(d.index)
+            start = head["_end"] if head is not None else 0
+        logprobs = _logprobs(ctx, generation, d.token_ids, d.logprobs, start)
+        end = logprobs.pop("_end") if logprobs is not None else start
+        if echo is not None and d.index not in offsets:
+            text, logprobs, _ = echo.prepend(d.index, text, logprobs, start)
+        offsets[d.index] = end
         return {
             "index": d.index,
-            "text": d.text,
+            "text": text,
             "logprobs": logprobs,
             "finish_reason": d.finish_reason,
             "stop_reason": generation.choices[d.index].stop_reason if d.finish_reason else None,
         }
 
-    return Shapes(_head(ctx, generation), choice_delta, lambda: _completion(ctx, generation))
+    return Shapes(_head(ctx, generation), choice_delta, lambda: _completion(ctx, generation, echo))
 
 
 def _head(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
@@ -101,30 +159,25 @@ def _head(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
     }
 
 
-def _completion(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
-    choices = [
-        {
-            "index": i,
-            "text": "".join(c.text),
-            "logprobs": _whole_logprobs(ctx, generation, c.token_ids, c.logprobs),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for i, c in enumerate(generation.choices)
-    ]
+def _completion(ctx: ServerContext, generation: Generation, echo: _Echo | None) -> dict[str, Any]:
+    choices = []
+    for i, c in enumerate(generation.choices):
+        text = "".join(c.text)
+        logprobs = _logprobs(ctx, generation, c.token_ids, c.logprobs, 0)
+        if logprobs is not None:
+            del logprobs["_end"]
+        if echo is not None:
+            text, logprobs, _ = echo.prepend(i, text, logprobs, 0)
+        choices.append(
+            {
+                "index": i,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     return {**_head(ctx, generation), "choices": choices, "usage": generation.usage()}
-
-
-def _whole_logprobs(
-    ctx: ServerContext,
-    generation: Generation,
-    token_ids: list[int],
-    logprobs: list[dict[int, float]] | None,
-) -> dict[str, Any] | None:
-    out = _logprobs(ctx, generation, token_ids, logprobs, 0)
-    if out is not None:
-        del out["_end"]
-    return out
 
 
 def _logprobs(
@@ -138,7 +191,16 @@ def _logprobs(
     choice's text; `_end` (for the caller to remove) is where the next token's text begins."""
     if logprobs is None:
         return None
-    k = generation.params[0].logprobs or 0
+    return _logprobs_of(ctx, token_ids, logprobs, generation.params[0].logprobs or 0, start)
+
+
+def _logprobs_of(
+    ctx: ServerContext,
+    token_ids: list[int],
+    logprobs: Sequence[dict[int, float] | None],
+    k: int,
+    start: int,
+) -> dict[str, Any]:
     tokens = [ctx.token_text(t) for t in token_ids]
     offsets, offset = [], start
     for text in tokens:
@@ -146,8 +208,10 @@ def _logprobs(
         offset += len(text)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs, strict=True)],
-        "top_logprobs": [_top(ctx, lp, k) for lp in logprobs],
+        "token_logprobs": [
+            None if lp is None else lp[t] for t, lp in zip(token_ids, logprobs, strict=True)
+        ],
+        "top_logprobs": [None if lp is None else _top(ctx, lp, k) for lp in logprobs],
         "text_offset": offsets,
         "_end": offset,
     }

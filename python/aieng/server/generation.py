@@ -86,6 +86,8 @@ class Generation:
                     choice.logprobs = []
         self.engine_ids = [ctx.new_engine_id() for _ in prompts]
         self.cached_tokens = 0
+        # Per prompt, with SamplingParams.prompt_logprobs: RequestOutput.prompt_logprobs.
+        self.prompt_logprobs: list[list[dict[int, float] | None] | None] = [None] * len(prompts)
         self.engine_seconds = 0.0  # the prompts' shares of engine step time (cost)
         self.queue_time: float | None = None
         self.first_output: float | None = None
@@ -212,6 +214,8 @@ class Generation:
             if previous is not None:
                 self.ctx.metrics.inter_token(now - previous)
             self._last_output_of[index] = self.last_output = now
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[index] = out.prompt_logprobs
         if out.finished:
             self.cached_tokens += out.num_cached_tokens
             if out.metrics is not None:

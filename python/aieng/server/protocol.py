@@ -139,6 +139,8 @@ class SamplingFields(_Lenient):
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # 0: score the prompt only (with echo and logprobs), as lm-evaluation-harness asks
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: Str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -160,13 +162,6 @@ class CompletionRequest(SamplingFields):
             )
         if not items or not all(items):
             raise ValueError("the prompt is empty")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
         return value
 
     @field_validator("suffix")
