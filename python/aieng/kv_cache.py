@@ -20,6 +20,7 @@ import torch
 from aieng.attention.backend import AttentionBackend, KVCache, QuantizedKVCache
 from aieng.config import ModelConfig
 from aieng.engine_args import KV_CACHE_DTYPES
+from aieng.layers.parallel import kv_heads_per_rank
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class KVCacheSpec:
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
     ) -> KVCacheSpec:
-        """dtype: the model's; kv_cache_dtype: EngineArgs.kv_cache_dtype."""
+        """dtype: the model's; kv_cache_dtype: EngineArgs.kv_cache_dtype. Under tensor
+        parallelism, the cache of this rank's KV heads (aieng.layers.parallel)."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -48,7 +50,7 @@ class KVCacheSpec:
         quantized = kv_cache_dtype == "int8"
         return cls(
             config.num_hidden_layers,
-            config.num_key_value_heads,
+            kv_heads_per_rank(config.num_key_value_heads),  # this tensor-parallel rank's
             config.head_dim,
             block_size,
             torch.int8 if quantized else dtype,

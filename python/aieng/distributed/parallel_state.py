@@ -72,9 +72,10 @@ def get_cpu_group() -> dist.ProcessGroup | None:
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum of `x` over the ranks (in place; returns x)."""
+    """Sum of `x` over the ranks (in place when x is contiguous; use the returned tensor)."""
     if _state.world_size == 1:
         return x
+    x = x.contiguous()
     dist.all_reduce(x, group=_state.group)
     return x
 

@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aieng.distributed.parallel_state import tp_all_reduce
 from aieng.layers.activation import silu_and_mul
 from aieng.layers.linear import Linear, LinearMethodChooser
+from aieng.layers.parallel import column_parallel, row_parallel
 
 
 @dataclass(frozen=True)
@@ -56,16 +58,25 @@ class Expert(nn.Module):
     ):
         super().__init__()
         self.names = names
+        sizes = [intermediate_size, intermediate_size]
         gate_up = Linear(
             hidden_size,
-            [intermediate_size, intermediate_size],
+            sizes,
             False,
             dtype,
             methods,
             f"{prefix}.{names.gate_up}",
+            column_parallel(hidden_size, sizes, "moe_intermediate_size"),
         )
+        # Partial sums: the MoE layer all-reduces once, after combining the experts.
         down = Linear(
-            intermediate_size, hidden_size, False, dtype, methods, f"{prefix}.{names.down}"
+            intermediate_size,
+            hidden_size,
+            False,
+            dtype,
+            methods,
+            f"{prefix}.{names.down}",
+            row_parallel(intermediate_size, [hidden_size], "moe_intermediate_size", reduce=False),
         )
         self.add_module(names.gate_up, gate_up)
         self.add_module(names.down, down)
@@ -154,4 +165,4 @@ class SparseMoE(nn.Module):
         out = per_choice[:, 0]
         for choice in range(1, self.top_k):  # ascending expert order, as transformers sums
             out = out + per_choice[:, choice]
-        return out
+        return tp_all_reduce(out)

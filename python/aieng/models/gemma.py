@@ -25,9 +25,18 @@ from aieng.attention.backend import ForwardContext
 from aieng.config import ModelConfig
 from aieng.layers.activation import gelu_tanh_and_mul
 from aieng.layers.attention import Attention
-from aieng.layers.linear import Embedding, Linear, LinearMethodChooser, dense_everywhere
+from aieng.layers.linear import Linear, LinearMethodChooser, dense_everywhere
 from aieng.layers.norm import RMSNorm
+from aieng.layers.parallel import (
+    column_parallel,
+    heads_per_rank,
+    kv_heads_per_rank,
+    qkv_parallel,
+    row_parallel,
+    vocab_parallel,
+)
 from aieng.layers.rotary import RotaryEmbedding
+from aieng.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
 
 
 def _norm(config: ModelConfig, size: int, dtype: torch.dtype) -> RMSNorm:
@@ -49,20 +58,33 @@ class GemmaAttention(nn.Module):
         prefix: str,
     ):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # This tensor-parallel rank's heads (all of them with one rank).
+        self.num_heads = heads_per_rank(config.num_attention_heads)
+        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads)
         self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = config.attention_bias
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        bias, hidden = config.attention_bias, config.hidden_size
         self.qkv_proj = Linear(
-            config.hidden_size,
+            hidden,
             [q_size, kv_size, kv_size],
             bias,
             dtype,
             methods,
             f"{prefix}.qkv_proj",
+            qkv_parallel(
+                hidden, config.num_attention_heads, config.num_key_value_heads, self.head_dim
+            ),
         )
-        self.o_proj = Linear(q_size, config.hidden_size, bias, dtype, methods, f"{prefix}.o_proj")
+        self.o_proj = Linear(
+            q_size,
+            hidden,
+            bias,
+            dtype,
+            methods,
+            f"{prefix}.o_proj",
+            row_parallel(q_size, [hidden], "num_attention_heads"),
+        )
         if config.qk_norm:  # Gemma 3: per head
             self.q_norm = _norm(config, self.head_dim, dtype)
             self.k_norm = _norm(config, self.head_dim, dtype)
@@ -96,12 +118,24 @@ class GemmaMLP(nn.Module):
         self, config: ModelConfig, dtype: torch.dtype, methods: LinearMethodChooser, prefix: str
     ):
         super().__init__()
-        size = config.intermediate_size
+        size, hidden = config.intermediate_size, config.hidden_size
         self.gate_up_proj = Linear(
-            config.hidden_size, [size, size], False, dtype, methods, f"{prefix}.gate_up_proj"
+            hidden,
+            [size, size],
+            False,
+            dtype,
+            methods,
+            f"{prefix}.gate_up_proj",
+            column_parallel(hidden, [size, size], "intermediate_size"),
         )
         self.down_proj = Linear(
-            size, config.hidden_size, False, dtype, methods, f"{prefix}.down_proj"
+            size,
+            hidden,
+            False,
+            dtype,
+            methods,
+            f"{prefix}.down_proj",
+            row_parallel(size, [hidden], "intermediate_size"),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +174,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, methods: LinearMethodChooser):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         rotary_global = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope
         )
@@ -203,7 +237,13 @@ class GemmaForCausalLM(nn.Module):
         self.tie_word_embeddings = config.tie_word_embeddings
         if not self.tie_word_embeddings:
             self.lm_head = Linear(
-                config.hidden_size, config.vocab_size, False, dtype, linear_methods, "lm_head"
+                config.hidden_size,
+                config.vocab_size,
+                False,
+                dtype,
+                linear_methods,
+                "lm_head",
+                vocab_parallel(config.hidden_size, config.vocab_size),
             )
 
     def forward(
@@ -213,9 +253,11 @@ class GemmaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (S, hidden) -> logits (S, vocab), soft-capped where the config says."""
+        """hidden (S, hidden) -> logits (S, vocab), soft-capped where the config says (gathered
+        from the tensor-parallel ranks: every rank must call it)."""
         if self.tie_word_embeddings:
-            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+            local = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
         else:
-            logits = self.lm_head(hidden)
+            local = self.lm_head(hidden)
+        logits = gather_logits(local, self.config.vocab_size)
         return _softcap(logits, self.config.final_logit_softcapping)

@@ -20,12 +20,22 @@ from torch import nn
 
 from aieng.attention.backend import ForwardContext
 from aieng.config import ModelConfig
+from aieng.distributed.parallel_state import get_tp_world_size
 from aieng.layers.activation import silu_and_mul
 from aieng.layers.attention import Attention
-from aieng.layers.linear import Embedding, Linear, LinearMethodChooser, dense_everywhere
+from aieng.layers.linear import Linear, LinearMethodChooser, dense_everywhere
 from aieng.layers.moe import MIXTRAL_EXPERT_NAMES, ExpertNames, SparseMoE
 from aieng.layers.norm import RMSNorm
+from aieng.layers.parallel import (
+    column_parallel,
+    heads_per_rank,
+    kv_heads_per_rank,
+    qkv_parallel,
+    row_parallel,
+    vocab_parallel,
+)
 from aieng.layers.rotary import RotaryEmbedding
+from aieng.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
 
 
 def _norm(config: ModelConfig, size: int, dtype: torch.dtype) -> RMSNorm:
@@ -43,26 +53,35 @@ class LlamaAttention(nn.Module):
         prefix: str,
     ):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # This tensor-parallel rank's heads (all of them with one rank).
+        self.num_heads = heads_per_rank(config.num_attention_heads)
+        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads)
         self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        hidden = config.hidden_size
         self.qkv_proj = Linear(
-            config.hidden_size,
+            hidden,
             [q_size, kv_size, kv_size],
             config.attention_bias,
             dtype,
             methods,
             f"{prefix}.qkv_proj",
+            qkv_parallel(
+                hidden, config.num_attention_heads, config.num_key_value_heads, self.head_dim
+            ),
         )
         self.o_proj = Linear(
             q_size,
-            config.hidden_size,
+            hidden,
             config.o_proj_bias,
             dtype,
             methods,
             f"{prefix}.o_proj",
+            row_parallel(q_size, [hidden], "num_attention_heads"),
         )
+        if config.qk_norm_across_heads:
+            refuse_norm_across_heads(config)
         if config.qk_norm:  # Qwen3: per head
             self.q_norm = _norm(config, self.head_dim, dtype)
             self.k_norm = _norm(config, self.head_dim, dtype)
@@ -97,27 +116,38 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
+def refuse_norm_across_heads(config: ModelConfig) -> None:
+    """OLMo 2 norms q and k over all heads at once: a rank holding some heads cannot."""
+    if get_tp_world_size() > 1:
+        raise ValueError(
+            f"{config.architecture}: q/k RMSNorm across all heads (OLMo 2) is not split across "
+            f"ranks; tensor_parallel_size {get_tp_world_size()} is not supported, use 1"
+        )
+
+
 class LlamaMLP(nn.Module):
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, methods: LinearMethodChooser, prefix: str
     ):
         super().__init__()
-        size = config.intermediate_size
+        size, hidden = config.intermediate_size, config.hidden_size
         self.gate_up_proj = Linear(
-            config.hidden_size,
+            hidden,
             [size, size],
             config.mlp_bias,
             dtype,
             methods,
             f"{prefix}.gate_up_proj",
+            column_parallel(hidden, [size, size], "intermediate_size"),
         )
         self.down_proj = Linear(
             size,
-            config.hidden_size,
+            hidden,
             config.mlp_bias,
             dtype,
             methods,
             f"{prefix}.down_proj",
+            row_parallel(size, [hidden], "intermediate_size"),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,7 +224,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, methods: LinearMethodChooser):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary, dtype, methods, i)
@@ -243,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
                 dtype,
                 linear_methods,
                 "lm_head",
+                vocab_parallel(config.hidden_size, config.vocab_size),
             )
 
     def forward(
@@ -252,10 +283,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (S, hidden) -> logits (S, vocab)."""
+        """hidden (S, hidden) -> logits (S, vocab) (gathered from the tensor-parallel ranks:
+        every rank must call it)."""
         if self.tie_word_embeddings:
-            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+            local = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
         else:
-            logits = self.lm_head(hidden)
+            local = self.lm_head(hidden)
+        logits = gather_logits(local, self.config.vocab_size)
         scaling = self.config.logits_scaling
         return logits if scaling == 1.0 else logits / scaling

@@ -25,19 +25,21 @@ keeps only the kernel's packed weight and bf16 pairs (0.53 bytes per weight at g
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aieng.distributed.parallel_state import get_tp_world_size
 from aieng.layers.linear import (
     Linear,
     LinearMethod,
     WeightLoadError,
     copy_into,
-    fused_output_param,
     set_weight_attrs,
+    sharded_param,
 )
 from aieng.quantization.config import QuantizationConfigError, WeightScheme
 from aieng.quantization.packing import AWQ_PACK_ORDER, pack_factor, unpack_int32
@@ -59,6 +61,8 @@ class _Tensor:
     dtype: torch.dtype
     output_dim: int | None  # the dimension fused shards stack along; None: shared by all shards
     pack: int = 1  # output columns per stored element along output_dim
+    input_dim: int | None = None  # the dimension a row-parallel rank's input columns cut
+    input_pack: int = 1  # input columns per stored element along input_dim
 
 
 def int4_kernel_available() -> bool:
@@ -82,32 +86,48 @@ class QuantizedLinearMethod(LinearMethod):
         s = self.scheme
         factor = pack_factor(s.bits)
         groups = 1 if s.group_size is None else input_size // s.group_size
+        # Along the input, a tensor stored per group is cut group by group; channel-wise scales
+        # (one group) are whole on every rank.
+        g_dim = None if s.group_size is None else 1
+        g = s.group_size or 1
         if s.format == "compressed-tensors":
+            packed = (output_size, -(-input_size // factor))
             tensors = [
-                _Tensor("weight_packed", (output_size, -(-input_size // factor)), torch.int32, 0),
-                _Tensor("weight_scale", (output_size, groups), torch.float32, 0),
+                _Tensor("weight_packed", packed, torch.int32, 0, 1, 1, factor),
+                _Tensor("weight_scale", (output_size, groups), torch.float32, 0, 1, g_dim, g),
                 _Tensor("weight_shape", (2,), torch.int64, None),
             ]
             if not s.symmetric:
                 shape = (-(-output_size // factor), groups)
-                tensors.append(_Tensor("weight_zero_point", shape, torch.int32, 0, factor))
+                tensors.append(
+                    _Tensor("weight_zero_point", shape, torch.int32, 0, factor, g_dim, g)
+                )
             return tensors
+        g_dim = None if s.group_size is None else 0
+        zeros = _Tensor("qzeros", (groups, output_size // factor), torch.int32, 1, factor, g_dim, g)
+        scales = _Tensor("scales", (groups, output_size), torch.float32, 1, 1, g_dim, g)
         if s.format == "awq":
-            return [
-                _Tensor("qweight", (input_size, output_size // factor), torch.int32, 1, factor),
-                _Tensor("qzeros", (groups, output_size // factor), torch.int32, 1, factor),
-                _Tensor("scales", (groups, output_size), torch.float32, 1),
-            ]
+            qweight = (input_size, output_size // factor)
+            return [_Tensor("qweight", qweight, torch.int32, 1, factor, 0, 1), zeros, scales]
         return [  # gptq
-            _Tensor("qweight", (input_size // factor, output_size), torch.int32, 1),
-            _Tensor("qzeros", (groups, output_size // factor), torch.int32, 1, factor),
-            _Tensor("scales", (groups, output_size), torch.float32, 1),
+            _Tensor("qweight", (input_size // factor, output_size), torch.int32, 1, 1, 0, factor),
+            zeros,
+            scales,
             _Tensor("g_idx", (input_size,), torch.int32, None),
         ]
 
-    def _check_shape(self, input_size: int, output_sizes: list[int]) -> None:
+    def _check_shape(self, layer: Linear, input_size: int, output_sizes: list[int]) -> None:
         s, where = self.scheme, f"{self.prefix or 'a linear layer'} ({self.scheme.describe()})"
         factor = pack_factor(s.bits)
+        if layer.shard.input_sharded(layer.full_input_size):
+            # A row-parallel rank's columns must be whole groups and whole packed words.
+            unit = math.lcm(s.group_size or 1, 1 if s.format == "awq" else factor)
+            if input_size % unit:
+                raise QuantizationConfigError(
+                    f"{where}: tensor_parallel_size {get_tp_world_size()} splits in_features "
+                    f"{layer.full_input_size} into shards of {input_size} columns, not a multiple "
+                    f"of {unit} (the quantization group size and packing)"
+                )
         if s.group_size is not None and input_size % s.group_size:
             raise QuantizationConfigError(
                 f"{where}: in_features {input_size} is not a multiple of group_size {s.group_size}"
@@ -124,29 +144,39 @@ class QuantizedLinearMethod(LinearMethod):
             )
 
     def create_weights(self, layer, input_size, output_sizes, bias, dtype) -> None:
-        self._check_shape(input_size, output_sizes)
+        self._check_shape(layer, input_size, output_sizes)
         layer.quantized_names = []
         for spec in self._tensors(input_size, sum(output_sizes)):
             data = torch.zeros(spec.shape, dtype=spec.dtype)
             param = nn.Parameter(data, requires_grad=False)
             if spec.name == "weight_shape":
-                param = self._shape_param(input_size, output_sizes)
+                param = self._shape_param(layer)
             elif spec.name == "g_idx":
-                param = self._g_idx_param(data, input_size, len(output_sizes))
+                param = self._g_idx_param(data, layer)
             else:
                 convert = spec.dtype.is_floating_point  # scales: any float dtype converts
-                fused_output_param(param, output_sizes, spec.output_dim or 0, spec.pack, convert)
+                sharded_param(
+                    param,
+                    layer,
+                    spec.output_dim or 0,
+                    spec.pack,
+                    spec.input_dim,
+                    spec.input_pack,
+                    convert,
+                )
             layer.register_parameter(spec.name, param)
             layer.quantized_names.append(spec.name)
         if bias:
             b = nn.Parameter(torch.zeros(sum(output_sizes), dtype=dtype), requires_grad=False)
-            layer.register_parameter("bias", fused_output_param(b, output_sizes, dim=0))
+            layer.register_parameter("bias", sharded_param(b, layer, 0))
         else:
             layer.register_parameter("bias", None)
 
-    def _shape_param(self, input_size: int, output_sizes: list[int]) -> nn.Parameter:
-        """compressed-tensors' `weight_shape` ([out, in] of each shard): checked, not kept."""
+    def _shape_param(self, layer: Linear) -> nn.Parameter:
+        """compressed-tensors' `weight_shape` ([out, in] of each shard, in the checkpoint: not
+        this rank's share): checked, not kept."""
         param = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+        output_sizes, input_size = layer.full_output_sizes, layer.full_input_size
 
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
             rows = sum(output_sizes) if shard_id is None else output_sizes[shard_id]
@@ -156,11 +186,13 @@ class QuantizedLinearMethod(LinearMethod):
 
         return set_weight_attrs(param, weight_loader=load, num_shards=len(output_sizes))
 
-    def _g_idx_param(self, data: torch.Tensor, input_size: int, shards: int) -> nn.Parameter:
-        """GPTQ's `g_idx` (group of each input channel): must be the trivial one (no act-order);
-        checked, not kept."""
+    def _g_idx_param(self, data: torch.Tensor, layer: Linear) -> nn.Parameter:
+        """GPTQ's `g_idx` (group of each input channel, the checkpoint's whole input): must be
+        the trivial one (no act-order); checked, not kept."""
+        input_size, shards = layer.full_input_size, len(layer.full_output_sizes)
         group = self.scheme.group_size or input_size
         expected = torch.arange(input_size, dtype=torch.int32) // group
+        data = data.new_empty(input_size)
 
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
             copy_into(param.data, loaded, convert=False)
