@@ -35,7 +35,9 @@ from aieng.engine_args import EngineArgs
 logger = logging.getLogger(__name__)
 
 FAILURE = "tensor-parallel group failed"
-JOIN_S = 5.0  # how long a worker gets to leave on its own before it is killed
+JOIN_S = 5.0  # how long a worker gets to leave after the shutdown message
+TERM_S = 1.0  # how long a worker gets after SIGTERM before SIGKILL (a stopped one never exits)
+START_S = 300.0  # how long spawned workers may take to import torch and aieng
 REPORT_WAIT_S = 2.0  # after a collective fails: how long to wait for the worker's exit
 
 
@@ -213,16 +215,16 @@ class _Workers:
             except (EOFError, OSError):
                 continue
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Until every worker reported ready; a worker that failed or died raises."""
+    def wait_for(self, kind: str, timeout_s: float, limit: str) -> None:
+        """Until every worker reported `kind` ("started": imports done, about to join;
+        "ready": its runner built); one that failed or died raises its error."""
         deadline = time.monotonic() + timeout_s
         pending = set(range(len(self.procs)))
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TensorParallelError(
-                    f"{FAILURE}: worker rank {min(pending) + 1} not ready within "
-                    f"distributed_timeout_s ({timeout_s:g} s)"
+                    f"{FAILURE}: worker rank {min(pending) + 1} not {kind} within {limit}"
                 )
             objects = [self.conns[i] for i in pending] + [self.procs[i].sentinel for i in pending]
             for ready in wait(objects, timeout=min(remaining, 0.5)):
@@ -230,12 +232,12 @@ class _Workers:
                     proc, conn = self.procs[index], self.conns[index]
                     if ready is conn:
                         try:
-                            kind, text = conn.recv()
+                            got, text = conn.recv()
                         except EOFError:
-                            kind, text = "error", ""
-                        if kind == "ready":
+                            got, text = "error", ""
+                        if got == kind:
                             pending.discard(index)
-                        else:
+                        elif got == "error":
                             self.errors[index] = text
                             proc.join(REPORT_WAIT_S)
                             raise self.start_error(index)
@@ -286,7 +288,7 @@ class _Workers:
             if proc.is_alive():
                 proc.terminate()
         for proc in self.procs:
-            proc.join(JOIN_S)
+            proc.join(TERM_S)
             if proc.is_alive():  # stopped (SIGSTOP) or ignoring SIGTERM
                 proc.kill()
                 proc.join()
@@ -321,12 +323,25 @@ class TensorParallelRunner:
         on_failure: Callable[[str], None] | None = None,
         launched: bool = False,
     ):
+        import torch
+
         from aieng.distributed import parallel_state
-        from aieng.distributed.rank import RankPlace, RankRunner, join_group, rank_args
+        from aieng.distributed.rank import (
+            RankPlace,
+            RankRunner,
+            cpu_threads,
+            join_group,
+            rank_args,
+        )
 
         check_size(args)
         self.args = args
         self.world_size = args.tensor_parallel_size
+        self._threads = cpu_threads(args, self.world_size)
+        threads_before = torch.get_num_threads()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            logger.info("tensor-parallel rank 0: %d CPU threads", self._threads)
         self._workers = _Workers()
         self._workers.on_failure = on_failure
         self._group = None
@@ -338,10 +353,12 @@ class TensorParallelRunner:
                 self._group = self._start_workers(args, eos_token_ids, place)
             self._local = RankRunner(rank_args(args, place), eos_token_ids, samples=True)
             if not launched:
-                self._workers.wait_ready(args.distributed_timeout_s)
+                timeout = args.distributed_timeout_s
+                self._workers.wait_for("ready", timeout, f"distributed_timeout_s ({timeout:g} s)")
         except BaseException as error:
             self._workers.close(None)
             parallel_state.destroy_tensor_parallel()
+            torch.set_num_threads(threads_before)
             if isinstance(error, Exception) and self._workers.procs:
                 worker_error = self._first_worker_error()
                 if worker_error is not None and not isinstance(error, ValueError):
@@ -349,7 +366,7 @@ class TensorParallelRunner:
             raise
         if not launched:
             self._workers.watch()
-        self._finalizer = weakref.finalize(self, _close, self._workers, self._group)
+        self._finalizer = weakref.finalize(self, _close, self._workers, self._group, threads_before)
         logger.info("tensor parallelism: %d ranks, this process is rank 0", self.world_size)
 
     def _start_workers(self, args: EngineArgs, eos: Sequence[int], place):
@@ -361,34 +378,11 @@ class TensorParallelRunner:
         port = int(os.environ.get("MASTER_PORT") or free_port(addr))
         _check_port_free(addr, port)
         self._workers.spawn(args, eos, self.world_size, addr, port)
-        joined: list[Any] = []
-        failure: list[BaseException] = []
-
-        def join() -> None:
-            try:
-                with _master_env(addr, port):
-                    joined.append(join_group(args, place))
-            except BaseException as error:
-                failure.append(error)
-
-        # The rendezvous waits for every worker; one that dies first must not make it wait out
-        # the whole timeout, so it runs beside a watch on the workers.
-        thread = threading.Thread(target=join, name="aieng-tp-join", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + args.distributed_timeout_s
-        while thread.is_alive():
-            thread.join(0.1)
-            dead = [i for i, p in enumerate(self._workers.procs) if p.exitcode is not None]
-            if dead:
-                raise self._workers.start_error(dead[0])
-            if time.monotonic() > deadline:
-                raise TensorParallelError(
-                    f"{FAILURE}: the ranks did not meet at {addr}:{port} within "
-                    f"distributed_timeout_s ({args.distributed_timeout_s:g} s)"
-                )
-        if failure:
-            raise failure[0]
-        return joined[0]
+        # Each worker first imports torch and aieng (seconds); the rendezvous, bounded by
+        # distributed_timeout_s, starts once they all can join it.
+        self._workers.wait_for("started", START_S, f"{START_S:g} s")
+        with _master_env(addr, port):
+            return join_group(args, place)
 
     def _first_worker_error(self) -> Exception | None:
         self._workers.collect_reports()
@@ -418,12 +412,16 @@ class TensorParallelRunner:
         return self._on_every_rank(message, lambda: self._local.prompt_logprobs(*args, **kwargs))
 
     def _on_every_rank(self, message, run_local: Callable[[], Any]) -> Any:
+        import torch
+
         from aieng.distributed.messages import broadcast_message
 
         if self._workers.failure is not None:
             raise TensorParallelError(self._workers.failure)
         if self._workers.closing:
             raise TensorParallelError(f"{FAILURE}: the runner was shut down")
+        if self._threads is not None and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)  # the engine's loop may run in its own thread
         try:
             broadcast_message(message, self._group)
             return run_local()
@@ -450,18 +448,26 @@ class TensorParallelRunner:
             )
         return TensorParallelError(self._workers.failure)
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of the ranks this process spawned (none when a launcher did)."""
+        return [proc.pid for proc in self._workers.procs]
+
     def shutdown(self) -> None:
         """Tells the workers to leave, joins them, leaves the group. Idempotent."""
         self._finalizer()
 
 
-def _close(workers: _Workers, group) -> None:
+def _close(workers: _Workers, group, threads_before: int) -> None:
+    import torch
+
     from aieng.distributed import parallel_state
     from aieng.distributed.messages import Shutdown, broadcast_message
 
     goodbye = None if group is None else (lambda: broadcast_message(Shutdown(), group))
     workers.close(goodbye)
     parallel_state.destroy_tensor_parallel()
+    torch.set_num_threads(threads_before)
 
 
 def _check_port_free(addr: str, port: int) -> None:

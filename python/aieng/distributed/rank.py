@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import logging
 import os
 from collections.abc import Sequence
 
@@ -15,8 +14,6 @@ import torch.distributed as dist
 from aieng.distributed import parallel_state
 from aieng.engine_args import EngineArgs
 from aieng.runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 # Workers wait for the next step message as long as the engine stays idle; a dead driver still
 # ends the wait at once (its connection closes).
@@ -45,11 +42,13 @@ def rank_args(args: EngineArgs, place: RankPlace) -> EngineArgs:
     return dataclasses.replace(args, device=f"cuda:{place.local_rank}")
 
 
-def split_cpu_threads(world_size: int) -> int:
-    """On CPU the ranks of one machine share its cores: each gets cores // world_size threads."""
-    threads = max(1, (os.cpu_count() or 1) // world_size)
-    torch.set_num_threads(threads)
-    return threads
+def cpu_threads(args: EngineArgs, world_size: int) -> int | None:
+    """On CPU the ranks of one machine share its cores: each gets cores // world_size torch
+    threads (None on CUDA). torch's thread count belongs to the thread that sets it, so each
+    rank sets it in the thread that runs its steps."""
+    if uses_cuda(args):
+        return None
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def join_group(args: EngineArgs, place: RankPlace) -> dist.ProcessGroup:
@@ -60,9 +59,6 @@ def join_group(args: EngineArgs, place: RankPlace) -> dist.ProcessGroup:
     cuda = uses_cuda(args)
     if cuda:
         torch.cuda.set_device(place.local_rank)
-    else:
-        threads = split_cpu_threads(place.world_size)
-        logger.info("tensor-parallel rank %d: %d CPU threads", place.rank, threads)
     parallel_state.init_tensor_parallel(
         place.rank,
         place.world_size,

@@ -43,9 +43,17 @@ def serve_steps(runner, group) -> None:
 def run_worker(args: EngineArgs, eos_token_ids: Sequence[int], place, report=None) -> None:
     """Join, build this rank's runner, serve steps, leave. `report(kind, text)`: tells the
     driver the worker is ready, or why it failed."""
-    from aieng.distributed import parallel_state
-    from aieng.distributed.rank import RankRunner, join_group, rank_args
+    import torch
 
+    from aieng.distributed import parallel_state
+    from aieng.distributed.rank import RankRunner, cpu_threads, join_group, rank_args
+
+    threads = cpu_threads(args, place.world_size)
+    if threads is not None:
+        torch.set_num_threads(threads)
+        logger.info("tensor-parallel rank %d: %d CPU threads", place.rank, threads)
+    if report is not None:
+        report("started", "")
     try:
         group = join_group(args, place)
         runner = RankRunner(rank_args(args, place), eos_token_ids, samples=False)
