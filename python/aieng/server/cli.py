@@ -183,6 +183,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as error:
         logger.error("%s", error)
         return 2
+    from aieng.distributed.executor import run_as_launched_worker
+
+    worker_status = run_as_launched_worker(engine)  # a launcher's rank > 0: no server, a worker
+    if worker_status is not None:
+        return worker_status
     failures: list[BaseException] = []
     server: DrainingServer | None = None
 
