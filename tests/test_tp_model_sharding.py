@@ -55,6 +55,30 @@ def _gemma2(folder):
     return save_tiny(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, overrides, folder)
 
 
+def _gemma3(folder):  # per-head q/k norms, local/global RoPE, one KV head for two ranks
+    overrides = dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        pad_token_id=0,
+        num_hidden_layers=4,
+        num_key_value_heads=1,
+        sliding_window_pattern=2,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rope_theta=50000.0,
+        rope_local_base_freq=100.0,
+        final_logit_softcapping=4.0,
+    )
+    return save_tiny(
+        transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, overrides, folder
+    )
+
+
+def _mixtral(folder):
+    overrides = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
+    return save_tiny(transformers.MixtralConfig, transformers.MixtralForCausalLM, overrides, folder)
+
+
 def _qwen3_moe(folder):
     overrides = dict(
         num_hidden_layers=3,
@@ -78,15 +102,18 @@ def _phi3(folder):  # qkv_proj and gate_up_proj stored fused
 def _build_cases(root) -> list[Case]:
     """name -> checkpoint, covering: GQA (Llama); q/k/v biases, tied embeddings, one KV head for
     two ranks and a vocabulary that does not split evenly (Qwen2); per-head q/k norms, a padded
-    untied LM head (Qwen3); Gemma 2's soft-caps, scaled embeddings and o_proj bias; Phi-3's fused
-    tensors; Qwen3-MoE (biases, experts split within); INT4 in three formats."""
+    untied LM head (Qwen3); Gemma 2's soft-caps, scaled embeddings and o_proj bias; Gemma 3's
+    per-head q/k norms with one KV head; Phi-3's fused tensors; Qwen3-MoE (biases) and Mixtral,
+    experts split within; INT4 in three formats."""
     folders = {
         "llama": build_checkpoint("llama", root / "llama"),
         "qwen2_1kv_tied_odd_vocab": build_checkpoint("qwen2", root / "qwen2", vocab_size=253),
         "qwen3_odd_vocab": build_checkpoint("qwen3", root / "qwen3", vocab_size=251),
         "gemma2": _gemma2(root / "gemma2"),
         "phi3_fused": _phi3(root / "phi3"),
+        "gemma3_1kv": _gemma3(root / "gemma3"),
         "qwen3_moe": _qwen3_moe(root / "qwen3_moe"),
+        "mixtral": _mixtral(root / "mixtral"),
     }
     # INT4, asymmetric groups of 32 (zero points packed along the output), the LM head too.
     rtn = QuantizeOptions("rtn", QuantScheme(4, 32, False), quantize_lm_head=True)
@@ -152,8 +179,10 @@ CASE_NAMES = [
     "qwen2_1kv_tied_odd_vocab",
     "qwen3_odd_vocab",
     "gemma2",
+    "gemma3_1kv",
     "phi3_fused",
     "qwen3_moe",
+    "mixtral",
     "int4_rtn",
     "int4_awq",
     "int4_gptq",
