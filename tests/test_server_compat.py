@@ -87,8 +87,8 @@ def test_chat_accepts_what_langchain_and_guidellm_send(client):
         response_format={"type": "text"},
         **GREEDY,
     )
-    # response_format is known (structured outputs); {"type": "text"} leaves the output free
-    assert set(raw.headers[IGNORED].split(",")) == {"store", "metadata", "parallel_tool_calls"}
+    # response_format and parallel_tool_calls are known (structured outputs, tool calling)
+    assert set(raw.headers[IGNORED].split(",")) == {"store", "metadata"}
     assert raw.parse().choices[0].message.content
     stream = client.chat.completions.with_raw_response.create(
         model=MODEL_NAME,
@@ -106,8 +106,8 @@ def test_chat_accepts_what_langchain_and_guidellm_send(client):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ("tool_choice", "auto"),
+        ("functions", [{"name": "f", "parameters": {}}]),
+        ("function_call", "auto"),
         ("guided_json", {"type": "object"}),
     ],
 )

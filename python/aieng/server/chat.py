@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -25,6 +26,9 @@ from aieng.server.params import (
 from aieng.server.protocol import ChatCompletionRequest, ChatMessage
 from aieng.server.streaming import Shapes, respond
 from aieng.server.structured import compile_constraint
+from aieng.server.tool_call_output import ToolCallDeltas, assistant_message
+from aieng.server.tool_calls import constrain_to_calls, plan_tools
+from aieng.server.tool_parsers import ToolParser
 
 router = APIRouter(route_class=OffLoopBodyRoute)
 
@@ -36,7 +40,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = ctx.ready_engine(request, body.model)
     check_request(body)
     ignored = note_ignored_fields(body, ctx.warned_fields)
-    ids = await render_chat(ctx, body.messages, add_generation_prompt=True, engine=engine)
+    plan = plan_tools(body, ctx.config.tool_call_parser)
+    ids = await render_chat(
+        ctx, body.messages, add_generation_prompt=True, engine=engine, tools=plan.tools
+    )
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = resolve_max_tokens(
         body.max_new_tokens,
@@ -48,12 +55,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, ctx.model_defaults)
     await compile_constraint(engine, params, body)
+    params = await constrain_to_calls(engine, params, plan)
     generation = Generation(ctx, request, engine, [ids], [params])
     response = await respond(
         generation,
         body.stream,
         body.include_usage_in_stream,
-        _shapes(ctx, generation),
+        _shapes(ctx, generation, plan.parser),
         body.continuous_usage_in_stream,
     )
     return mark_ignored_fields(response, ignored)
@@ -64,15 +72,18 @@ async def render_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     engine: AsyncLLMEngine | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The conversation through the chat template of `engine` (the one the request will run
-    on: versions may differ in template) or of the default engine."""
+    on: versions may differ in template) or of the default engine; `tools` go to the template
+    as transformers' `apply_chat_template(tools=...)` passes them."""
     tokenizer = (engine or ctx.engine).tokenizer  # type: ignore[union-attr]
+    extra = {} if tools is None else {"tools": tools}
 
     def render() -> list[int]:
-        conversation = [{"role": m.role, "content": m.text} for m in messages]
+        conversation = [template_message(m) for m in messages]
         text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt
+            conversation, add_generation_prompt=add_generation_prompt, **extra
         )
         return tokenizer.encode(text, False)
 
@@ -85,23 +96,59 @@ async def render_chat(
     return ids
 
 
-def _shapes(ctx: ServerContext, generation: Generation) -> Shapes:
-    started: set[int] = set()  # choices whose first delta (with the role) went out
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (transformers' convention): the text as content
+    (none for an assistant message that only calls tools), a call's arguments as an object
+    when they are one (templates write them with `tojson`)."""
+    out: dict[str, Any] = {"role": message.role}
+    if message.content is not None or not message.tool_calls:
+        out["content"] = message.text
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments_value(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
-    def choice_delta(d: Delta) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": d.text}
+
+def _arguments_value(arguments: str) -> object:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def _shapes(ctx: ServerContext, generation: Generation, parser: ToolParser | None) -> Shapes:
+    started: set[int] = set()  # choices whose first delta (with the role) went out
+    calls = ToolCallDeltas(parser)
+
+    def choice_delta(d: Delta) -> dict[str, Any] | None:
+        delta, finish_reason = calls.delta(d)
+        logprobs = _logprobs(ctx, generation, d.token_ids, d.logprobs)
+        if not delta and finish_reason is None and logprobs is None:
+            return None  # held back: it may be part of a tool call
         if d.index not in started:
             started.add(d.index)
             delta = {"role": "assistant", **delta}
         return {
             "index": d.index,
-            "delta": delta,
-            "logprobs": _logprobs(ctx, generation, d.token_ids, d.logprobs),
-            "finish_reason": d.finish_reason,
+            "delta": delta or {"content": ""},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
         }
 
     head = _head(ctx, generation, "chat.completion.chunk")
-    return Shapes(head, choice_delta, lambda: _chat_completion(ctx, generation))
+    return Shapes(head, choice_delta, lambda: _chat_completion(ctx, generation, parser))
 
 
 def _head(ctx: ServerContext, generation: Generation, kind: str) -> dict[str, Any]:
@@ -113,17 +160,21 @@ def _head(ctx: ServerContext, generation: Generation, kind: str) -> dict[str, An
     }
 
 
-def _chat_completion(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": "".join(c.text)},
-            "logprobs": _logprobs(ctx, generation, c.token_ids, c.logprobs),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for i, c in enumerate(generation.choices)
-    ]
+def _chat_completion(
+    ctx: ServerContext, generation: Generation, parser: ToolParser | None
+) -> dict[str, Any]:
+    choices = []
+    for i, c in enumerate(generation.choices):
+        message, finish_reason = assistant_message("".join(c.text), c.finish_reason, parser)
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": _logprobs(ctx, generation, c.token_ids, c.logprobs),
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     head = _head(ctx, generation, "chat.completion")
     return {**head, "choices": choices, "usage": generation.usage()}
 

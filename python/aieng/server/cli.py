@@ -18,6 +18,7 @@ from aieng.cli.common import (
 )
 from aieng.engine_args import EngineArgs
 from aieng.server.config import MIB, ServerConfig
+from aieng.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("aieng.server")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -120,6 +121,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="the machine's price per hour: exports aieng_cost_usd_total and "
         "aieng_cost_per_1k_output_tokens",
     )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="read tool calls out of chat outputs with this parser (hermes: Qwen2.5, Qwen3, "
+        'Hermes); needed for tool_choice "auto", the default when a request has tools',
+    )
     server.add_argument("--log-format", choices=("text", "json"), default="text")
     server.add_argument(
         "--log-level", type=str.lower, choices=LOG_LEVELS, default="info", help="(default: info)"
@@ -152,6 +160,7 @@ def server_config(args: argparse.Namespace, model_path: Path) -> ServerConfig:
         model_dir=args.model_dir,
         serve_all_versions=args.serve_all_versions,
         admin_key=args.admin_key or None,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -28,6 +28,7 @@ class ServerConfig:
     model_dir: str | None = None  # versions of the served model (hot reload); see model_versions
     admin_key: str | None = None  # the admin API's key (hot reload), separate from api_key
     serve_all_versions: bool = False  # load every version of model_dir at start (name@version)
+    tool_call_parser: str | None = None  # reads tool calls out of chat outputs (tool_parsers)
 
     def __post_init__(self) -> None:
         for name in (
@@ -50,6 +51,10 @@ class ServerConfig:
             raise ValueError("admin_key must differ from api_key (API clients must not switch)")
         if self.cost_per_hour is not None and not self.cost_per_hour > 0:
             raise ValueError(f"cost_per_hour must be > 0, got {self.cost_per_hour}")
+        if self.tool_call_parser is not None:
+            from aieng.server.tool_parsers import tool_parser
+
+            tool_parser(self.tool_call_parser)  # ValueError naming the known ones
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
 

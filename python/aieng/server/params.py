@@ -27,10 +27,8 @@ MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 # Known fields that would change the output if honoured, so ignoring them would mislead: each
 # is refused unless its value is one of the no-op values listed.
 NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
-    "tools": ("tool calling is not supported", (None, [])),
-    "tool_choice": ("tool calling is not supported", (None, "none")),
-    "functions": ("function calling is not supported", (None, [])),
-    "function_call": ("function calling is not supported", (None, "none")),
+    "functions": ("use tools and tool_choice (functions is deprecated)", (None, [])),
+    "function_call": ("use tools and tool_choice (function_call is deprecated)", (None, "none")),
     "guided_json": ("use structured_outputs or response_format", (None,)),
     "guided_regex": ("use structured_outputs or response_format", (None,)),
     "guided_choice": ("use structured_outputs or response_format", (None,)),

@@ -4,15 +4,16 @@ Strict types (no "1" for 1, no true for 1), no NaN or Infinity, and no string wi
 surrogate (it has no UTF-8 form). An unknown top-level field of a completion or chat request
 is ignored, as vLLM does: the route logs it once per name and lists it in the
 `x-aieng-ignored-fields` response header. A field that is known but would change the output
-if honoured (`tools`, `guided_json`, ...) is refused with a 400 naming it
+if honoured (`functions`, `guided_json`, ...) is refused with a 400 naming it
 (see `params.check_request`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -187,25 +188,85 @@ class TextPart(_Strict):
     text: Str
 
 
+class FunctionCall(_Strict):
+    name: Annotated[Str, Field(min_length=1)]
+    arguments: Str  # a JSON object as text (OpenAI's form)
+
+
+class ToolCall(_Strict):
+    id: Str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Str | list[TextPart]
+    """A message of the conversation: content is null only for an assistant message (one
+    that calls tools); a `tool` message answers the call named by `tool_call_id`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Str | list[TextPart] | None
     name: Str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value: object) -> object:
-        if isinstance(value, str) or (
-            isinstance(value, list) and all(isinstance(part, dict) for part in value)
+        if (
+            value is None
+            or isinstance(value, str)
+            or (isinstance(value, list) and all(isinstance(part, dict) for part in value))
         ):
             return value
         raise ValueError("must be a string or a list of text parts")
 
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("a tool message (and only a tool message) has a tool_call_id")
+        return self
+
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Lenient):
+    name: Annotated[Str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no arguments
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:  # what the chat template and the grammar engine must read back as JSON
+            json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (ValueError, UnicodeEncodeError) as error:
+            raise ValueError(f"must be a JSON schema in valid JSON: {error}") from None
+        return value
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: Str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -213,6 +274,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -26,10 +26,11 @@ CLIENT_CLOSED = 499  # nginx's code: nobody reads it, the logs and metrics do
 
 @dataclass
 class Shapes:
-    """An endpoint's JSON: the fields every chunk shares, a choice's delta, the whole body."""
+    """An endpoint's JSON: the fields every chunk shares, a choice's delta (None: nothing to
+    send yet, as while a tool call is being written), the whole body."""
 
     head: dict[str, Any]
-    choice_delta: Callable[[Delta], dict[str, Any]]
+    choice_delta: Callable[[Delta], dict[str, Any] | None]
     whole: Callable[[], dict[str, Any]]
 
 
@@ -95,7 +96,9 @@ async def _events(
         shown = [d for d in deltas if d.text or d.finish_reason or d.logprobs]
         if not shown:
             return b""
-        choices = [shapes.choice_delta(d) for d in shown]
+        choices = [c for c in map(shapes.choice_delta, shown) if c is not None]
+        if not choices:
+            return b""
         usage = {"usage": generation.usage()} if continuous_usage else usage_field
         return sse({**shapes.head, "choices": choices, **usage})
 

@@ -1,0 +1,116 @@
+"""Tool calling on `/v1/chat/completions`: what a request's `tools`, `tool_choice` and
+`parallel_tool_calls` mean for the prompt, the constraint and the reading of the output.
+
+- `"none"`: the tools still go to the chat template (the model knows they exist, as with
+  OpenAI and vLLM's default), the output is not parsed: it is all content.
+- `"auto"` (the default when tools are given): the output is free and read by the parser the
+  server was started with (`--tool-call-parser`); without one the request is refused with a 400
+  naming the flag, as vLLM does, since calls would silently come back as text.
+- `"required"` or a named function: the output is constrained, with the structured-outputs
+  machinery, to calls in the parser's markup (`hermes` when the server has none: the grammar
+  fixes the markup, so reading it needs no guess) whose arguments follow the function's schema,
+  so every call parses and validates. `parallel_tool_calls: false` (or a named function) allows
+  exactly one call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aieng.async_engine import AsyncLLMEngine
+from aieng.errors import InvalidArgumentError
+from aieng.sampling import SamplingParams
+from aieng.server.errors import invalid
+from aieng.server.protocol import ChatCompletionRequest, NamedToolChoice
+from aieng.server.structured import constraint_of
+from aieng.server.tool_parsers import FunctionSpec, ToolParser, tool_parser
+from aieng.structured_outputs import StructuredOutputsParams
+
+CONSTRAINED_DEFAULT_PARSER = "hermes"
+# OpenAI: a function defined without parameters takes none.
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: list[dict[str, Any]] | None  # what the chat template gets as `tools`
+    parser: ToolParser | None  # reads the output into calls; None: the output is content
+    grammar: str | None  # the Lark constraint of required / named calls
+
+
+NO_TOOLS = ToolPlan(None, None, None)
+
+
+def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
+    """Checks the request's tool fields against each other and the server's parser."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice needs tools: the request offers none", "tool_choice")
+        return NO_TOOLS
+    names = [t.function.name for t in req.tools]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise invalid(f"tools: the function name {repeated[0]!r} is given twice", "tools")
+    template_tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    choice = choice or "auto"
+    if choice == "none":
+        return ToolPlan(template_tools, None, None)
+    if choice == "auto":
+        if parser_name is None:
+            raise invalid(
+                'tool_choice "auto" needs a tool-call parser: start the server with '
+                "--tool-call-parser (for example --tool-call-parser hermes), or ask for "
+                'tool_choice "required" or a named function',
+                "tool_choice",
+            )
+        return ToolPlan(template_tools, tool_parser(parser_name), None)
+    parser = tool_parser(parser_name or CONSTRAINED_DEFAULT_PARSER)
+    functions = [
+        FunctionSpec(t.function.name, t.function.parameters or NO_PARAMETERS) for t in req.tools
+    ]
+    parallel = req.parallel_tool_calls
+    if isinstance(choice, NamedToolChoice):
+        wanted = choice.function.name
+        functions = [f for f in functions if f.name == wanted]
+        if not functions:
+            raise invalid(
+                f"tool_choice names the function {wanted!r}, which is not among the tools "
+                f"({', '.join(names)})",
+                "tool_choice",
+            )
+        parallel = False
+    if constraint_of(req) is not None:
+        raise invalid(
+            "tool_choice required or a named function constrains the output already: give "
+            "no response_format or structured_outputs with it",
+            "tool_choice",
+        )
+    return ToolPlan(template_tools, parser, parser.grammar(functions, parallel))
+
+
+async def constrain_to_calls(
+    engine: AsyncLLMEngine, params: SamplingParams, plan: ToolPlan
+) -> SamplingParams:
+    """`params` constrained to the plan's calls, compiled off the event loop; a function whose
+    parameters are not a usable JSON schema is a 400 naming `tools`."""
+    if plan.grammar is None:
+        return params
+    constrained = dataclasses.replace(
+        params, structured_outputs=StructuredOutputsParams(grammar=plan.grammar)
+    )
+    try:
+        await asyncio.to_thread(engine.engine.compile_grammar, constrained)
+    except InvalidArgumentError as error:
+        raise invalid(
+            f"tools: a function's parameters schema is not usable: {error}", "tools"
+        ) from error
+    return constrained
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
