@@ -1,0 +1,312 @@
+"""Tensor parallelism end to end on CPU (gloo, 2 ranks): greedy tokens of tensor_parallel_size=2
+against tensor_parallel_size=1 on four architectures, with chunked prefill and prefix-cache hits;
+the env:// launch path; workers that die or hang; start-up errors as one line.
+
+Where the ranks' all-reduce sums in another order than one process does, a greedy token may
+differ; the first divergence must then pass vLLM's logprob-closeness rule (each side's token in
+the other's top logprobs). Divergences are printed (`pytest -s`) and counted in DIVERGENCES.
+"""
+
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+import transformers
+from server_fixtures import SubprocessServer
+from server_fixtures import free_port as free_tcp_port
+from text_fixtures import byte_level_bpe, save_model_dir
+from tiny_models import save_tiny
+
+from aieng import LLM, SamplingParams
+from aieng.distributed.executor import TensorParallelError
+from aieng.distributed.messages import HEAD_BYTES
+from aieng.engine import EngineDeadError
+from aieng.runner_io import NewSamplingRow
+
+VOCAB = 384
+TIMEOUT_S = 4.0  # distributed_timeout_s of the failure tests
+OPTIONS = dict(block_size=4, kv_cache_memory=1 << 22, max_num_seqs=4, max_num_batched_tokens=16)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+LENGTHS = [1, 5, 12, 23, 37]  # past 16 tokens: chunked prefill
+WIDE = 24  # requests added at once in run_batches' third batch
+DIVERGENCES: dict[str, tuple[int, int]] = {}  # family -> (sequences diverged, sequences)
+
+# family -> (config class, model class, config overrides)
+FAMILIES = {
+    # 4 query heads over 2 KV heads: one KV head per rank.
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    # One KV head, fewer than the ranks: replicated; the LM head tied to the embedding.
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(num_key_value_heads=1, tie_word_embeddings=True),
+    ),
+    # Soft-capped attention and logits, a sliding window, (1 + w) norms.
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=3.0,
+            pad_token_id=0,
+        ),
+    ),
+    # 8 experts, top-2, one dense layer; per-head q/k norms, head_dim 32.
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            num_hidden_layers=3,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    built = {}
+    for name, (config_cls, model_cls, overrides) in FAMILIES.items():
+        folder = tmp_path_factory.mktemp(name)
+        save_model_dir(folder, byte_level_bpe(VOCAB))
+        built[name] = save_tiny(config_cls, model_cls, {"vocab_size": VOCAB, **overrides}, folder)
+    return built
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def wide_params() -> list[SamplingParams]:
+    """Each with its own allowed_token_ids list (pickled in full: about 1 KB a row)."""
+    return [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=2,
+            ignore_eos=True,
+            logprobs=5,
+            allowed_token_ids=list(range(3 + i, VOCAB)),
+        )
+        for i in range(WIDE)
+    ]
+
+
+def run_batches(llm: LLM):
+    """Three batches: mixed lengths (chunked prefill); repeats and a shared prefix (prefix-cache
+    hits); WIDE requests at once, whose first step message needs a second broadcast."""
+    batch = prompts(0, LENGTHS)
+    first = llm.generate(batch, GREEDY, use_tqdm=False)
+    repeat = [batch[-1], [*batch[-1][:24], 7, 8, 9]]
+    second = llm.generate(repeat, GREEDY, use_tqdm=False)
+    wide = prompts(1, [8] * WIDE)
+    third = llm.generate(wide, wide_params(), use_tqdm=False)
+    return first + second + third
+
+
+def check_close(name: str, expected, got) -> None:
+    """Identical greedy tokens, or a first divergence that passes vLLM's closeness rule."""
+    diverged = 0
+    for want, have in zip(expected, got, strict=True):
+        a, b = want.outputs[0], have.outputs[0]
+        if a.token_ids == b.token_ids:
+            continue
+        diverged += 1
+        i = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y)
+        assert a.logprobs is not None and b.logprobs is not None, f"{name}: {a} vs {b}"
+        assert a.token_ids[i] in b.logprobs[i] and b.token_ids[i] in a.logprobs[i], (
+            f"{name}: prompt {want.prompt_token_ids} diverges at output token {i}: "
+            f"{a.token_ids} vs {b.token_ids}"
+        )
+    DIVERGENCES[name] = (diverged, len(expected))
+    print(f"{name}: {diverged} of {len(expected)} sequences diverged (all within the rule)")
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_tp2_greedy_matches_tp1(folders, name):
+    single = LLM(folders[name], **OPTIONS)
+    expected = run_batches(single)
+    del single  # a rank-0 process runs no other engine beside its group
+    llm = LLM(folders[name], tensor_parallel_size=2, **OPTIONS)
+    try:
+        got = run_batches(llm)
+        with pytest.raises(RuntimeError, match="already holds a tensor-parallel engine"):
+            LLM(folders[name], **OPTIONS)
+        llm.engine.check_pool_whole()
+    finally:
+        llm.engine.runner.shutdown()
+    assert [o.num_cached_tokens > 0 for o in got[len(LENGTHS) : len(LENGTHS) + 2]] == [True] * 2
+    check_close(name, expected, got)
+
+
+def test_the_wide_batch_takes_the_two_broadcast_path():
+    """run_batches' WIDE new sampling rows arrive in one step message larger than HEAD_BYTES."""
+    rows = [
+        NewSamplingRow(i, params, p)
+        for i, (params, p) in enumerate(zip(wide_params(), prompts(1, [8] * WIDE), strict=True))
+    ]
+    assert len(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)) > HEAD_BYTES
+
+
+# ---------------------------------------------------------------------- failures
+
+
+def gone(pid: int) -> bool:
+    """No such process, or one that only waits to be reaped by someone else."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def start_and_break(folder, sig: signal.Signals):
+    """A TP=2 engine with requests mid-generation, its worker sent `sig`: steps until the
+    engine raises; -> (the engine, the worker's pid, seconds from the signal to the error)."""
+    llm = LLM(folder, tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S, **OPTIONS)
+    engine = llm.engine
+    [pid] = engine.runner.worker_pids
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(prompts(2, [5, 9, 30])):
+        engine.add_request(str(i), prompt, long)
+    try:
+        for _ in range(3):
+            engine.step()
+        os.kill(pid, sig)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError) as raised:
+            while engine.has_unfinished():
+                engine.step()
+        elapsed = time.monotonic() - start
+        with pytest.raises(EngineDeadError):  # and every later call
+            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    finally:
+        engine.runner.shutdown()
+    assert "tensor-parallel group failed" in str(raised.value)
+    return engine, pid, elapsed
+
+
+def test_a_killed_worker_ends_the_engine_at_once(folders):
+    engine, pid, elapsed = start_and_break(folders["llama"], signal.SIGKILL)
+    assert elapsed < TIMEOUT_S
+    assert f"worker rank 1 (pid {pid}) was killed by SIGKILL" in engine.dead_reason
+    assert gone(pid) and not multiprocessing.active_children()
+
+
+def test_a_hung_worker_ends_the_engine_after_the_timeout(folders):
+    engine, pid, elapsed = start_and_break(folders["llama"], signal.SIGSTOP)
+    assert TIMEOUT_S * 0.9 < elapsed < TIMEOUT_S + 5
+    assert "hung past distributed_timeout_s" in engine.dead_reason
+    assert gone(pid) and not multiprocessing.active_children()
+
+
+def test_serve_exits_nonzero_when_its_worker_dies(folders, tmp_path):
+    flags = ("--tensor-parallel-size", "2", "--distributed-timeout-s", str(TIMEOUT_S))
+    with SubprocessServer(folders["llama"], tmp_path / "serve.log", *flags) as server:
+        workers = [
+            child
+            for child in psutil.Process(server.proc.pid).children()
+            if "spawn_main" in " ".join(child.cmdline())
+        ]
+        assert len(workers) == 1
+        workers[0].kill()
+        status = server.wait(timeout=TIMEOUT_S + 10)
+        log = server.log
+    assert status != 0
+    assert f"worker rank 1 (pid {workers[0].pid}) was killed by SIGKILL" in log
+    assert gone(workers[0].pid)
+
+
+# ---------------------------------------------------------------------- env:// (a launcher)
+
+LAUNCHED = """
+import json, sys
+from aieng import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, **json.loads(sys.argv[2]))
+params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+outputs = llm.generate(json.loads(sys.argv[3]), params, use_tqdm=False)
+print(json.dumps([o.outputs[0].token_ids for o in outputs]))
+llm.engine.runner.shutdown()
+"""
+
+
+def test_processes_a_launcher_started_match_one_process(folders):
+    """Two processes with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, as torchrun starts
+    them on one or several machines: rank 0 generates, rank 1 serves and exits 0."""
+    folder, batch = folders["llama"], prompts(3, [4, 19, 26])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    single = LLM(folder, **OPTIONS)
+    expected = [o.outputs[0].token_ids for o in single.generate(batch, params, use_tqdm=False)]
+    del single
+    port = str(free_tcp_port())
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        command = [sys.executable, "-c", LAUNCHED, str(folder), json.dumps(OPTIONS)]
+        procs.append(
+            subprocess.Popen(
+                [*command, json.dumps(batch)], env=env, stdout=subprocess.PIPE, text=True
+            )
+        )
+    try:
+        outputs = [proc.communicate(timeout=90)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0, 0]
+    assert json.loads(outputs[0].strip().splitlines()[-1]) == expected
+    assert outputs[1].strip() == ""
+
+
+def test_a_launcher_world_size_other_than_the_tp_size_is_refused(folders, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 but the launcher started"):
+        LLM(folders["llama"], tensor_parallel_size=2, **OPTIONS)
+
+
+# ---------------------------------------------------------------------- start-up errors
+
+
+def test_heads_the_ranks_cannot_share_are_one_line(folders):
+    """4 attention heads over 3 ranks: the model constructors refuse it, on every rank; the
+    driver raises one ValueError and leaves no worker behind."""
+    with pytest.raises(ValueError) as raised:
+        LLM(folders["llama"], tensor_parallel_size=3, **OPTIONS)
+    message = str(raised.value)
+    assert "tensor_parallel_size 3" in message and "\n" not in message
+    assert not multiprocessing.active_children()
+
+
+def test_a_rendezvous_port_in_use_is_one_line(folders, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(TensorParallelError, match=f"port 127.0.0.1:{port} .* cannot be used"):
+            LLM(folders["llama"], tensor_parallel_size=2, **OPTIONS)
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_a_size_below_one_is_refused(size):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        LLM(tensor_parallel_size=size)
