@@ -79,6 +79,11 @@ def _mixtral(folder):
     return save_tiny(transformers.MixtralConfig, transformers.MixtralForCausalLM, overrides, folder)
 
 
+def _olmo2(folder):  # q/k norms over all heads, split across the ranks
+    overrides = dict(num_key_value_heads=1)  # k norm: over a head both ranks hold
+    return save_tiny(transformers.Olmo2Config, transformers.Olmo2ForCausalLM, overrides, folder)
+
+
 def _qwen3_moe(folder):
     overrides = dict(
         num_hidden_layers=3,
@@ -104,7 +109,7 @@ def _build_cases(root) -> list[Case]:
     two ranks and a vocabulary that does not split evenly (Qwen2); per-head q/k norms, a padded
     untied LM head (Qwen3); Gemma 2's soft-caps, scaled embeddings and o_proj bias; Gemma 3's
     per-head q/k norms with one KV head; Phi-3's fused tensors; Qwen3-MoE (biases) and Mixtral,
-    experts split within; INT4 in three formats."""
+    experts split within; OLMo 2's q/k norms across all heads; INT4 in three formats."""
     folders = {
         "llama": build_checkpoint("llama", root / "llama"),
         "qwen2_1kv_tied_odd_vocab": build_checkpoint("qwen2", root / "qwen2", vocab_size=253),
@@ -114,6 +119,7 @@ def _build_cases(root) -> list[Case]:
         "gemma3_1kv": _gemma3(root / "gemma3"),
         "qwen3_moe": _qwen3_moe(root / "qwen3_moe"),
         "mixtral": _mixtral(root / "mixtral"),
+        "olmo2": _olmo2(root / "olmo2"),
     }
     # INT4, asymmetric groups of 32 (zero points packed along the output), the LM head too.
     rtn = QuantizeOptions("rtn", QuantScheme(4, 32, False), quantize_lm_head=True)
@@ -183,6 +189,7 @@ CASE_NAMES = [
     "phi3_fused",
     "qwen3_moe",
     "mixtral",
+    "olmo2",
     "int4_rtn",
     "int4_awq",
     "int4_gptq",
@@ -378,13 +385,6 @@ def test_gemma_and_moe_shapes_are_checked_too(tmp_path, as_rank):
             GemmaForCausalLM(gemma)
         with pytest.raises(ValueError, match=r"^moe_intermediate_size: 30 is not divisible by"):
             LlamaForCausalLM(moe)
-
-
-def test_olmo2_norms_across_heads_refuse_more_than_one_rank(tmp_path, as_rank):
-    config = _config(tmp_path, transformers.Olmo2Config)
-    as_rank(0, 2)
-    with torch.device("meta"), pytest.raises(ValueError, match="Olmo2ForCausalLM: q/k RMSNorm"):
-        LlamaForCausalLM(config)
 
 
 def test_int4_groups_split_across_ranks_are_refused_naming_the_layer(tmp_path, as_rank):

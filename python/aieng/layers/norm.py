@@ -13,7 +13,9 @@ below."""
 import torch
 from torch import nn
 
+from aieng.distributed.parallel_state import get_tp_world_size, tp_all_reduce
 from aieng.kernels.fused_dispatch import fused_add_rms_norm
+from aieng.layers.linear import WeightLoadError, copy_into
 
 
 def rms_norm(
@@ -25,11 +27,22 @@ def rms_norm(
 ) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return _weighted(x32, x.dtype, weight, weight_in_float32, unit_offset)
+
+
+def _weighted(
+    x32: torch.Tensor,
+    dtype: torch.dtype,
+    weight: torch.Tensor,
+    weight_in_float32: bool,
+    unit_offset: bool,
+) -> torch.Tensor:
+    """The normalised float32 x times the weight, cast back to `dtype` as each family does."""
     if unit_offset:
-        return (x32 * (1.0 + weight.float())).to(x.dtype)
+        return (x32 * (1.0 + weight.float())).to(dtype)
     if weight_in_float32:
-        return (weight * x32).to(x.dtype)
-    return weight * x32.to(x.dtype)
+        return (weight * x32).to(dtype)
+    return weight * x32.to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -67,3 +80,37 @@ class RMSNorm(nn.Module):
                 return fused
         summed = x + branch
         return summed, self(summed)
+
+
+class SplitRMSNorm(nn.Module):
+    """RMSNorm over a vector whose elements are split across tensor-parallel ranks (OLMo 2 norms
+    q and k over all heads; each rank holds some heads). The sum of squares is all-reduced, and
+    divided by this rank's size times the ranks: a KV head replicated on r ranks is counted r
+    times in both. The weight is this rank's `part` (start, size) of the checkpoint's."""
+
+    def __init__(
+        self,
+        full_size: int,
+        part: tuple[int, int],
+        eps: float,
+        dtype: torch.dtype | None = None,
+        weight_in_float32: bool = False,
+    ):
+        super().__init__()
+        self.eps = eps
+        self.weight_in_float32 = weight_in_float32
+        self.full_size, (self.start, size) = full_size, part
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        if list(loaded.shape) != [self.full_size]:
+            raise WeightLoadError(f"has shape {list(loaded.shape)}, expected [{self.full_size}]")
+        copy_into(param.data, loaded[self.start : self.start + param.shape[0]], convert=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = tp_all_reduce(x32.pow(2).sum(-1, keepdim=True))
+        mean = squares / (x.shape[-1] * get_tp_world_size())
+        x32 = x32 * torch.rsqrt(mean + self.eps)
+        return _weighted(x32, x.dtype, self.weight, self.weight_in_float32, False)

@@ -14,6 +14,8 @@ layers (`rope_local`) and the scaled long-context RoPE on the global ones.
 Tensors are flat over the step's tokens (T). Parameter names follow Hugging Face's, with q/k/v
 fused into `qkv_proj` and gate/up into `gate_up_proj` (`packed_modules`), as in models/llama.py;
 each linear layer's storage is its `LinearMethod`, attention is the `ForwardContext`'s backend.
+Under tensor parallelism each rank builds its share (`aieng.layers.parallel`); the soft-cap
+applies to the gathered logits.
 """
 
 from typing import ClassVar

@@ -10,7 +10,8 @@ Tensors are flat over the step's tokens: T is the number of tokens in the step, 
 Parameter names follow Hugging Face's, with q/k/v fused into `qkv_proj` and gate/up into
 `gate_up_proj`; `packed_modules` tells the loader where the checkpoint's separate tensors go.
 How attention is computed (and where K/V are cached) is the `ForwardContext`'s backend; how each
-linear layer stores its weights is its `LinearMethod`.
+linear layer stores its weights is its `LinearMethod`. Under tensor parallelism each rank builds
+its share (`aieng.layers.parallel`): its heads, its slice of the MLP and of the vocabulary.
 """
 
 from typing import ClassVar
@@ -25,7 +26,7 @@ from aieng.layers.activation import silu_and_mul
 from aieng.layers.attention import Attention
 from aieng.layers.linear import Linear, LinearMethodChooser, dense_everywhere
 from aieng.layers.moe import MIXTRAL_EXPERT_NAMES, ExpertNames, SparseMoE
-from aieng.layers.norm import RMSNorm
+from aieng.layers.norm import RMSNorm, SplitRMSNorm
 from aieng.layers.parallel import (
     column_parallel,
     heads_per_rank,
@@ -80,14 +81,13 @@ class LlamaAttention(nn.Module):
             f"{prefix}.o_proj",
             row_parallel(q_size, [hidden], "num_attention_heads"),
         )
-        if config.qk_norm_across_heads:
-            refuse_norm_across_heads(config)
         if config.qk_norm:  # Qwen3: per head
             self.q_norm = _norm(config, self.head_dim, dtype)
             self.k_norm = _norm(config, self.head_dim, dtype)
         elif config.qk_norm_across_heads:  # OLMo 2: over the whole projection
-            self.q_norm = _norm(config, q_size, dtype)
-            self.k_norm = _norm(config, kv_size, dtype)
+            q_part, k_part, _ = self.qkv_proj.shard.output_slices
+            self.q_norm = _norm_across_heads(config, q_size, q_part, dtype)
+            self.k_norm = _norm_across_heads(config, kv_size, k_part, dtype)
         self.norm_per_head = config.qk_norm
         self.rotary = None if layer_index in config.no_rope_layers else rotary
         self.attn = Attention(
@@ -116,13 +116,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-def refuse_norm_across_heads(config: ModelConfig) -> None:
-    """OLMo 2 norms q and k over all heads at once: a rank holding some heads cannot."""
-    if get_tp_world_size() > 1:
-        raise ValueError(
-            f"{config.architecture}: q/k RMSNorm across all heads (OLMo 2) is not split across "
-            f"ranks; tensor_parallel_size {get_tp_world_size()} is not supported, use 1"
-        )
+def _norm_across_heads(
+    config: ModelConfig, size: int, part: tuple[int, int], dtype: torch.dtype
+) -> nn.Module:
+    """OLMo 2's q or k norm over all heads: with several ranks, over the heads of all of them."""
+    if get_tp_world_size() == 1:
+        return _norm(config, size, dtype)
+    eps, in_float32 = config.rms_norm_eps, config.norm_weight_in_float32
+    return SplitRMSNorm(size, part, eps, dtype, in_float32)
 
 
 class LlamaMLP(nn.Module):
