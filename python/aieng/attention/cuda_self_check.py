@@ -30,6 +30,7 @@ from aieng.kernels.paged_attention import (
     prefill_kernel_name,
 )
 from aieng.kernels.self_check import passes_check
+from aieng.layers.parallel import heads_per_rank, kv_heads_per_rank
 
 if TYPE_CHECKING:
     from aieng.layers.attention import Attention
@@ -230,10 +231,10 @@ def checked_cuda_backend(
         logger.warning("cuda attention kernels unavailable, using the torch reference: %s", error)
         return None
     windows = getattr(config, "layer_sliding_windows", ()) or (config.sliding_window,)
-    ok = self_check(
+    ok = self_check(  # on the heads this tensor-parallel rank's layers hold
         backend,
-        config.num_attention_heads,
-        config.num_key_value_heads,
+        heads_per_rank(config.num_attention_heads),
+        kv_heads_per_rank(config.num_key_value_heads),
         config.head_dim,
         dtype,
         kv_cache_dtype == "int8",

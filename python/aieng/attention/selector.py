@@ -7,6 +7,7 @@ import torch
 from aieng.attention.backend import AttentionBackend
 from aieng.attention.torch_paged import TorchPagedAttention
 from aieng.config import ModelConfig
+from aieng.layers.parallel import kv_heads_per_rank
 
 BACKENDS = ("auto", "torch", "cuda")
 
@@ -35,8 +36,8 @@ def select_attention_backend(
         if reason is not None and name == "cuda":
             raise ValueError(f"attention_backend 'cuda' cannot serve this model: {reason}")
     # Decode groups are sized by the context as attention reads it: in the model's dtype (an
-    # INT8 cache's context is dequantized to it).
-    token_bytes = config.num_key_value_heads * config.head_dim * dtype.itemsize
+    # INT8 cache's context is dequantized to it), over this tensor-parallel rank's KV heads.
+    token_bytes = kv_heads_per_rank(config.num_key_value_heads) * config.head_dim * dtype.itemsize
     # One set of masks per step for each sliding window the layers use (Gemma: two).
     windows = config.layer_sliding_windows or (config.sliding_window,)
     return TorchPagedAttention(sliding_windows=windows, token_bytes=token_bytes)
