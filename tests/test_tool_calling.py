@@ -18,6 +18,7 @@ from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
 
 from aieng._core import Tokenizer
 from aieng.models.default import default_model_path
+from aieng.server.tool_calls import closed_objects
 from aieng.server.tool_parsers import FunctionSpec, HermesToolParser, ParsedCall, tool_parser
 
 # The bundled model's context is 512 tokens and its small vocabulary spends many on JSON:
@@ -391,6 +392,77 @@ def test_tool_choice_none_renders_tools_but_reads_no_calls(client, hf_tokenizer)
 
 
 # ---------------------------------------------------------------- histories and errors
+
+
+def test_closed_objects_close_what_declares_its_properties():
+    person = {"type": "object", "properties": {"name": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "who": person,
+            "many": {"type": "array", "items": person},
+            "properties": {"type": "object", "properties": {"x": {}}},
+            "either": {"anyOf": [person, {"type": "null"}]},
+            "free": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "joined": {"allOf": [person, {"properties": {"age": {}}}]},
+        },
+        "$defs": {"P": person},
+    }
+    closed = closed_objects(schema)
+    props = closed["properties"]
+    assert (
+        closed["additionalProperties"] is False
+        and closed["$defs"]["P"]["additionalProperties"] is False
+    )
+    assert props["who"]["additionalProperties"] is False
+    assert props["many"]["items"]["additionalProperties"] is False
+    assert props["properties"] == {
+        "type": "object",
+        "properties": {"x": {}},
+        "additionalProperties": False,
+    }
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert props["free"] == schema["properties"]["free"]
+    assert "additionalProperties" not in props["joined"]["allOf"][0]
+    assert "additionalProperties" not in person  # the request's schema is left as it came
+
+
+def test_openai_round_trip_of_a_call_and_its_answer(client):
+    """The README's flow: a schema that does not close its object (the constraint does), the
+    reply's message sent back as the openai client dumps it (no content key), then the answer."""
+    open_weather = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}},
+                "required": ["city"],
+            },
+        },
+    }
+    messages = list(ASK)
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        tools=[open_weather],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=9,
+        max_tokens=100,
+    )
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert set(json.loads(message.tool_calls[0].function.arguments)) == {"city"}
+    messages += [
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=[open_weather], tool_choice="none", max_tokens=4
+    )
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
 
 
 def test_tool_history_is_accepted_and_rendered_as_transformers_does(client, hf_tokenizer):

@@ -204,7 +204,7 @@ class ChatMessage(_Strict):
     that calls tools); a `tool` message answers the call named by `tool_call_id`."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Str | list[TextPart] | None
+    content: Str | list[TextPart] | None = None
     name: Str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Str | None = None

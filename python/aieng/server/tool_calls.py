@@ -71,7 +71,8 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
         return ToolPlan(template_tools, tool_parser(parser_name), None)
     parser = tool_parser(parser_name or CONSTRAINED_DEFAULT_PARSER)
     functions = [
-        FunctionSpec(t.function.name, t.function.parameters or NO_PARAMETERS) for t in req.tools
+        FunctionSpec(t.function.name, closed_objects(t.function.parameters or NO_PARAMETERS))
+        for t in req.tools
     ]
     parallel = req.parallel_tool_calls
     if isinstance(choice, NamedToolChoice):
@@ -110,6 +111,41 @@ async def constrain_to_calls(
             f"tools: a function's parameters schema is not usable: {error}", "tools"
         ) from error
     return constrained
+
+
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+SCHEMA_VALUES = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+
+
+def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """The schema with `additionalProperties: false` on every object that lists its properties
+    and says nothing of others (xgrammar's strict mode, which vLLM constrains tool calls with):
+    a function takes the arguments it declares, and a model must not pad a call with invented
+    keys. Members of an `allOf` stay open (closing each would refuse the others' keys)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(sub, in_all_of=True) for sub in out["allOf"]]
+    for key in SCHEMA_VALUES:
+        if key in out:
+            value = out[key]
+            out[key] = (
+                [closed_objects(v) for v in value]
+                if isinstance(value, list)
+                else closed_objects(value)
+            )
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if "properties" in out and not in_all_of and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
 def call_id() -> str:
