@@ -591,6 +591,22 @@ def test_langchain_bind_tools_and_structured_output_requests(client):
     (call,) = structured.message.tool_calls
     assert call.function.name == "Person"
     jsonschema.validate(json.loads(call.function.arguments), person["function"]["parameters"])
+    # method="json_schema" (the default of langchain-openai 0.3): a response_format
+    spec = {k: v for k, v in person["function"].items() if k != "parameters"}
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {**spec, "schema": person["function"]["parameters"]},
+    }
+    answer = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Who is Moses?"}],
+        response_format=response_format,
+        max_tokens=100,
+        temperature=0.7,
+        seed=11,
+    ).choices[0]
+    assert answer.finish_reason == "stop" and answer.message.tool_calls is None
+    jsonschema.validate(json.loads(answer.message.content), person["function"]["parameters"])
 
 
 def test_litellm_tool_request(client):

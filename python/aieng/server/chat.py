@@ -40,7 +40,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = ctx.ready_engine(request, body.model)
     check_request(body)
     ignored = note_ignored_fields(body, ctx.warned_fields)
-    plan = plan_tools(body, ctx.config.tool_call_parser)
+    parser = ctx.config.tool_call_parser
+    if body.tools:  # many or large schemas are read into a grammar off the event loop
+        plan = await asyncio.to_thread(plan_tools, body, parser)
+    else:
+        plan = plan_tools(body, parser)
     ids = await render_chat(
         ctx, body.messages, add_generation_prompt=True, engine=engine, tools=plan.tools
     )
