@@ -7,7 +7,9 @@ the official `openai` client."""
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -18,6 +20,8 @@ from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
 
 from aieng._core import Tokenizer
 from aieng.models.default import default_model_path
+from aieng.server.cli import add_serve_arguments, server_config
+from aieng.server.config import ServerConfig
 from aieng.server.tool_calls import closed_objects
 from aieng.server.tool_parsers import FunctionSpec, HermesToolParser, ParsedCall, tool_parser
 
@@ -239,6 +243,19 @@ def test_hermes_grammar_and_the_registry():
     assert isinstance(tool_parser("hermes"), HermesToolParser)
     with pytest.raises(ValueError, match=r"unknown tool-call parser 'llama9'.*hermes"):
         tool_parser("llama9")
+
+
+def test_the_serve_flag_names_a_registered_parser(capsys):
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--tool-call-parser", "hermes"])
+    assert server_config(args, Path("model")).tool_call_parser == "hermes"
+    assert server_config(parser.parse_args([]), Path("model")).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tool-call-parser", "llama9"])
+    assert "invalid choice: 'llama9'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown tool-call parser 'llama9'"):
+        ServerConfig(served_model_name="m", tool_call_parser="llama9")
 
 
 # ---------------------------------------------------------------- required and named

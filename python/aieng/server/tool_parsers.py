@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -118,7 +119,7 @@ class _MarkupStream(ToolCallStream):
     out to be a tag (a partial start tag, a call not yet closed) and trailing whitespace (it is
     dropped if a call follows)."""
 
-    def __init__(self, start: str, end: str, read_call):
+    def __init__(self, start: str, end: str, read_call: Callable[[str], ParsedCall | None]):
         self.start, self.end, self.read_call = start, end, read_call
         self.buffer = ""  # text not yet handed out
         self.inside = False  # within an open call
