@@ -110,15 +110,19 @@ def wide_params() -> list[SamplingParams]:
 
 
 def run_batches(llm: LLM):
-    """Three batches: mixed lengths (chunked prefill); repeats and a shared prefix (prefix-cache
-    hits); WIDE requests at once, whose first step message needs a second broadcast."""
+    """Three batches: mixed lengths (chunked prefill) with their prompts scored; repeats and a
+    shared prefix (prefix-cache hits); WIDE requests at once, whose first step message needs a
+    second broadcast. Then a one-off scoring forward (`runner.prompt_logprobs`)."""
     batch = prompts(0, LENGTHS)
-    first = llm.generate(batch, GREEDY, use_tqdm=False)
+    scored = SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=2
+    )
+    first = llm.generate(batch, scored, use_tqdm=False)
     repeat = [batch[-1], [*batch[-1][:24], 7, 8, 9]]
     second = llm.generate(repeat, GREEDY, use_tqdm=False)
     wide = prompts(1, [8] * WIDE)
     third = llm.generate(wide, wide_params(), use_tqdm=False)
-    return first + second + third
+    return first + second + third, llm.engine.runner.prompt_logprobs(batch[-1], chunk_size=16)
 
 
 def check_close(name: str, expected, got) -> None:
@@ -142,11 +146,11 @@ def check_close(name: str, expected, got) -> None:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_tp2_greedy_matches_tp1(folders, name):
     single = LLM(folders[name], **OPTIONS)
-    expected = run_batches(single)
+    expected, expected_scores = run_batches(single)
     del single  # a rank-0 process runs no other engine beside its group
     llm = LLM(folders[name], tensor_parallel_size=2, **OPTIONS)
     try:
-        got = run_batches(llm)
+        got, scores = run_batches(llm)
         with pytest.raises(RuntimeError, match="already holds a tensor-parallel engine"):
             LLM(folders[name], **OPTIONS)
         llm.engine.check_pool_whole()
@@ -154,6 +158,12 @@ def test_tp2_greedy_matches_tp1(folders, name):
         llm.engine.runner.shutdown()
     assert [o.num_cached_tokens > 0 for o in got[len(LENGTHS) : len(LENGTHS) + 2]] == [True] * 2
     check_close(name, expected, got)
+    torch.testing.assert_close(scores, expected_scores, atol=1e-4, rtol=0)
+    for want, have in zip(expected[: len(LENGTHS)], got, strict=False):
+        assert len(have.prompt_logprobs) == len(have.prompt_token_ids)
+        for a, b in zip(want.prompt_logprobs[1:], have.prompt_logprobs[1:], strict=True):
+            assert a.keys() == b.keys()
+            torch.testing.assert_close(list(b.values()), list(a.values()), atol=1e-4, rtol=0)
 
 
 def test_the_wide_batch_takes_the_two_broadcast_path():

@@ -429,6 +429,9 @@ class TensorParallelRunner:
             # Whatever raised, the other ranks may be inside a collective this rank never
             # joins: the group is out of step, and the failure is fatal.
             raise self._fail(error) from error
+        except BaseException as interrupt:  # Ctrl-C mid-step: out of step just the same
+            self._workers.fail(f"{FAILURE}: interrupted mid-step ({type(interrupt).__name__})")
+            raise
 
     def _fail(self, error: Exception) -> TensorParallelError:
         """The step raised: a worker died (wait a moment for its exit to say how), hung (the
@@ -441,11 +444,13 @@ class TensorParallelRunner:
                 break
             time.sleep(0.05)
         if self._workers.failure is None:
-            timeout = self.args.distributed_timeout_s
-            self._workers.fail(
-                f"{FAILURE}: {type(error).__name__}: {error} (a rank hung past "
-                f"distributed_timeout_s = {timeout:g} s, or this rank failed mid-step)"
-            )
+            text = f"{type(error).__name__}: {error}"
+            if "Connection closed" in text or "Connection reset" in text:
+                cause = "a rank's connection closed: it died or left"
+            else:
+                limit = self.args.distributed_timeout_s
+                cause = f"a rank hung past distributed_timeout_s = {limit:g} s, or this one failed"
+            self._workers.fail(f"{FAILURE}: {text} ({cause})")
         return TensorParallelError(self._workers.failure)
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -77,7 +78,9 @@ def run_spawned(
     master_port: int,
     conn: Connection,
 ) -> None:
-    """The target of a process the driver spawned on this machine."""
+    """The target of a process the driver spawned on this machine. Ctrl-C in the terminal
+    reaches the whole process group: the driver decides what it means, not its workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
