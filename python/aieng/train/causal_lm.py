@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from aieng.attention.backend import ForwardContext
 from aieng.attention.causal import CausalAttention, DenseBatch
 from aieng.config import ModelConfig
-from aieng.layers.linear import Embedding, Linear
+from aieng.layers.linear import Linear
 from aieng.layers.norm import RMSNorm
+from aieng.layers.vocab_parallel import VocabParallelEmbedding
 from aieng.models.llama import LlamaForCausalLM
 
 
@@ -34,7 +35,7 @@ def init_weights(model: LlamaForCausalLM, std: float) -> None:
     for name, module in model.named_modules():
         if isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
-        elif isinstance(module, Embedding):
+        elif isinstance(module, VocabParallelEmbedding):
             module.weight.normal_(0.0, std)
         elif isinstance(module, Linear):
             residual = name.endswith((".o_proj", ".down_proj"))
