@@ -516,6 +516,9 @@ def assert_400(server, body: dict, param: str, *words: str) -> None:
 
 
 def test_bad_tool_requests_are_400(server):
+    legacy = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "tools": [ADD]})
+    assert legacy.status_code == 400 and legacy.json()["error"]["param"] == "tools"
+    assert "/v1/chat/completions" in legacy.json()["error"]["message"]
     named = {"type": "function", "function": {"name": "divide"}}
     assert_400(server, {"tools": TOOLS, "tool_choice": named}, "tool_choice", "'divide'", "weather")
     assert_400(server, {"tool_choice": "required"}, "tool_choice", "needs tools")
@@ -531,17 +534,23 @@ def test_bad_tool_requests_are_400(server):
         "tool_choice",
         "response_format",
     )
-    assert_400(
-        server, {"messages": [{"role": "tool", "content": "x"}]}, "messages.0", "tool_call_id"
-    )
-    assert_400(server, {"messages": [{"role": "user", "content": None}]}, "messages.0", "content")
-    call = HISTORY[2]["tool_calls"]
-    assert_400(
-        server,
-        {"messages": [{"role": "user", "content": "x", "tool_calls": call}]},
-        "messages.0",
-        "assistant",
-    )
+    for message, param, words in [
+        ({"role": "tool", "content": "x"}, "tool_call_id", ["tool message needs"]),
+        ({"role": "user", "content": "x", "tool_call_id": "c"}, "tool_call_id", ["only tool"]),
+        ({"role": "user", "content": None}, "content", ["user message needs content"]),
+        ({"role": "tool", "tool_call_id": "c"}, "content", ["missing"]),
+        (
+            {"role": "user", "content": "x", "tool_calls": HISTORY[2]["tool_calls"]},
+            "tool_calls",
+            ["only assistant"],
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]},
+            "tool_calls.0.function",
+            [],
+        ),
+    ]:
+        assert_400(server, {"messages": [message]}, f"messages.0.{param}", *words)
 
 
 def test_tools_without_a_parser_need_the_flag_unless_constrained(tmp_path):

@@ -27,6 +27,9 @@ MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 # Known fields that would change the output if honoured, so ignoring them would mislead: each
 # is refused unless its value is one of the no-op values listed.
 NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
+    # tools are fields of chat requests; on /v1/completions they are refused, as OpenAI does
+    "tools": ("tool calling is on /v1/chat/completions", (None, [])),
+    "tool_choice": ("tool calling is on /v1/chat/completions", (None, "none")),
     "functions": ("use tools and tool_choice (functions is deprecated)", (None, [])),
     "function_call": ("use tools and tool_choice (function_call is deprecated)", (None, "none")),
     "guided_json": ("use structured_outputs or response_format", (None,)),

@@ -13,7 +13,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -204,14 +212,25 @@ class ChatMessage(_Strict):
     that calls tools); a `tool` message answers the call named by `tool_call_id`."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Str | list[TextPart] | None = None
+    content: Str | list[TextPart] | None
     name: Str | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: Str | None = None
+    tool_call_id: Str | None = Field(None, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _assistant_content(cls, data: object) -> object:
+        """An assistant message may leave content out (the openai client drops a null one)."""
+        if isinstance(data, dict) and data.get("role") == "assistant" and "content" not in data:
+            return {**data, "content": None}
+        return data
 
     @field_validator("content", mode="before")
     @classmethod
-    def _content(cls, value: object) -> object:
+    def _content(cls, value: object, info: ValidationInfo) -> object:
+        role = info.data.get("role", "assistant")  # absent: the role itself was invalid
+        if value is None and role != "assistant":
+            raise ValueError(f"a {role} message needs content")
         if (
             value is None
             or isinstance(value, str)
@@ -220,15 +239,22 @@ class ChatMessage(_Strict):
             return value
         raise ValueError("must be a string or a list of text parts")
 
-    @model_validator(mode="after")
-    def _role_fields(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        if self.tool_calls is not None and self.role != "assistant":
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, value: list[ToolCall] | None, info: ValidationInfo) -> object:
+        if value is not None and info.data.get("role", "assistant") != "assistant":
             raise ValueError("only assistant messages have tool_calls")
-        if (self.tool_call_id is None) == (self.role == "tool"):
-            raise ValueError("a tool message (and only a tool message) has a tool_call_id")
-        return self
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if role == "tool" and value is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if role not in (None, "tool") and value is not None:
+            raise ValueError("only tool messages have a tool_call_id")
+        return value
 
     @property
     def text(self) -> str:
