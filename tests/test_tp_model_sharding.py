@@ -398,3 +398,24 @@ def test_int4_groups_split_across_ranks_are_refused_naming_the_layer(tmp_path, a
         r"in_features 64 into shards of 32 columns, not a multiple of 64",
     ):
         load_model(tmp_path / "int4")
+
+
+def test_with_four_ranks_each_pair_shares_a_kv_head(tmp_path, as_rank):
+    """4 query heads, 2 KV heads, 4 ranks: rank r holds query head r and KV head r // 2 (the one
+    its query head reads); its cache holds that one head."""
+    folder = build_checkpoint("llama", tmp_path / "llama")
+    qkv = _state_dict(folder)["model.layers.1.self_attn.qkv_proj.weight"]  # q 64, k 32, v 32 rows
+    for rank in range(4):
+        as_rank(rank, 4)
+        model, config = load_model(folder)
+        kv = rank // 2
+        expected = torch.cat(
+            [
+                qkv[16 * rank : 16 * (rank + 1)],
+                qkv[64 + 16 * kv : 64 + 16 * (kv + 1)],
+                qkv[96 + 16 * kv : 96 + 16 * (kv + 1)],
+            ]
+        )
+        share = model.state_dict()["model.layers.1.self_attn.qkv_proj.weight"]
+        assert torch.equal(share, expected), rank
+        assert KVCacheSpec.for_model(config, 4, torch.float32).num_kv_heads == 1
