@@ -123,6 +123,7 @@ class _MarkupStream(ToolCallStream):
         self.start, self.end, self.read_call = start, end, read_call
         self.buffer = ""  # text not yet handed out
         self.inside = False  # within an open call
+        self.scanned = 0  # of an open call's buffer, the part searched for the end tag
         self.held_space = ""  # trailing whitespace of the content, not yet handed out
         self.after_call = False  # whitespace right after a call is dropped
 
@@ -131,8 +132,9 @@ class _MarkupStream(ToolCallStream):
         self.buffer += text
         while True:
             if self.inside:
-                end = self.buffer.find(self.end)
-                if end < 0:
+                end = self.buffer.find(self.end, max(0, self.scanned - len(self.end) + 1))
+                if end < 0:  # a long call fed token by token is searched once, not each time
+                    self.scanned = len(self.buffer)
                     return out
                 body, self.buffer = self.buffer[:end], self.buffer[end + len(self.end) :]
                 self.inside = False
@@ -147,7 +149,7 @@ class _MarkupStream(ToolCallStream):
                 return out
             self._content(self.buffer[:start], out)  # its trailing space waits for the call
             self.buffer = self.buffer[start + len(self.start) :]
-            self.inside = True
+            self.inside, self.scanned = True, 0
 
     def finish(self) -> ParsedOutput:
         out = ParsedOutput("")
