@@ -419,3 +419,29 @@ def test_with_four_ranks_each_pair_shares_a_kv_head(tmp_path, as_rank):
         share = model.state_dict()["model.layers.1.self_attn.qkv_proj.weight"]
         assert torch.equal(share, expected), rank
         assert KVCacheSpec.for_model(config, 4, torch.float32).num_kv_heads == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [
+        ("model.layers.0.self_attn.o_proj.weight", [64, 80]),  # more input columns than 64
+        ("model.layers.0.self_attn.k_proj.weight", [48, 64]),  # a third KV head
+        ("model.embed_tokens.weight", [300, 64]),
+    ],
+)
+def test_a_rank_checks_the_whole_tensor_before_cutting_its_share(tmp_path, as_rank, name, shape):
+    """A tensor larger than the config says is refused, not silently cut to the rank's share."""
+    from safetensors.torch import load_file, save_file
+
+    folder = build_checkpoint("llama", tmp_path / "llama")
+    tensors = load_file(folder / "model.safetensors")
+    tensors[name] = torch.zeros(shape)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    as_rank(1, 2)
+    expected = {
+        "model.layers.0.self_attn.o_proj.weight": r"\[64, 64\]",
+        "model.layers.0.self_attn.k_proj.weight": r"\[32, 64\]",
+        "model.embed_tokens.weight": r"\[256, 64\]",
+    }[name]
+    with pytest.raises(ValueError, match=rf"tensor {name} has shape \[.*\], expected {expected}"):
+        load_model(folder)
