@@ -264,8 +264,8 @@ class _Workers:
     def _watch(self) -> None:
         sentinels = {proc.sentinel: i for i, proc in enumerate(self.procs)}
         ready = wait([*sentinels, self._stop_recv])
-        if self.closing or self._stop_recv in ready:
-            return
+        if self.closing or self.failure is not None or self._stop_recv in ready:
+            return  # shut down, or stopped by `fail` after a failed step
         index = next(sentinels[s] for s in ready if s in sentinels)
         self.procs[index].join()
         reason = f"{FAILURE}: {self.reason(index)}"

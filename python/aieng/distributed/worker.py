@@ -43,7 +43,7 @@ def serve_steps(runner, group) -> None:
 
 def run_worker(args: EngineArgs, eos_token_ids: Sequence[int], place, report=None) -> None:
     """Join, build this rank's runner, serve steps, leave. `report(kind, text)`: tells the
-    driver the worker is ready, or why it failed."""
+    driver the worker has started and is ready (its caller reports failures)."""
     import torch
 
     from aieng.distributed import parallel_state
@@ -55,13 +55,8 @@ def run_worker(args: EngineArgs, eos_token_ids: Sequence[int], place, report=Non
         logger.info("tensor-parallel rank %d: %d CPU threads", place.rank, threads)
     if report is not None:
         report("started", "")
-    try:
-        group = join_group(args, place)
-        runner = RankRunner(rank_args(args, place), eos_token_ids, samples=False)
-    except BaseException as error:
-        if report is not None:
-            report("error", f"{type(error).__name__}: {error}")
-        raise
+    group = join_group(args, place)
+    runner = RankRunner(rank_args(args, place), eos_token_ids, samples=False)
     if report is not None:
         report("ready", "")
     try:
