@@ -379,12 +379,17 @@ def test_gemma_and_moe_shapes_are_checked_too(tmp_path, as_rank):
         num_experts_per_tok=2,
         moe_intermediate_size=30,
     )
+    mixtral = _config(
+        tmp_path / "mixtral", transformers.MixtralConfig, num_local_experts=4, intermediate_size=30
+    )
     as_rank(0, 4)
     with torch.device("meta"):
         with pytest.raises(ValueError, match=r"^num_attention_heads: 6 is not divisible by"):
             GemmaForCausalLM(gemma)
         with pytest.raises(ValueError, match=r"^moe_intermediate_size: 30 is not divisible by"):
             LlamaForCausalLM(moe)
+        with pytest.raises(ValueError, match=r"^intermediate_size: 30 is not divisible by"):
+            LlamaForCausalLM(mixtral)  # Mixtral's experts are `intermediate_size` wide
 
 
 def test_int4_groups_split_across_ranks_are_refused_naming_the_layer(tmp_path, as_rank):

@@ -35,13 +35,15 @@ from aieng.layers.parallel import column_parallel, row_parallel
 @dataclass(frozen=True)
 class ExpertNames:
     """The checkpoint's names inside one expert: Qwen3-MoE's `gate_proj`/`up_proj`/`down_proj`
-    (fused here as `gate_up_proj`), Mixtral's `w1`/`w3`/`w2` (fused as `w13`)."""
+    (fused here as `gate_up_proj`), Mixtral's `w1`/`w3`/`w2` (fused as `w13`); and the config
+    field of an expert's intermediate size (named in tensor-parallel errors)."""
 
     gate_up: str = "gate_up_proj"
     down: str = "down_proj"
+    size_field: str = "moe_intermediate_size"
 
 
-MIXTRAL_EXPERT_NAMES = ExpertNames(gate_up="w13", down="w2")
+MIXTRAL_EXPERT_NAMES = ExpertNames(gate_up="w13", down="w2", size_field="intermediate_size")
 
 
 class Expert(nn.Module):
@@ -66,7 +68,7 @@ class Expert(nn.Module):
             dtype,
             methods,
             f"{prefix}.{names.gate_up}",
-            column_parallel(hidden_size, sizes, "moe_intermediate_size"),
+            column_parallel(hidden_size, sizes, names.size_field),
         )
         # Partial sums: the MoE layer all-reduces once, after combining the experts.
         down = Linear(
@@ -76,7 +78,7 @@ class Expert(nn.Module):
             dtype,
             methods,
             f"{prefix}.{names.down}",
-            row_parallel(intermediate_size, [hidden_size], "moe_intermediate_size", reduce=False),
+            row_parallel(intermediate_size, [hidden_size], names.size_field, reduce=False),
         )
         self.add_module(names.gate_up, gate_up)
         self.add_module(names.down, down)
