@@ -553,6 +553,24 @@ def test_bad_tool_requests_are_400(server):
         assert_400(server, {"messages": [message]}, f"messages.0.{param}", *words)
 
 
+def test_deeply_nested_tool_schemas_are_400(server):
+    schema: dict = {"type": "string"}
+    for _ in range(40):
+        schema = {"type": "object", "properties": {"a": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    assert_400(server, {"tools": [tool]}, "tools.0.function.parameters", "more than 64")
+    depth = 5000  # past Python's recursion limit, in a body parsed off the event loop
+    nested = '{"type": "object", "properties": {"a": ' * depth + "{}" + "}}" * depth
+    raw = '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+    raw += f'"function": {{"name": "f", "parameters": {nested}}}}}]}}'
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=raw.encode(),
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 400, response.text
+
+
 def test_tools_without_a_parser_need_the_flag_unless_constrained(tmp_path):
     with ThreadServer(make_model_dir(tmp_path)) as bare:
         for choice in (None, "auto"):

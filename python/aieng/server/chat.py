@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from aieng.async_engine import AsyncLLMEngine
-from aieng.errors import ChatTemplateError
+from aieng.errors import ChatTemplateError, InvalidArgumentError
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
@@ -95,6 +95,9 @@ async def render_chat(
         ids = await asyncio.to_thread(render)
     except ChatTemplateError as error:
         raise invalid(f"the chat template failed: {error}", "messages") from error
+    except InvalidArgumentError as error:  # what the template may not read (too deep a value)
+        field = "messages" if tools is None else "tools"
+        raise invalid(f"the chat template cannot read the {field}: {error}", field) from error
     if not ids:
         raise invalid("the conversation renders to an empty prompt", "messages")
     return ids

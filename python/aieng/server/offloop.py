@@ -44,7 +44,7 @@ def _parse(model: type[BaseModel], body: bytes) -> BaseModel | None:
     """The validated model; None when the body is not JSON (FastAPI then answers as usual)."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # too deep: not JSON here
         return None
     try:
         return model.model_validate(data)

@@ -29,6 +29,7 @@ MAX_STOP = 16
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
 MAX_ALLOWED_TOKENS = 1 << 20  # allowed_token_ids: bounded by the body size anyway
 MAX_BAD_WORDS = 256
+MAX_SCHEMA_NESTING = 64  # objects and arrays in a tool's parameters (serde's limit is 128)
 INT64 = 1 << 63
 INT32 = 1 << 31
 
@@ -274,6 +275,9 @@ class FunctionDefinition(_Lenient):
     @field_validator("parameters")
     @classmethod
     def _parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        depth = _nesting(value)
+        if depth > MAX_SCHEMA_NESTING:  # the template and grammar engines read it recursively
+            raise ValueError(f"nests {depth} levels deep, more than {MAX_SCHEMA_NESTING}")
         try:  # what the chat template and the grammar engine must read back as JSON
             json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
         except (ValueError, UnicodeEncodeError) as error:
@@ -320,6 +324,18 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: Str | None = None
     tokens: list[int]
+
+
+def _nesting(value: object) -> int:
+    """How deep objects and arrays nest in a JSON value (without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _is_int(value: object) -> bool:

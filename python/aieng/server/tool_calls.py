@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,10 +54,10 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
             raise invalid("tool_choice needs tools: the request offers none", "tool_choice")
         return NO_TOOLS
     names = [t.function.name for t in req.tools]
-    repeated = sorted({n for n in names if names.count(n) > 1})
+    repeated = sorted(n for n, count in Counter(names).items() if count > 1)
     if repeated:
         raise invalid(f"tools: the function name {repeated[0]!r} is given twice", "tools")
-    template_tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    template_tools = [t.model_dump(exclude_unset=True) for t in req.tools]  # as the client sent
     choice = choice or "auto"
     if choice == "none":
         return ToolPlan(template_tools, None, None)
