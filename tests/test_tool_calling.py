@@ -523,6 +523,8 @@ def test_bad_tool_requests_are_400(server):
     assert_400(server, {"tools": TOOLS, "tool_choice": named}, "tool_choice", "'divide'", "weather")
     assert_400(server, {"tool_choice": "required"}, "tool_choice", "needs tools")
     assert_400(server, {"tools": [WEATHER, WEATHER]}, "tools", "'weather'", "twice")
+    many = [{**ADD, "function": {**ADD["function"], "name": f"f{i}"}} for i in range(129)]
+    assert_400(server, {"tools": many}, "tools", "128")
     assert_400(server, {"tools": TOOLS, "tool_choice": "maybe"}, "tool_choice")
     bad_name = {"type": "function", "function": {"name": "no spaces"}}
     assert_400(server, {"tools": [bad_name]}, "tools.0.function.name")

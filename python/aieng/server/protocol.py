@@ -29,6 +29,7 @@ MAX_STOP = 16
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
 MAX_ALLOWED_TOKENS = 1 << 20  # allowed_token_ids: bounded by the body size anyway
 MAX_BAD_WORDS = 256
+MAX_TOOLS = 128  # OpenAI's limit on the functions of one request
 MAX_SCHEMA_NESTING = 64  # objects and arrays in a tool's parameters (serde's limit is 128)
 INT64 = 1 << 63
 INT32 = 1 << 31
