@@ -571,6 +571,14 @@ def test_deeply_nested_tool_schemas_are_400(server):
         headers={"content-type": "application/json"},
     )
     assert response.status_code == 400, response.text
+    for arguments in ("[" * 100_000 + "]" * 100_000, json.dumps(schema)):  # history: text as is
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        history = [*ASK, {"role": "assistant", "tool_calls": [call]}]
+        body = {"messages": history, "tools": [ADD], "tool_choice": "none", "max_tokens": 1}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+        assert response.status_code in (200, 400), response.text
+        if response.status_code == 400:  # past the context: the arguments went in as text
+            assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_tools_without_a_parser_need_the_flag_unless_constrained(tmp_path):

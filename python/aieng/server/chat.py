@@ -23,7 +23,12 @@ from aieng.server.params import (
     resolve_max_tokens,
     sampling_params,
 )
-from aieng.server.protocol import ChatCompletionRequest, ChatMessage
+from aieng.server.protocol import (
+    MAX_SCHEMA_NESTING,
+    ChatCompletionRequest,
+    ChatMessage,
+    nesting_depth,
+)
 from aieng.server.streaming import Shapes, respond
 from aieng.server.structured import compile_constraint
 from aieng.server.tool_call_output import ToolCallDeltas, assistant_message
@@ -95,9 +100,8 @@ async def render_chat(
         ids = await asyncio.to_thread(render)
     except ChatTemplateError as error:
         raise invalid(f"the chat template failed: {error}", "messages") from error
-    except InvalidArgumentError as error:  # what the template may not read (too deep a value)
-        field = "messages" if tools is None else "tools"
-        raise invalid(f"the chat template cannot read the {field}: {error}", field) from error
+    except InvalidArgumentError as error:  # a value the template cannot read
+        raise invalid(f"the chat template cannot read the request: {error}", "messages") from error
     if not ids:
         raise invalid("the conversation renders to an empty prompt", "messages")
     return ids
@@ -128,11 +132,15 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
 
 
 def _arguments_value(arguments: str) -> object:
+    """The arguments object, or the text as given when it is no object (or nests too deep for
+    the template to read)."""
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
-    return value if isinstance(value, dict) else arguments
+    if not isinstance(value, dict) or nesting_depth(value) > MAX_SCHEMA_NESTING:
+        return arguments
+    return value
 
 
 def _shapes(ctx: ServerContext, generation: Generation, parser: ToolParser | None) -> Shapes:

@@ -276,7 +276,7 @@ class FunctionDefinition(_Lenient):
     @field_validator("parameters")
     @classmethod
     def _parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        depth = _nesting(value)
+        depth = nesting_depth(value)
         if depth > MAX_SCHEMA_NESTING:  # the template and grammar engines read it recursively
             raise ValueError(f"nests {depth} levels deep, more than {MAX_SCHEMA_NESTING}")
         try:  # what the chat template and the grammar engine must read back as JSON
@@ -327,7 +327,7 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def _nesting(value: object) -> int:
+def nesting_depth(value: object) -> int:
     """How deep objects and arrays nest in a JSON value (without recursion)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
