@@ -555,6 +555,32 @@ def test_bad_tool_requests_are_400(server):
         assert_400(server, {"messages": [message]}, f"messages.0.{param}", *words)
 
 
+def test_tools_the_template_could_not_read_are_400(server):
+    head = '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+    for tail, param, word in [
+        ('"function": {"name": "f"}, "x": "\\ud800"}]}', "tools.0", "surrogate"),
+        ('"function": {"name": "f", "y": NaN}}]}', "tools.0", "JSON"),
+        (
+            '"function": {"name": "f", "parameters": {"a": NaN}}}]}',
+            "tools.0.function.parameters",
+            "JSON",
+        ),
+        (
+            '"function": {"name": "f", "parameters": {"\\ud800": 1}}}]}',
+            "tools.0.function.parameters",
+            "surrogate",
+        ),
+    ]:
+        response = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            content=(head + tail).encode(),
+            headers={"content-type": "application/json"},
+        )
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and word in error["message"], error
+
+
 def test_deeply_nested_tool_schemas_are_400(server):
     schema: dict = {"type": "string"}
     for _ in range(40):

@@ -287,8 +287,21 @@ class FunctionDefinition(_Lenient):
 
 
 class Tool(_Lenient):
+    """An OpenAI function tool; fields beyond OpenAI's are kept (the chat template gets the
+    tool as sent) but must be JSON the template can read."""
+
     type: Literal["function"]
     function: FunctionDefinition
+
+    @model_validator(mode="after")
+    def _json(self) -> Tool:
+        sent = self.model_dump(exclude_unset=True)
+        _check_strings(sent)
+        try:
+            json.dumps(sent, ensure_ascii=False, allow_nan=False)
+        except ValueError as error:
+            raise ValueError(f"must be valid JSON: {error}") from None
+        return self
 
 
 class NamedFunction(_Lenient):
@@ -325,6 +338,20 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: Str | None = None
     tokens: list[int]
+
+
+def _check_strings(value: object) -> None:
+    """Refuses a lone surrogate anywhere in a JSON value (keys included)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            check_unicode(item)
 
 
 def nesting_depth(value: object) -> int:
