@@ -69,7 +69,7 @@ COMPLETION_CASES = [
     ({"prompt": [5] * 2048}, "prompt", ["2048"]),
     ({"prompt": "x", "model": "gpt-9"}, "model", ["gpt-9", MODEL_NAME]),
     ({"prompt": "x", "tools": [{"type": "function"}]}, "tools", ["unsupported"]),
-    ({"prompt": "x", "echo": True}, "echo", ["not supported"]),
+    ({"prompt": "x", "echo": 1}, "echo", ["bool"]),
     ({"prompt": "x", "suffix": "y"}, "suffix", ["not supported"]),
     ({"prompt": "x", "logit_bias": {"abc": 1.0}}, "logit_bias", ["token ids"]),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", ["[-100, 100]"]),

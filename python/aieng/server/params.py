@@ -36,7 +36,7 @@ NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
     "guided_regex": ("use structured_outputs or response_format", (None,)),
     "guided_choice": ("use structured_outputs or response_format", (None,)),
     "guided_grammar": ("use structured_outputs or response_format", (None,)),
-    "prompt_logprobs": ("prompt logprobs are not supported", (None,)),
+    "prompt_logprobs": ("use echo with logprobs on /v1/completions", (None,)),
 }
 
 

@@ -149,9 +149,9 @@ class SamplingFields(_Lenient):
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # 0: score the prompt only (with echo and logprobs), as lm-evaluation-harness asks
     max_tokens: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
