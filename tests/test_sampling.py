@@ -38,7 +38,7 @@ VOCAB = 32
         ("stop", [1]),
         ("stop_token_ids", [-1]),
         ("stop_token_ids", 5),
-        ("max_tokens", 0),
+        ("max_tokens", -1),
         ("max_tokens", None),
         ("min_tokens", -1),
         ("logprobs", -1),
