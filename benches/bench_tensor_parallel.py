@@ -145,6 +145,7 @@ def main() -> None:
         print(json.dumps(measure(args.model, size, threads, prompts, args.output_len)))
         return
     cores = os.cpu_count() or 1
+    load_before = os.getloadavg()[0]
     # TP=1 on every core (the peer), TP=1 on one core (what a rank's share does alone), TP=2.
     configs = [(1, cores), (1, max(1, cores // 2)), (2, max(1, cores // 2))]
     best: dict[tuple[int, int], dict] = {}
@@ -160,6 +161,7 @@ def main() -> None:
     latency = {
         f"{rows} rows x {hidden}": all_reduce_latency(rows * hidden) for rows in (1, args.requests)
     }
+    load = (load_before, os.getloadavg()[0])  # other work on the machine skews every figure
     report = table(runs, identical, len(prompts))
     report += (
         "\n\nOne gloo all-reduce between two otherwise idle 1-thread processes: "
@@ -173,6 +175,7 @@ def main() -> None:
         "setup": {**setup, "model": Path(args.model).name},
         "identical_requests": identical,
         "all_reduce_latency_s": latency,
+        "load_average_1min_before_after": load,
         "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
     }
     RESULTS.mkdir(exist_ok=True)
@@ -180,7 +183,8 @@ def main() -> None:
     header = (
         f"# Tensor parallelism on CPU\n\n{result['machine']['cpu']}, {os.cpu_count()} cores; "
         f"default model, {args.requests} requests x {args.prompt_len} prompt + "
-        f"{args.output_len} output tokens, greedy; best of {args.reps}.\n\n"
+        f"{args.output_len} output tokens, greedy; best of {args.reps}; 1-minute load average "
+        f"{load[0]:.1f} before, {load[1]:.1f} after.\n\n"
     )
     (RESULTS / "tensor_parallel.md").write_text(header + report + "\n")
 
