@@ -434,18 +434,21 @@ class TensorParallelRunner:
             raise
 
     def _fail(self, error: Exception) -> TensorParallelError:
-        """The step raised: a worker died (wait a moment for its exit to say how), hung (the
-        collective timed out) or this rank failed."""
-        deadline = time.monotonic() + REPORT_WAIT_S
-        while time.monotonic() < deadline and self._workers.failure is None:
+        """The step raised: a worker died (its connection closed: wait a moment for its exit to
+        say how), hung (the collective timed out) or this rank failed."""
+        text = f"{type(error).__name__}: {error}"
+        closed = "Connection closed" in text or "Connection reset" in text
+        deadline = time.monotonic() + (REPORT_WAIT_S if closed else 0.0)
+        while self._workers.failure is None:
             dead = [i for i, p in enumerate(self._workers.procs) if p.exitcode is not None]
             if dead:
                 self._workers.fail(f"{FAILURE}: {self._workers.reason(dead[0])}")
-                break
-            time.sleep(0.05)
+            elif time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            break
         if self._workers.failure is None:
-            text = f"{type(error).__name__}: {error}"
-            if "Connection closed" in text or "Connection reset" in text:
+            if closed:
                 cause = "a rank's connection closed: it died or left"
             else:
                 limit = self.args.distributed_timeout_s
