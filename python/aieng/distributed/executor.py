@@ -28,9 +28,16 @@ import weakref
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aieng.engine_args import EngineArgs
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from aieng.distributed.rank import RankPlace
+    from aieng.runner import ModelRunner
+    from aieng.runner_io import ModelRunnerOutput, RunnerStep
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +56,7 @@ def make_runner(
     args: EngineArgs,
     eos_token_ids: Sequence[int],
     on_failure: Callable[[str], None] | None = None,
-):
+) -> ModelRunner | TensorParallelRunner:
     """The runner for `args.tensor_parallel_size`. `on_failure(reason)` is called from a
     watcher thread when a worker dies between steps. In a process a launcher started as a
     rank > 0, this serves as that worker until rank 0 shuts down, then exits the process."""
@@ -74,7 +81,7 @@ def make_runner(
     return TensorParallelRunner(args, eos_token_ids, on_failure, launched=place is not None)
 
 
-def launched_place(args: EngineArgs):
+def launched_place(args: EngineArgs) -> RankPlace | None:
     """This process's RankPlace when a launcher set RANK and WORLD_SIZE for a group of
     tensor_parallel_size processes; None when nothing launched it so."""
     from aieng.distributed.rank import RankPlace
@@ -173,7 +180,6 @@ class _Workers:
         self.closing = False
         self.lock = threading.Lock()
         self.on_failure: Callable[[str], None] | None = None
-        self._stop_recv: Connection | None = None
         self._stop_send: Connection | None = None
 
     def spawn(self, args: EngineArgs, eos: Sequence[int], world: int, addr: str, port: int) -> None:
@@ -258,13 +264,15 @@ class _Workers:
     def watch(self) -> None:
         import multiprocessing as mp
 
-        self._stop_recv, self._stop_send = mp.Pipe(duplex=False)
-        threading.Thread(target=self._watch, name="aieng-tp-watcher", daemon=True).start()
+        stop, self._stop_send = mp.Pipe(duplex=False)
+        threading.Thread(
+            target=self._watch, args=(stop,), name="aieng-tp-watcher", daemon=True
+        ).start()
 
-    def _watch(self) -> None:
+    def _watch(self, stop: Connection) -> None:
         sentinels = {proc.sentinel: i for i, proc in enumerate(self.procs)}
-        ready = wait([*sentinels, self._stop_recv])
-        if self.closing or self.failure is not None or self._stop_recv in ready:
+        ready = wait([*sentinels, stop])
+        if self.closing or self.failure is not None or stop in ready:
             return  # shut down, or stopped by `fail` after a failed step
         index = next(sentinels[s] for s in ready if s in sentinels)
         self.procs[index].join()
@@ -301,7 +309,10 @@ class _Workers:
             self.closing = True
             failed = self.failure is not None
         if self._stop_send is not None:
-            self._stop_send.send(None)
+            try:
+                self._stop_send.send(None)
+            except OSError:  # the watcher already returned, closing its end
+                pass
         if goodbye is not None and not failed:
             try:
                 goodbye()
@@ -344,7 +355,6 @@ class TensorParallelRunner:
             logger.info("tensor-parallel rank 0: %d CPU threads", self._threads)
         self._workers = _Workers()
         self._workers.on_failure = on_failure
-        self._group = None
         place = RankPlace(0, self.world_size, 0)
         try:
             if launched:
@@ -369,7 +379,9 @@ class TensorParallelRunner:
         self._finalizer = weakref.finalize(self, _close, self._workers, self._group, threads_before)
         logger.info("tensor parallelism: %d ranks, this process is rank 0", self.world_size)
 
-    def _start_workers(self, args: EngineArgs, eos: Sequence[int], place):
+    def _start_workers(
+        self, args: EngineArgs, eos: Sequence[int], place: RankPlace
+    ) -> dist.ProcessGroup:
         """Spawns ranks 1..N-1 on this machine and joins them (env:// on MASTER_ADDR, a free
         MASTER_PORT unless MASTER_PORT is given)."""
         from aieng.distributed.rank import join_group
@@ -400,7 +412,7 @@ class TensorParallelRunner:
             raise AttributeError(name)
         return getattr(self._local, name)
 
-    def execute(self, step):
+    def execute(self, step: RunnerStep) -> ModelRunnerOutput:
         from aieng.distributed.messages import Execute
 
         return self._on_every_rank(Execute.of(step), lambda: self._local.execute(step))
@@ -466,14 +478,13 @@ class TensorParallelRunner:
         self._finalizer()
 
 
-def _close(workers: _Workers, group, threads_before: int) -> None:
+def _close(workers: _Workers, group: dist.ProcessGroup, threads_before: int) -> None:
     import torch
 
     from aieng.distributed import parallel_state
     from aieng.distributed.messages import Shutdown, broadcast_message
 
-    goodbye = None if group is None else (lambda: broadcast_message(Shutdown(), group))
-    workers.close(goodbye)
+    workers.close(lambda: broadcast_message(Shutdown(), group))
     parallel_state.destroy_tensor_parallel()
     torch.set_num_threads(threads_before)
 

@@ -68,7 +68,8 @@ class Execute:
 
     @classmethod
     def of(cls, step: RunnerStep) -> Execute:
-        return cls(replace(step, plan=PlanSnapshot.of(step.plan)))
+        snapshot: Any = PlanSnapshot.of(step.plan)  # stands in for the StepPlan on ranks > 0
+        return cls(replace(step, plan=snapshot))
 
 
 @dataclass(frozen=True)

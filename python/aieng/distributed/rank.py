@@ -71,7 +71,9 @@ def join_group(args: EngineArgs, place: RankPlace) -> dist.ProcessGroup:
         if place.rank == 0
         else WORKER_IDLE_TIMEOUT
     )
-    return dist.new_group(backend="gloo", timeout=timeout)
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+    return group
 
 
 class RankRunner(ModelRunner):

@@ -17,15 +17,21 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from aieng.engine_args import EngineArgs
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from aieng.distributed.rank import RankPlace, RankRunner
 
 logger = logging.getLogger(__name__)
 
 
-def serve_steps(runner, group) -> None:
+def serve_steps(runner: RankRunner, group: dist.ProcessGroup) -> None:
     """Runs rank 0's messages on `runner` until Shutdown; a broken group raises."""
     from aieng.distributed.messages import Call, Execute, Shutdown, receive_message
 
@@ -41,7 +47,12 @@ def serve_steps(runner, group) -> None:
             raise TypeError(f"unknown tensor-parallel message {type(message).__name__}")
 
 
-def run_worker(args: EngineArgs, eos_token_ids: Sequence[int], place, report=None) -> None:
+def run_worker(
+    args: EngineArgs,
+    eos_token_ids: Sequence[int],
+    place: RankPlace,
+    report: Callable[[str, str], None] | None = None,
+) -> None:
     """Join, build this rank's runner, serve steps, leave. `report(kind, text)`: tells the
     driver the worker has started and is ready (its caller reports failures)."""
     import torch
@@ -68,7 +79,7 @@ def run_worker(args: EngineArgs, eos_token_ids: Sequence[int], place, report=Non
 def run_spawned(
     args: EngineArgs,
     eos_token_ids: Sequence[int],
-    place,
+    place: RankPlace,
     master_addr: str,
     master_port: int,
     conn: Connection,
@@ -99,7 +110,7 @@ def run_spawned(
         sys.exit(1)
 
 
-def run_launched(args: EngineArgs, place) -> int:
+def run_launched(args: EngineArgs, place: RankPlace) -> int:
     """A rank > 0 started by a launcher (torchrun): serve until rank 0 shuts down; the exit
     status, 0 after a clean shutdown, 1 after a failure (logged)."""
     try:
