@@ -31,6 +31,7 @@ from aieng.distributed.executor import TensorParallelError
 from aieng.distributed.messages import HEAD_BYTES
 from aieng.engine import EngineDeadError
 from aieng.runner_io import NewSamplingRow
+from aieng.structured_outputs import StructuredOutputsParams
 
 VOCAB = 384
 TIMEOUT_S = 4.0  # distributed_timeout_s of the failure tests
@@ -38,6 +39,7 @@ OPTIONS = dict(block_size=4, kv_cache_memory=1 << 22, max_num_seqs=4, max_num_ba
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
 LENGTHS = [1, 5, 12, 23, 37]  # past 16 tokens: chunked prefill
 WIDE = 24  # requests added at once in run_batches' third batch
+CHOICES = ["alpha", "beta gamma", "delta"]
 DIVERGENCES: dict[str, tuple[int, int]] = {}  # family -> (sequences diverged, sequences)
 
 # family -> (config class, model class, config overrides)
@@ -110,9 +112,10 @@ def wide_params() -> list[SamplingParams]:
 
 
 def run_batches(llm: LLM):
-    """Three batches: mixed lengths (chunked prefill) with their prompts scored; repeats and a
+    """Four batches: mixed lengths (chunked prefill) with their prompts scored; repeats and a
     shared prefix (prefix-cache hits); WIDE requests at once, whose first step message needs a
-    second broadcast. Then a one-off scoring forward (`runner.prompt_logprobs`)."""
+    second broadcast; two requests held to a choice by a grammar. Then a one-off scoring forward
+    (`runner.prompt_logprobs`)."""
     batch = prompts(0, LENGTHS)
     scored = SamplingParams(
         temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=2
@@ -122,7 +125,17 @@ def run_batches(llm: LLM):
     second = llm.generate(repeat, GREEDY, use_tqdm=False)
     wide = prompts(1, [8] * WIDE)
     third = llm.generate(wide, wide_params(), use_tqdm=False)
-    return first + second + third, llm.engine.runner.prompt_logprobs(batch[-1], chunk_size=16)
+    # A grammar's masks come from rank 0's core; the other ranks never need them.
+    constrained = SamplingParams(
+        temperature=0.0,
+        max_tokens=16,
+        logprobs=5,
+        structured_outputs=StructuredOutputsParams(choice=CHOICES),
+    )
+    fourth = llm.generate(batch[:2], constrained, use_tqdm=False)
+    assert all(o.outputs[0].text in CHOICES for o in fourth)
+    outputs = first + second + third + fourth
+    return outputs, llm.engine.runner.prompt_logprobs(batch[-1], chunk_size=16)
 
 
 def check_close(name: str, expected, got) -> None:
