@@ -318,6 +318,25 @@ def test_heads_the_ranks_cannot_share_are_one_line(folders):
     assert not multiprocessing.active_children()
 
 
+UNGUARDED = """
+from aieng import LLM
+LLM({folder!r}, tensor_parallel_size=2, block_size=4, kv_cache_memory=1 << 22)
+"""
+
+
+def test_a_worker_that_fails_before_it_starts_is_named(folders, tmp_path):
+    """A script that starts an engine at its top level, unguarded: the spawned rank imports it,
+    fails before it can report, and the driver says which rank died and why that happens."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED.format(folder=str(folders["llama"])))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("aieng.distributed.executor.TensorParallelError: ")
+    assert "worker rank 1" in last and "exited with status 1 before it could start" in last
+    assert "if __name__ == '__main__':" in last
+
+
 def test_a_rendezvous_port_in_use_is_one_line(folders, monkeypatch):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -239,8 +239,9 @@ class _Workers:
                     if ready is conn:
                         try:
                             got, text = conn.recv()
-                        except EOFError:
-                            got, text = "error", ""
+                        except EOFError:  # it exited without a word: its sentinel says how
+                            proc.join()
+                            raise self.start_error(index, before=kind) from None
                         if got == kind:
                             pending.discard(index)
                         elif got == "error":
@@ -249,9 +250,9 @@ class _Workers:
                             raise self.start_error(index)
                     elif ready == proc.sentinel:
                         proc.join()
-                        raise self.start_error(index)
+                        raise self.start_error(index, before=kind)
 
-    def start_error(self, index: int) -> Exception:
+    def start_error(self, index: int, before: str = "") -> Exception:
         """A worker's start-up failure as the driver's one line: its own exception's type when
         that is a plain input error (ValueError), else a TensorParallelError."""
         self.collect_reports()
@@ -259,7 +260,13 @@ class _Workers:
         name, _, text = error.partition(": ")
         if name == "ValueError":
             return ValueError(text)
-        return TensorParallelError(f"{FAILURE} at start-up: {self.reason(index)}")
+        message = f"{FAILURE} at start-up: {self.reason(index)}"
+        if not error and before == "started":  # it died importing the spawning script
+            message += (
+                " before it could start; a script that starts a tensor-parallel engine must "
+                "guard its top level with `if __name__ == '__main__':` (spawned ranks import it)"
+            )
+        return TensorParallelError(message)
 
     def watch(self) -> None:
         import multiprocessing as mp
@@ -399,7 +406,7 @@ class TensorParallelRunner:
     def _first_worker_error(self) -> Exception | None:
         self._workers.collect_reports()
         for index in range(len(self._workers.procs)):
-            if index in self._workers.errors:
+            if self._workers.errors.get(index):
                 return self._workers.start_error(index)
         return None
 
