@@ -234,7 +234,7 @@ def test_a_killed_worker_ends_the_engine_at_once(folders):
 
 def test_a_hung_worker_ends_the_engine_after_the_timeout(folders):
     engine, pid, elapsed = start_and_break(folders["llama"], signal.SIGSTOP)
-    assert TIMEOUT_S * 0.9 < elapsed < TIMEOUT_S + 5
+    assert TIMEOUT_S * 0.9 < elapsed < TIMEOUT_S + 10  # the timeout, then stopping the worker
     assert "hung past distributed_timeout_s" in engine.dead_reason
     assert gone(pid) and not multiprocessing.active_children()
 
