@@ -191,6 +191,11 @@ def test_the_wide_batch_takes_the_two_broadcast_path():
 # ---------------------------------------------------------------------- failures
 
 
+def tp_children() -> list:
+    """This process's tensor-parallel workers still alive (other tests' children aside)."""
+    return [p for p in multiprocessing.active_children() if p.name.startswith("aieng-tp-rank")]
+
+
 def gone(pid: int) -> bool:
     """No such process, or one that only waits to be reaped by someone else."""
     try:
@@ -229,14 +234,14 @@ def test_a_killed_worker_ends_the_engine_at_once(folders):
     engine, pid, elapsed = start_and_break(folders["llama"], signal.SIGKILL)
     assert elapsed < TIMEOUT_S
     assert f"worker rank 1 (pid {pid}) was killed by SIGKILL" in engine.dead_reason
-    assert gone(pid) and not multiprocessing.active_children()
+    assert gone(pid) and not tp_children()
 
 
 def test_a_hung_worker_ends_the_engine_after_the_timeout(folders):
     engine, pid, elapsed = start_and_break(folders["llama"], signal.SIGSTOP)
     assert TIMEOUT_S * 0.9 < elapsed < TIMEOUT_S + 10  # the timeout, then stopping the worker
     assert "hung past distributed_timeout_s" in engine.dead_reason
-    assert gone(pid) and not multiprocessing.active_children()
+    assert gone(pid) and not tp_children()
 
 
 def test_serve_exits_nonzero_when_its_worker_dies(folders, tmp_path):
@@ -315,7 +320,7 @@ def test_heads_the_ranks_cannot_share_are_one_line(folders):
         LLM(folders["llama"], tensor_parallel_size=3, **OPTIONS)
     message = str(raised.value)
     assert "tensor_parallel_size 3" in message and "\n" not in message
-    assert not multiprocessing.active_children()
+    assert not tp_children()
 
 
 UNGUARDED = """
@@ -345,7 +350,7 @@ def test_a_rendezvous_port_in_use_is_one_line(folders, monkeypatch):
         monkeypatch.setenv("MASTER_PORT", str(port))
         with pytest.raises(TensorParallelError, match=f"port 127.0.0.1:{port} .* cannot be used"):
             LLM(folders["llama"], tensor_parallel_size=2, **OPTIONS)
-    assert not multiprocessing.active_children()
+    assert not tp_children()
 
 
 @pytest.mark.parametrize("size", [0, -1])
