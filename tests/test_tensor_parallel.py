@@ -16,8 +16,8 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import transformers
@@ -197,11 +197,28 @@ def tp_children() -> list:
 
 
 def gone(pid: int) -> bool:
-    """No such process, or one that only waits to be reaped by someone else."""
+    """No such process, or one that only waits to be reaped by someone else (Linux /proc)."""
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def spawned_children(parent: int) -> list[int]:
+    """Processes whose parent is `parent` and that multiprocessing's spawn started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
 
 
 def start_and_break(folder, sig: signal.Signals):
@@ -247,18 +264,13 @@ def test_a_hung_worker_ends_the_engine_after_the_timeout(folders):
 def test_serve_exits_nonzero_when_its_worker_dies(folders, tmp_path):
     flags = ("--tensor-parallel-size", "2", "--distributed-timeout-s", str(TIMEOUT_S))
     with SubprocessServer(folders["llama"], tmp_path / "serve.log", *flags) as server:
-        workers = [
-            child
-            for child in psutil.Process(server.proc.pid).children()
-            if "spawn_main" in " ".join(child.cmdline())
-        ]
-        assert len(workers) == 1
-        workers[0].kill()
+        [worker] = spawned_children(server.proc.pid)
+        os.kill(worker, signal.SIGKILL)
         status = server.wait(timeout=TIMEOUT_S + 10)
         log = server.log
     assert status != 0
-    assert f"worker rank 1 (pid {workers[0].pid}) was killed by SIGKILL" in log
-    assert gone(workers[0].pid)
+    assert f"worker rank 1 (pid {worker}) was killed by SIGKILL" in log
+    assert gone(worker)
 
 
 # ---------------------------------------------------------------------- env:// (a launcher)
