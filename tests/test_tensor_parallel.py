@@ -160,12 +160,16 @@ def check_close(name: str, expected, got) -> None:
 def test_tp2_greedy_matches_tp1(folders, name):
     single = LLM(folders[name], **OPTIONS)
     expected, expected_scores = run_batches(single)
-    del single  # a rank-0 process runs no other engine beside its group
     llm = LLM(folders[name], tensor_parallel_size=2, **OPTIONS)
     try:
         got, scores = run_batches(llm)
         with pytest.raises(RuntimeError, match="already holds a tensor-parallel engine"):
             LLM(folders[name], **OPTIONS)
+        # An engine built before the group keeps its one-rank layers: it joins no collective.
+        again = single.generate(prompts(0, LENGTHS)[-2:], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [
+            o.outputs[0].token_ids for o in expected[len(LENGTHS) - 2 : len(LENGTHS)]
+        ]
         llm.engine.check_pool_whole()
     finally:
         llm.engine.runner.shutdown()

@@ -71,18 +71,23 @@ def get_cpu_group() -> dist.ProcessGroup | None:
     return _state.cpu_group
 
 
-def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum of `x` over the ranks (in place when x is contiguous; use the returned tensor)."""
-    if _state.world_size == 1:
+def tp_all_reduce(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Sum of `x` over the ranks (in place when x is contiguous; use the returned tensor).
+
+    `world_size` is the group size the calling layer was built for (read at construction):
+    a layer of a one-rank model never joins a collective, even in a process that holds a
+    tensor-parallel group for another engine."""
+    if world_size == 1:
         return x
     x = x.contiguous()
     dist.all_reduce(x, group=_state.group)
     return x
 
 
-def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """The ranks' `x` concatenated along `dim`, in rank order."""
-    if _state.world_size == 1:
+def tp_all_gather(x: torch.Tensor, world_size: int, dim: int = -1) -> torch.Tensor:
+    """The ranks' `x` concatenated along `dim`, in rank order (`world_size`: as in
+    tp_all_reduce)."""
+    if world_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_state.world_size)]
     dist.all_gather(parts, x.contiguous(), group=_state.group)

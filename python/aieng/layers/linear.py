@@ -204,6 +204,7 @@ class Linear(nn.Module):
         self.input_size = self.shard.input_slice[1]
         self.output_sizes = [size for _, size in self.shard.output_slices]
         self.prefix = prefix
+        self.tp_size = get_tp_world_size()  # the group this layer was cut for
         self.method = methods(prefix)
         self.method.create_weights(self, self.input_size, self.output_sizes, bias, dtype)
         partial = self.shard.input_sharded(input_size)
@@ -212,7 +213,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
-        return tp_all_reduce(y) if self.shard.reduce else y
+        return tp_all_reduce(y, self.tp_size) if self.shard.reduce else y
 
 
 def _zero_after_loading(param: nn.Parameter) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aieng.distributed.parallel_state import tp_all_reduce
+from aieng.distributed.parallel_state import get_tp_world_size, tp_all_reduce
 from aieng.layers.activation import silu_and_mul
 from aieng.layers.linear import Linear, LinearMethodChooser
 from aieng.layers.parallel import column_parallel, row_parallel
@@ -118,6 +118,7 @@ class SparseMoE(nn.Module):
         weights_in_model_dtype: bool = True,
     ):
         super().__init__()
+        self.tp_size = get_tp_world_size()  # the group its experts were cut for
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         # Qwen3-MoE casts the routing weights to the model's dtype before scaling the experts'
         # outputs; Mixtral scales in float32 and casts the product.
@@ -167,4 +168,4 @@ class SparseMoE(nn.Module):
         out = per_choice[:, 0]
         for choice in range(1, self.top_k):  # ascending expert order, as transformers sums
             out = out + per_choice[:, choice]
-        return tp_all_reduce(out)
+        return tp_all_reduce(out, self.tp_size)

@@ -100,6 +100,7 @@ class SplitRMSNorm(nn.Module):
         self.eps = eps
         self.weight_in_float32 = weight_in_float32
         self.full_size, (self.start, size) = full_size, part
+        self.tp_size = get_tp_world_size()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.weight.weight_loader = self._load
 
@@ -110,7 +111,7 @@ class SplitRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        squares = tp_all_reduce(x32.pow(2).sum(-1, keepdim=True))
-        mean = squares / (x.shape[-1] * get_tp_world_size())
+        squares = tp_all_reduce(x32.pow(2).sum(-1, keepdim=True), self.tp_size)
+        mean = squares / (x.shape[-1] * self.tp_size)
         x32 = x32 * torch.rsqrt(mean + self.eps)
         return _weighted(x32, x.dtype, self.weight, self.weight_in_float32, False)

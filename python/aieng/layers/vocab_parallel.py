@@ -24,6 +24,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.num_embeddings = num_embeddings
+        self.tp_size = get_tp_world_size()  # the group this table was cut for
         self.start, self.rows = vocab_share(num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.rows, embedding_dim, dtype=dtype))
         set_weight_attrs(self.weight, weight_loader=self._load)
@@ -40,18 +41,18 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (T,) -> (T, dim)."""
-        if get_tp_world_size() == 1:
+        if self.tp_size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows)
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return tp_all_reduce(x.masked_fill_(outside[:, None], 0.0))
+        return tp_all_reduce(x.masked_fill_(outside[:, None], 0.0), self.tp_size)
 
 
-def gather_logits(local: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def gather_logits(local: torch.Tensor, vocab_size: int, world_size: int) -> torch.Tensor:
     """This rank's vocabulary share of the logits (S, ceil(V / N)) -> the full (S, V) on every
-    rank (a collective: every rank must call it)."""
-    if get_tp_world_size() == 1:
+    rank (a collective: every rank must call it; `world_size`: the model's group size)."""
+    if world_size == 1:
         return local
-    logits = tp_all_gather(local, dim=-1)
+    logits = tp_all_gather(local, world_size, dim=-1)
     return logits if logits.shape[-1] == vocab_size else logits[:, :vocab_size].contiguous()

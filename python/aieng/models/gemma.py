@@ -261,5 +261,5 @@ class GemmaForCausalLM(nn.Module):
             local = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
         else:
             local = self.lm_head(hidden)
-        logits = gather_logits(local, self.config.vocab_size)
+        logits = gather_logits(local, self.config.vocab_size, self.model.embed_tokens.tp_size)
         return _softcap(logits, self.config.final_logit_softcapping)

@@ -290,6 +290,6 @@ class LlamaForCausalLM(nn.Module):
             local = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
         else:
             local = self.lm_head(hidden)
-        logits = gather_logits(local, self.config.vocab_size)
+        logits = gather_logits(local, self.config.vocab_size, self.model.embed_tokens.tp_size)
         scaling = self.config.logits_scaling
         return logits if scaling == 1.0 else logits / scaling
