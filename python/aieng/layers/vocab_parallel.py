@@ -16,8 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from aieng.distributed.parallel_state import get_tp_world_size, tp_all_gather, tp_all_reduce
-from aieng.layers.linear import WeightLoadError, copy_into, set_weight_attrs
-from aieng.layers.parallel import vocab_share
+from aieng.layers.linear import (
+    Linear,
+    LinearMethodChooser,
+    WeightLoadError,
+    copy_into,
+    set_weight_attrs,
+)
+from aieng.layers.parallel import vocab_parallel, vocab_share
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -56,3 +62,26 @@ def gather_logits(local: torch.Tensor, vocab_size: int, world_size: int) -> torc
         return local
     logits = tp_all_gather(local, world_size, dim=-1)
     return logits if logits.shape[-1] == vocab_size else logits[:, :vocab_size].contiguous()
+
+
+def vocab_parallel_lm_head(
+    hidden_size: int, vocab_size: int, dtype: torch.dtype | None, methods: LinearMethodChooser
+) -> Linear:
+    """An untied LM head: this rank's vocabulary share of the output rows."""
+    shard = vocab_parallel(hidden_size, vocab_size)
+    return Linear(hidden_size, vocab_size, False, dtype, methods, "lm_head", shard)
+
+
+def lm_logits(
+    hidden: torch.Tensor,
+    embedding: VocabParallelEmbedding,
+    lm_head: Linear | None,
+    vocab_size: int,
+) -> torch.Tensor:
+    """hidden (S, hidden) -> the full (S, V) logits on every rank, through the untied `lm_head`
+    or (None) the tied embedding table (a collective: every rank must call it)."""
+    if lm_head is None:
+        local = F.linear(hidden, embedding.weight)
+    else:
+        local = lm_head(hidden)
+    return gather_logits(local, vocab_size, embedding.tp_size)

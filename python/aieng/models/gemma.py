@@ -35,10 +35,13 @@ from aieng.layers.parallel import (
     kv_heads_per_rank,
     qkv_parallel,
     row_parallel,
-    vocab_parallel,
 )
 from aieng.layers.rotary import RotaryEmbedding
-from aieng.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
+from aieng.layers.vocab_parallel import (
+    VocabParallelEmbedding,
+    lm_logits,
+    vocab_parallel_lm_head,
+)
 
 
 def _norm(config: ModelConfig, size: int, dtype: torch.dtype) -> RMSNorm:
@@ -238,14 +241,8 @@ class GemmaForCausalLM(nn.Module):
         self.model = GemmaModel(config, dtype, linear_methods)
         self.tie_word_embeddings = config.tie_word_embeddings
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(
-                config.hidden_size,
-                config.vocab_size,
-                False,
-                dtype,
-                linear_methods,
-                "lm_head",
-                vocab_parallel(config.hidden_size, config.vocab_size),
+            self.lm_head = vocab_parallel_lm_head(
+                config.hidden_size, config.vocab_size, dtype, linear_methods
             )
 
     def forward(
@@ -257,9 +254,6 @@ class GemmaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, hidden) -> logits (S, vocab), soft-capped where the config says (gathered
         from the tensor-parallel ranks: every rank must call it)."""
-        if self.tie_word_embeddings:
-            local = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
-        else:
-            local = self.lm_head(hidden)
-        logits = gather_logits(local, self.config.vocab_size, self.model.embed_tokens.tp_size)
+        lm_head = None if self.tie_word_embeddings else self.lm_head
+        logits = lm_logits(hidden, self.model.embed_tokens, lm_head, self.config.vocab_size)
         return _softcap(logits, self.config.final_logit_softcapping)

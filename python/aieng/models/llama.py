@@ -33,10 +33,13 @@ from aieng.layers.parallel import (
     kv_heads_per_rank,
     qkv_parallel,
     row_parallel,
-    vocab_parallel,
 )
 from aieng.layers.rotary import RotaryEmbedding
-from aieng.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
+from aieng.layers.vocab_parallel import (
+    VocabParallelEmbedding,
+    lm_logits,
+    vocab_parallel_lm_head,
+)
 
 
 def _norm(config: ModelConfig, size: int, dtype: torch.dtype) -> RMSNorm:
@@ -267,14 +270,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, dtype, linear_methods)
         self.tie_word_embeddings = config.tie_word_embeddings
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(
-                config.hidden_size,
-                config.vocab_size,
-                False,
-                dtype,
-                linear_methods,
-                "lm_head",
-                vocab_parallel(config.hidden_size, config.vocab_size),
+            self.lm_head = vocab_parallel_lm_head(
+                config.hidden_size, config.vocab_size, dtype, linear_methods
             )
 
     def forward(
@@ -286,10 +283,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, hidden) -> logits (S, vocab) (gathered from the tensor-parallel ranks:
         every rank must call it)."""
-        if self.tie_word_embeddings:
-            local = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
-        else:
-            local = self.lm_head(hidden)
-        logits = gather_logits(local, self.config.vocab_size, self.model.embed_tokens.tp_size)
+        lm_head = None if self.tie_word_embeddings else self.lm_head
+        logits = lm_logits(hidden, self.model.embed_tokens, lm_head, self.config.vocab_size)
         scaling = self.config.logits_scaling
         return logits if scaling == 1.0 else logits / scaling
