@@ -98,47 +98,55 @@ class _Echo:
             tokenizer.decode(p, skip_special_tokens=False) for p in generation.prompts
         ]
 
-    def text(self, choice: int) -> str:
-        return self.texts[choice // self.generation.n]
-
-    def logprobs(self, choice: int) -> dict[str, Any] | None:
-        """The prompt's tokens, logprobs (the first null), top alternatives and offsets."""
+    def head(self, choice: int) -> tuple[str, dict[str, Any] | None]:
+        """The prompt's text and, once scored, its tokens, logprobs (the first null, it has no
+        context), top alternatives and offsets from 0 (`_end`: where its text ends)."""
         index = choice // self.generation.n
         scored = self.generation.prompt_logprobs[index]
         if scored is None:
-            return None
+            return self.texts[index], None
         prompt = self.generation.prompts[index]
         k = self.generation.params[index].logprobs or 0
-        out = _logprobs_of(self.ctx, prompt, scored, k, 0)
-        out["token_logprobs"][0] = out["top_logprobs"][0] = None
-        return out
+        return self.texts[index], _logprobs_of(self.ctx, prompt, scored, k, 0)
 
-    def prepend(self, choice: int, text: str, logprobs: dict[str, Any] | None, start: int):
-        """(echoed text, merged logprobs, where the generated tokens' text begins)."""
-        head = self.logprobs(choice)
-        if head is None:
-            return self.text(choice) + text, logprobs, start
-        tail = logprobs or {key: [] for key in head if key != "_end"}
-        end = head.pop("_end")
-        if logprobs is not None:  # the completion's offsets continue after the prompt's
-            tail["text_offset"] = [end + offset - start for offset in tail["text_offset"]]
-        merged = {key: head[key] + tail[key] for key in head}
-        return self.text(choice) + text, merged, end
+
+def _choice_part(
+    ctx: ServerContext,
+    generation: Generation,
+    echo: _Echo | None,
+    choice: int,
+    text: str,
+    token_ids: list[int],
+    logprobs: list[dict[int, float]] | None,
+    start: int,
+) -> tuple[str, dict[str, Any] | None, int]:
+    """A choice's text and legacy logprobs, whose text begins at character `start`; with
+    `echo` (the choice's first part) the prompt comes first. -> (text, logprobs, end)."""
+    head_text, head = echo.head(choice) if echo is not None else ("", None)
+    if head is not None:
+        start = head.pop("_end")
+    tail = _logprobs(ctx, generation, token_ids, logprobs, start)
+    end = tail.pop("_end") if tail is not None else start
+    if head is not None:
+        tail = {key: head[key] + (tail[key] if tail else []) for key in head}
+    return head_text + text, tail, end
 
 
 def _shapes(ctx: ServerContext, generation: Generation, echo: _Echo | None) -> Shapes:
     offsets: dict[int, int] = {}  # choice -> text length of its tokens sent so far
 
     def choice_delta(d: Delta) -> dict[str, Any]:
-        text, start = d.text, offsets.get(d.index, 0)
-        if echo is not None and d.index not in offsets:
-            head = echo.logprobs(d.index)
-            start = head["_end"] if head is not None else 0
-        logprobs = _logprobs(ctx, generation, d.token_ids, d.logprobs, start)
-        end = logprobs.pop("_end") if logprobs is not None else start
-        if echo is not None and d.index not in offsets:
-            text, logprobs, _ = echo.prepend(d.index, text, logprobs, start)
-        offsets[d.index] = end
+        first = d.index not in offsets
+        text, logprobs, offsets[d.index] = _choice_part(
+            ctx,
+            generation,
+            echo if first else None,
+            d.index,
+            d.text,
+            d.token_ids,
+            d.logprobs,
+            offsets.get(d.index, 0),
+        )
         return {
             "index": d.index,
             "text": text,
@@ -162,12 +170,9 @@ def _head(ctx: ServerContext, generation: Generation) -> dict[str, Any]:
 def _completion(ctx: ServerContext, generation: Generation, echo: _Echo | None) -> dict[str, Any]:
     choices = []
     for i, c in enumerate(generation.choices):
-        text = "".join(c.text)
-        logprobs = _logprobs(ctx, generation, c.token_ids, c.logprobs, 0)
-        if logprobs is not None:
-            del logprobs["_end"]
-        if echo is not None:
-            text, logprobs, _ = echo.prepend(i, text, logprobs, 0)
+        text, logprobs, _ = _choice_part(
+            ctx, generation, echo, i, "".join(c.text), c.token_ids, c.logprobs, 0
+        )
         choices.append(
             {
                 "index": i,
