@@ -5,7 +5,8 @@ forward, every scheduled prompt position p < len(prompt) - 1 of such a slot has 
 whose logits predict prompt token p + 1: those rows go through the LM head (in bounded pieces, so
 a long chunk never materialises a (chunk, vocab) float32 block at once), and the actual token's
 log-probability and the top k are read back. Chunked prefill needs nothing more: each chunk
-scores its own positions. The engine makes such requests skip the prefix cache (a cached block
+scores its own positions. A slot leaves once its last prompt position is scored, so its decode
+steps cost nothing here. The engine makes such requests skip the prefix cache (a cached block
 has no logits stored), so every position is computed once.
 """
 
@@ -43,15 +44,16 @@ class PromptScorer:
     ) -> PromptLogprobs | None:
         """The step's prompt logprobs from its hidden states (T, hidden), or None."""
         rows, targets, slots, positions, ks = [], [], [], [], []
+        plan_slots = np.asarray(plan.slots)
         query_start = np.asarray(plan.query_start_loc, np.int64)
         computed = np.asarray(plan.num_computed_tokens, np.int64)
-        for r, slot in enumerate(np.asarray(plan.slots).tolist()):
-            wanted = self._wanted.get(slot)
-            if wanted is None:
-                continue
-            k, prompt = wanted
+        for r in np.flatnonzero(np.isin(plan_slots, list(self._wanted))).tolist():
+            slot = int(plan_slots[r])
+            k, prompt = self._wanted[slot]
             start = int(computed[r])
             count = min(int(query_start[r + 1] - query_start[r]), len(prompt) - 1 - start)
+            if start + count >= len(prompt) - 1:  # its last prompt position: scored in full
+                del self._wanted[slot]
             if count <= 0:
                 continue
             rows.append(np.arange(query_start[r], query_start[r] + count))
@@ -70,14 +72,14 @@ class PromptScorer:
             piece = slice(begin, begin + LOGITS_PIECE_ROWS)
             logprobs = torch.log_softmax(compute_logits(hidden[row_index[piece]]).float(), dim=-1)
             chosen.append(logprobs.gather(1, target[piece, None])[:, 0])
-            values, ids = logprobs.topk(k_max, dim=-1) if k_max else (logprobs[:, :0],) * 2
+            values, ids = logprobs.topk(k_max, dim=-1)
             top_ids.append(ids)
             top_values.append(values)
         return PromptLogprobs(
             slots=np.concatenate(slots),
             positions=np.concatenate(positions),
             chosen=torch.cat(chosen).cpu().numpy(),
-            top_ids=torch.cat(top_ids).to(torch.int64).cpu().numpy(),
+            top_ids=torch.cat(top_ids).cpu().numpy(),
             top_logprobs=torch.cat(top_values).cpu().numpy(),
             num_top=num_top,
         )
