@@ -10,7 +10,7 @@ import transformers
 from hf_parity import HFReference, check_batched, check_prefix_hit
 from safetensors import safe_open
 from text_fixtures import byte_level_bpe, save_model_dir
-from tiny_models import COMMON, save_tiny
+from tiny_models import COMMON, QWEN3_MOE, save_tiny
 
 from aieng import LLM, SamplingParams
 from aieng.attention.backend import ForwardContext
@@ -40,19 +40,7 @@ LONGROPE = {
 
 # name -> (config class, model class, overrides)
 CHECKPOINTS = {
-    # 8 experts, top-2, weights not renormalised; layer 1 dense (mlp_only_layers).
-    "qwen3_moe": (
-        transformers.Qwen3MoeConfig,
-        transformers.Qwen3MoeForCausalLM,
-        dict(
-            num_hidden_layers=3,
-            head_dim=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            mlp_only_layers=[1],
-        ),
-    ),
+    "qwen3_moe": QWEN3_MOE,
     # top-3 of 6, renormalised, every second layer sparse (decoder_sparse_step), q/k/v/o bias.
     "qwen3_moe_sparse_step": (
         transformers.Qwen3MoeConfig,

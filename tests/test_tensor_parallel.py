@@ -24,7 +24,7 @@ import transformers
 from server_fixtures import SubprocessServer
 from server_fixtures import free_port as free_tcp_port
 from text_fixtures import byte_level_bpe, save_model_dir
-from tiny_models import save_tiny
+from tiny_models import QWEN3_MOE, save_tiny
 
 from aieng import LLM, SamplingParams
 from aieng.distributed.executor import TensorParallelError
@@ -67,18 +67,7 @@ FAMILIES = {
         ),
     ),
     # 8 experts, top-2, one dense layer; per-head q/k norms, head_dim 32.
-    "qwen3_moe": (
-        transformers.Qwen3MoeConfig,
-        transformers.Qwen3MoeForCausalLM,
-        dict(
-            num_hidden_layers=3,
-            head_dim=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            mlp_only_layers=[1],
-        ),
-    ),
+    "qwen3_moe": QWEN3_MOE,
 }
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from quantized_checkpoints import write_awq, write_gptq
-from tiny_models import COMMON, build_checkpoint, save_tiny
+from tiny_models import COMMON, QWEN3_MOE, build_checkpoint, save_tiny
 from tp_model_ranks import Case, rank_main, score
 
 from aieng.config import ModelConfig
@@ -85,18 +85,8 @@ def _olmo2(folder):  # q/k norms over all heads, split across the ranks
 
 
 def _qwen3_moe(folder):
-    overrides = dict(
-        num_hidden_layers=3,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        mlp_only_layers=[1],
-        attention_bias=True,
-    )
-    return save_tiny(
-        transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, overrides, folder
-    )
+    config_cls, model_cls, overrides = QWEN3_MOE
+    return save_tiny(config_cls, model_cls, {**overrides, "attention_bias": True}, folder)
 
 
 def _phi3(folder):  # qkv_proj and gate_up_proj stored fused

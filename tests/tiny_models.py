@@ -53,6 +53,21 @@ ARCHITECTURES = {
     ),
 }
 
+# Mixture of experts, kept out of ARCHITECTURES (whose every entry each dense test runs): 8
+# experts, top-2, weights not renormalised; layer 1 dense (mlp_only_layers); head_dim 32.
+QWEN3_MOE = (
+    transformers.Qwen3MoeConfig,
+    transformers.Qwen3MoeForCausalLM,
+    dict(
+        num_hidden_layers=3,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+    ),
+)
+
 
 def build_checkpoint(arch: str, folder: Path, seed: int = 0, **overrides) -> Path:
     """Save a tiny `arch` model to `folder` (safetensors) and return the folder."""
