@@ -26,6 +26,7 @@ from aieng._core import EngineCore, Grammar, GrammarCompiler, InvalidArgumentErr
 from aieng.config import ModelConfig
 from aieng.distributed.executor import make_runner
 from aieng.engine_args import EngineArgs
+from aieng.errors import is_fatal_device_error
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, PromptLogprobs, RunnerStep
 from aieng.sampling import SamplingParams
@@ -33,16 +34,7 @@ from aieng.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-# Failures after which the device cannot be trusted: the engine stops instead of serving garbage.
-FATAL_DEVICE_ERRORS = (
-    "CUDA error",
-    "device-side assert",
-    "illegal memory access",
-    "CUBLAS_STATUS",
-    "cuDNN error",
-    "NCCL error",
-    "tensor-parallel group failed",  # aieng.distributed.executor.FAILURE: ranks out of step
-)
+NO_VALID_TOKEN = "the model produced no valid token (NaN or fully masked logits)"
 
 
 class EngineDeadError(RuntimeError):
@@ -213,20 +205,6 @@ class LLMEngine:
                     words.append(ids)
         return words
 
-    def check_token_ids(self, params: SamplingParams) -> None:
-        """Every token id a request brings must be in the model's vocabulary."""
-        fields = {
-            "stop_token_ids": params.stop_token_ids or (),
-            "logit_bias": params.logit_bias or (),
-            "allowed_token_ids": params.allowed_token_ids or (),
-        }
-        for name, tokens in fields.items():
-            for token in tokens:
-                if not 0 <= token < self.vocab_size:
-                    raise InvalidArgumentError(
-                        f"{name}: token id {token} is outside the vocabulary [0, {self.vocab_size})"
-                    )
-
     def add_request(
         self,
         request_id: str,
@@ -239,7 +217,7 @@ class LLMEngine:
         self._check_alive()
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
-        self.check_token_ids(params)
+        params.verify(self.vocab_size, self.config.max_logprobs)
         grammar = self.compile_grammar(params)
         text, ids = self.tokenize(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -367,7 +345,7 @@ class LLMEngine:
         self._charge_step(plan, time.monotonic() - started)
         tokens = result.sampled_token_ids
         failed: list[RequestOutput] = []
-        if len(tokens) and tokens.min() < 0:
+        if result.failed_slots or (len(tokens) and tokens.min() < 0):
             failed = self._fail_rows(plan, result)
             tokens = np.where(tokens < 0, 0, tokens)  # their requests are gone from the core
         out = self.core.update(tokens, result.num_sampled)
@@ -404,7 +382,7 @@ class LLMEngine:
     def _fail_step(self, plan, error: Exception) -> list[RequestOutput]:
         """The runner raised: end this step's requests with an error, keep the engine."""
         message = f"{type(error).__name__}: {error}"
-        if any(marker in message for marker in FATAL_DEVICE_ERRORS):
+        if is_fatal_device_error(message):
             self.dead_reason = message
             logger.error("engine step failed; the device is unusable: %s", message)
             raise EngineDeadError(message) from error
@@ -420,15 +398,20 @@ class LLMEngine:
         return [o for o in outputs if o is not None]
 
     def _fail_rows(self, plan, result: ModelRunnerOutput) -> list[RequestOutput]:
-        """Rows whose distribution had no valid token (NaN logits): their requests error out."""
+        """Rows that failed on their own end their requests with an error; the step's other
+        requests go on. A sampled row without a recorded cause had no valid token."""
+        causes = dict(result.failed_slots)
         rows = plan.sample_request_rows[result.sampled_token_ids < 0]
-        request_ids = sorted({self._by_slot[int(plan.slots[r])][0].request_id for r in rows})
-        logger.error(
-            "requests %s: the model produced no valid token (NaN or fully masked logits)",
-            ", ".join(request_ids),
-        )
-        cause = "the model produced no valid token (NaN or fully masked logits)"
-        outputs = [self._finish_request(rid, "error", cause) for rid in request_ids]
+        for slot in plan.slots[rows].tolist():
+            causes.setdefault(int(slot), NO_VALID_TOKEN)
+        by_request: dict[str, str] = {}
+        for slot, cause in causes.items():
+            entry = self._by_slot.get(slot)
+            if entry is not None:
+                by_request.setdefault(entry[0].request_id, cause)
+        for request_id, cause in sorted(by_request.items()):
+            logger.error("request %s failed: %s", request_id, cause)
+        outputs = [self._finish_request(rid, "error", cause) for rid, cause in by_request.items()]
         return [o for o in outputs if o is not None]
 
     def _record_prompt_logprobs(self, scored: PromptLogprobs) -> None:
@@ -485,8 +468,6 @@ class LLMEngine:
                 request.metrics.first_token_time = now
             request.metrics.num_output_tokens += 1
             changed[request.request_id] = request
-        if self._waiting_siblings:
-            self._add_waiting_siblings(changed)
         for done in out.finished:
             entry = self._by_core_id.pop(done.request_id, None)
             if entry is None:
@@ -500,6 +481,9 @@ class LLMEngine:
             if seq.params.max_tokens == 0:
                 seq.finish_reason, seq.stop_reason = "length", None
             changed[request.request_id] = request
+        # After the finished sequences let go of their slots: a sibling may take one of them.
+        if self._waiting_siblings:
+            self._add_waiting_siblings(changed)
         results = []
         for request in changed.values():
             if request.finished:

@@ -186,6 +186,13 @@ class EngineArgs:
         check=_seed,
         metavar="N",
     )
+    max_logprobs: int = option(
+        20,
+        "most logprobs and prompt_logprobs one request may ask for (vLLM's max_logprobs); -1: "
+        "the whole vocabulary",
+        check=at_least(-1),
+        metavar="N",
+    )
     long_prefill_token_threshold: int = option(
         0,
         "largest prefill chunk of one request in a step; 0: no limit but the step's",

@@ -30,6 +30,9 @@ class PromptScorer:
     def __bool__(self) -> bool:
         return bool(self._wanted)
 
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._wanted
+
     def add(self, slot: int, k: int, prompt_token_ids: list[int]) -> None:
         self._wanted[slot] = (k, np.asarray(prompt_token_ids, np.int64))
 
@@ -72,7 +75,7 @@ class PromptScorer:
             piece = slice(begin, begin + LOGITS_PIECE_ROWS)
             logprobs = torch.log_softmax(compute_logits(hidden[row_index[piece]]).float(), dim=-1)
             chosen.append(logprobs.gather(1, target[piece, None])[:, 0])
-            values, ids = logprobs.topk(k_max, dim=-1)
+            values, ids = logprobs.topk(min(k_max, logprobs.shape[-1]), dim=-1)
             top_ids.append(ids)
             top_values.append(values)
         return PromptLogprobs(

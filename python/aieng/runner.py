@@ -25,12 +25,14 @@ import torch
 from aieng.attention import AttentionInputs, ForwardContext, KVCache, select_attention_backend
 from aieng.cuda_graphs import GRAPH_PAD_BLOCKS, capture_decode_graphs, graphs_wanted
 from aieng.engine_args import EngineArgs, torch_dtype
+from aieng.errors import is_fatal_device_error
 from aieng.gpu_memory import log_gpu_memory
 from aieng.input_buffers import InputBuffers
+from aieng.isolated_sampling import sample_rows
 from aieng.kv_cache import KVCacheSpec
 from aieng.models.loader import LoadTimes, load_model, resolve_dtype
 from aieng.prompt_logprobs import PromptScorer
-from aieng.runner_io import ModelRunnerOutput, RunnerStep, SampledLogprobs
+from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, RunnerStep, SampledLogprobs
 from aieng.sampler import Sampler, SamplerOutput, SamplingTable
 
 logger = logging.getLogger(__name__)
@@ -134,51 +136,74 @@ class ModelRunner:
         for slot in step.finished_slots:
             self.sampling.remove_request(slot)
             self.prompt_scorer.remove(slot)
+        failed: dict[int, str] = {}  # slot -> why its request ends; the others go on
         for row in step.added:
-            if row.prompt_logprobs is not None:
-                self.prompt_scorer.add(row.slot, row.prompt_logprobs, row.prompt_token_ids)
-            self.sampling.add_request(
-                row.slot,
-                row.params,
-                row.prompt_token_ids,
-                eos_token_ids=self.eos_token_ids,
-                bad_words_ids=row.bad_words_ids,
-            )
+            try:
+                self._add_row(row)
+            except Exception as error:
+                failed[row.slot] = f"bad sampling state: {type(error).__name__}: {error}"
+                self.prompt_scorer.remove(row.slot)
         plan = step.plan
         self.inputs.apply_new_blocks(
             plan.new_block_slots, plan.new_block_indices, plan.new_block_ids
         )
         if plan.num_tokens == 0:
-            return ModelRunnerOutput.empty()
+            return ModelRunnerOutput.empty(failed_slots=failed)
         width = -(-int(np.max(plan.seq_lens)) // self.block_size)
         block_tables = self.inputs.block_tables(np.asarray(plan.slots, np.int64), width)
         if self.graphs is not None and self.graphs.can_run(plan):
             hidden = self.graphs.run(plan, block_tables)  # (T, hidden), replayed
         else:
             hidden = self._forward(plan, block_tables, self.kv_caches)  # (T, hidden)
-        scored = (
-            self.prompt_scorer.score(plan, hidden, self.model.compute_logits)
-            if self.prompt_scorer
-            else None
-        )
+        scored = self._score_prompts(plan, hidden, failed) if self.prompt_scorer else None
         logits_indices = plan.logits_indices
         if len(logits_indices) == 0:  # only partial prefills this step
-            return ModelRunnerOutput.empty(scored)
+            return ModelRunnerOutput.empty(scored, failed)
         rows = torch.from_numpy(np.asarray(logits_indices, np.int64)).to(self.device)
         logits = self.model.compute_logits(hidden[rows])  # (S, vocab)
         if not self.samples:
             return ModelRunnerOutput.empty()
-        batch = self.sampling.batch(plan.slots[plan.sample_request_rows])
-        batch.grammar_bitmask = plan.grammar_bitmask()  # computed while the model ran
-        sampled = self.sampler(logits, batch)
-        tokens, logprobs = self._to_host(sampled)
+        slots = np.asarray(plan.slots[plan.sample_request_rows], np.int64)
+        bitmask = plan.grammar_bitmask()  # computed while the model ran
+        tokens, logprobs, sampling_failed = sample_rows(
+            self.sampler, self.sampling, logits, slots, bitmask, self._to_host
+        )
+        failed.update(sampling_failed)
+        if failed:
+            tokens[np.isin(slots, list(failed))] = -1
         accepted = tokens >= 0
-        self.sampling.append_tokens(batch.slots[accepted], tokens[accepted])
+        self.sampling.append_tokens(slots[accepted], tokens[accepted])
         return ModelRunnerOutput(
             sampled_token_ids=tokens,
             num_sampled=np.ones(len(tokens), np.int32),
             logprobs=logprobs,
             prompt_logprobs=scored,
+            failed_slots=failed,
+        )
+
+    def _score_prompts(self, plan, hidden: torch.Tensor, failed: dict[int, str]):
+        """The step's prompt logprobs; when scoring raises, the requests scored this step end
+        (recorded in `failed`) and the others go on."""
+        scoring = [s for s in np.asarray(plan.slots).tolist() if s in self.prompt_scorer]
+        try:
+            return self.prompt_scorer.score(plan, hidden, self.model.compute_logits)
+        except Exception as error:
+            if is_fatal_device_error(str(error)):
+                raise
+            for slot in scoring:
+                self.prompt_scorer.remove(slot)
+                failed[slot] = f"prompt logprobs failed: {type(error).__name__}: {error}"
+            return None
+
+    def _add_row(self, row: NewSamplingRow) -> None:
+        if row.prompt_logprobs is not None:
+            self.prompt_scorer.add(row.slot, row.prompt_logprobs, row.prompt_token_ids)
+        self.sampling.add_request(
+            row.slot,
+            row.params,
+            row.prompt_token_ids,
+            eos_token_ids=self.eos_token_ids,
+            bad_words_ids=row.bad_words_ids,
         )
 
     def _forward(

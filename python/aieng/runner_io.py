@@ -82,12 +82,20 @@ class ModelRunnerOutput:
     num_sampled: np.ndarray  # (S,) int32
     logprobs: SampledLogprobs  # per sampling row's first token
     prompt_logprobs: PromptLogprobs | None = None
+    # Slots whose own sampling state or sampling failed this step, with the cause: only their
+    # requests end (finish reason "error"); a sampled row of theirs holds token -1.
+    failed_slots: dict[int, str] = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, prompt_logprobs: PromptLogprobs | None = None) -> ModelRunnerOutput:
+    def empty(
+        cls,
+        prompt_logprobs: PromptLogprobs | None = None,
+        failed_slots: dict[int, str] | None = None,
+    ) -> ModelRunnerOutput:
         return cls(
             np.zeros(0, np.int64),
             np.zeros(0, np.int32),
             SampledLogprobs.empty(),
             prompt_logprobs,
+            failed_slots or {},
         )

@@ -142,7 +142,8 @@ class SamplingTable:
             params.presence_penalty,
             params.frequency_penalty,
         )
-        self.top_k[slot] = self.vocab_size if greedy or params.top_k <= 0 else params.top_k
+        top_k = params.top_k if params.top_k > 0 and not greedy else self.vocab_size
+        self.top_k[slot] = min(top_k, self.vocab_size)  # top_k past the vocabulary: all of it
         self.greedy[slot] = greedy
         self.has_seed[slot] = params.seed is not None
         self.seed[slot] = np.uint64((params.seed or 0) & UINT64).astype(np.int64)

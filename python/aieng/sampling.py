@@ -11,10 +11,12 @@ import math
 import struct
 from dataclasses import dataclass
 
+from aieng._core import InvalidArgumentError
 from aieng.structured_outputs import StructuredOutputsParams
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 FLOAT32_MAX = 3.4028234663852886e38
+MAX_TOP_K = (1 << 31) - 1  # top_k past the vocabulary means all of it; past int32 is an error
 
 
 @dataclass
@@ -60,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_float32("top_p", self.top_p, positive=True)
         _check_int("top_k", self.top_k, minimum=-1)
+        if self.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k must be at most {MAX_TOP_K}, got {self.top_k}")
         _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
@@ -125,6 +129,30 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    def verify(self, vocab_size: int, max_logprobs: int) -> None:
+        """The checks that need the engine: token ids inside the model's vocabulary, and at most
+        `max_logprobs` logprobs and prompt logprobs (-1: the vocabulary). Raises
+        InvalidArgumentError (a ValueError) naming the field."""
+        limit = vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                raise InvalidArgumentError(
+                    f"{name}: {value} were asked for, at most {limit} are allowed (the engine's "
+                    f"max_logprobs is {max_logprobs}, the vocabulary has {vocab_size} tokens)"
+                )
+        token_fields = {
+            "stop_token_ids": self.stop_token_ids or (),
+            "logit_bias": self.logit_bias or (),
+            "allowed_token_ids": self.allowed_token_ids or (),
+        }
+        for name, tokens in token_fields.items():
+            for token in tokens:
+                if not 0 <= token < vocab_size:
+                    raise InvalidArgumentError(
+                        f"{name}: token id {token} is outside the vocabulary [0, {vocab_size})"
+                    )
 
 
 MAX_LOGIT_BIAS = 100.0

@@ -14,6 +14,7 @@ from aieng.errors import ChatTemplateError, InvalidArgumentError
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
+from aieng.server.logprob_json import json_logprob
 from aieng.server.offloop import OffLoopBodyRoute
 from aieng.server.openapi_docs import ERROR_RESPONSES
 from aieng.server.params import (
@@ -218,4 +219,4 @@ def _logprobs(
 
 def _entry(ctx: ServerContext, token_id: int, logprob: float) -> dict[str, Any]:
     text = ctx.token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode())}

@@ -20,6 +20,7 @@ from aieng.async_engine import AsyncLLMEngine
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
+from aieng.server.logprob_json import json_logprob
 from aieng.server.offloop import OffLoopBodyRoute
 from aieng.server.openapi_docs import ERROR_RESPONSES
 from aieng.server.params import (
@@ -214,7 +215,8 @@ def _logprobs_of(
     return {
         "tokens": tokens,
         "token_logprobs": [
-            None if lp is None else lp[t] for t, lp in zip(token_ids, logprobs, strict=True)
+            None if lp is None else json_logprob(lp[t])
+            for t, lp in zip(token_ids, logprobs, strict=True)
         ],
         "top_logprobs": [None if lp is None else _top(ctx, lp, k) for lp in logprobs],
         "text_offset": offsets,
@@ -226,5 +228,5 @@ def _top(ctx: ServerContext, logprobs: dict[int, float], k: int) -> dict[str, fl
     """The k most likely tokens by text; of two tokens with one text the likelier is kept."""
     top: dict[str, float] = {}
     for token, value in sorted(logprobs.items(), key=lambda kv: -kv[1])[:k]:
-        top.setdefault(ctx.token_text(token), value)
+        top.setdefault(ctx.token_text(token), json_logprob(value))
     return top

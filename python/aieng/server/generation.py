@@ -56,7 +56,8 @@ class Choice:
 # Request fields the engine checks against the model; its error names the one at fault (an
 # error naming none is about the prompt: too long, too large for the KV cache).
 ENGINE_CHECKED_FIELDS = re.compile(
-    r"\b(prompt|stop_token_ids|logit_bias|allowed_token_ids|max_tokens|min_tokens)\b"
+    r"\b(prompt|prompt_logprobs|logprobs|stop_token_ids|logit_bias|allowed_token_ids|max_tokens"
+    r"|min_tokens)\b"
 )
 
 
