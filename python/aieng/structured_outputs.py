@@ -29,7 +29,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
 
     def __post_init__(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in KINDS if self._gives(k)]
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs: exactly one of json, regex, choice, grammar or json_object "
@@ -53,9 +53,15 @@ class StructuredOutputsParams:
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs.json_object must be a bool")
 
+    def _gives(self, kind: str) -> bool:
+        """Whether the field `kind` is set: `json_object=False` is not, but `json=False` is
+        (the boolean schema that matches nothing, which compiling refuses)."""
+        value = getattr(self, kind)
+        return value is not None and (kind != "json_object" or value is not False)
+
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if self._gives(k))
 
     def source(self) -> str:
         """The text the Rust core compiles for this kind (a schema or a choice list as JSON)."""

@@ -1,16 +1,16 @@
 """Structured outputs in requests: OpenAI's `response_format` and vLLM's `structured_outputs`
-read into a constraint, compiled before the request reaches the engine (in a worker thread, so
+read into a constraint, compiled before the request reaches the engine (in the grammar pool, so
 neither the event loop nor the engine loop waits on a large schema) so that an invalid schema,
-regex or grammar is a 400 naming the field and the problem."""
+regex or grammar, one that matches nothing or one past the grammar engine's limits is a 400
+naming the field and the problem."""
 
 from __future__ import annotations
-
-import asyncio
 
 from aieng.async_engine import AsyncLLMEngine
 from aieng.errors import InvalidArgumentError
 from aieng.sampling import SamplingParams
 from aieng.server.errors import invalid
+from aieng.server.grammar_pool import grammar_pool
 from aieng.server.protocol import SamplingFields
 from aieng.structured_outputs import StructuredOutputsParams, from_request_fields
 
@@ -35,8 +35,8 @@ async def compile_constraint(
     """Compiles the request's constraint into the engine's cache; refuses an invalid one."""
     if params.structured_outputs is None:
         return
+    field = constraint_field(req)
     try:
-        await asyncio.to_thread(engine.engine.compile_grammar, params)
+        await grammar_pool().run(field, lambda: engine.engine.compile_grammar(params))
     except InvalidArgumentError as error:
-        field = constraint_field(req)
         raise invalid(f"{field}: {error}", field) from error

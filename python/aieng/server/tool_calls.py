@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import uuid
 from collections import Counter
@@ -26,6 +25,7 @@ from aieng.async_engine import AsyncLLMEngine
 from aieng.errors import InvalidArgumentError
 from aieng.sampling import SamplingParams
 from aieng.server.errors import invalid
+from aieng.server.grammar_pool import grammar_pool
 from aieng.server.protocol import ChatCompletionRequest, NamedToolChoice
 from aieng.server.structured import constraint_of
 from aieng.server.tool_parsers import FunctionSpec, ToolParser, tool_parser
@@ -106,7 +106,7 @@ async def constrain_to_calls(
         params, structured_outputs=StructuredOutputsParams(grammar=plan.grammar)
     )
     try:
-        await asyncio.to_thread(engine.engine.compile_grammar, constrained)
+        await grammar_pool().run("tools", lambda: engine.engine.compile_grammar(constrained))
     except InvalidArgumentError as error:
         raise invalid(
             f"tools: a function's parameters schema is not usable: {error}", "tools"

@@ -1,12 +1,19 @@
 //! Constraints compiled once over a vocabulary; each request takes a fresh matcher of one.
+//!
+//! A grammar is admitted only once it is known to work for a whole request: it compiles, its
+//! language is not empty, every rule it reaches can complete, and no parser row it can build
+//! is over llguidance's limit (see `admission`); anything else is an `InvalidArgument` naming
+//! the kind and the problem, never a failure in the middle of a request.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use llguidance::{Matcher, ParserFactory};
+use llguidance::api::{ParserLimits, StopReason};
+use llguidance::{Matcher, ParserFactory, TokenParser};
 use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
 
+use super::admission::{self, Refusal};
+use super::cache::LruCache;
 use super::matcher::GrammarMatcher;
 use super::spec::GrammarSpec;
 use super::vocab::GrammarVocab;
@@ -14,14 +21,16 @@ use crate::error::{CoreError, Result};
 use crate::text::Tokenizer;
 
 /// Compiled grammars kept for reuse: many requests bring the same schema.
-const CACHE_CAPACITY: usize = 256;
+const CACHE_ENTRIES: usize = 256;
+/// Estimated bytes the kept grammars may hold together.
+const CACHE_BYTES: usize = 512 << 20;
 
 /// Compiles constraints over one tokenizer's vocabulary (the expensive part, once per
 /// distinct constraint; kept in a small cache).
 pub struct GrammarCompiler {
     vocab: Arc<GrammarVocab>,
     factory: ParserFactory,
-    cache: Mutex<FxHashMap<GrammarSpec, Arc<Grammar>>>,
+    cache: Mutex<LruCache<GrammarSpec, Grammar>>,
 }
 
 /// A compiled constraint: the matcher every request using it starts from.
@@ -29,6 +38,7 @@ pub struct Grammar {
     spec: GrammarSpec,
     initial: Mutex<Matcher>,
     vocab: Arc<GrammarVocab>,
+    bytes: usize,
 }
 
 impl GrammarCompiler {
@@ -38,10 +48,11 @@ impl GrammarCompiler {
         let mut factory = ParserFactory::new_simple(vocab.env())
             .map_err(|e| CoreError::InvalidArgument(format!("structured outputs: {e}")))?;
         factory.quiet();
+        *factory.limits_mut() = limits();
         Ok(GrammarCompiler {
             vocab,
             factory,
-            cache: Mutex::new(FxHashMap::default()),
+            cache: Mutex::new(LruCache::new(CACHE_ENTRIES, CACHE_BYTES)),
         })
     }
 
@@ -49,38 +60,133 @@ impl GrammarCompiler {
         &self.vocab
     }
 
-    /// The grammar of `spec`; an invalid schema, regex or grammar is an `InvalidArgument`
-    /// that names the kind and llguidance's reason.
+    /// The grammar of `spec`; an invalid schema, regex or grammar, one that matches nothing
+    /// or one past the grammar engine's limits is an `InvalidArgument` that names the kind
+    /// and the reason.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Arc<Grammar>> {
         if let Some(grammar) = self.cache.lock().get(spec) {
-            return Ok(Arc::clone(grammar));
+            return Ok(grammar);
         }
         let grammar = Arc::new(self.compile_uncached(spec)?);
-        let mut cache = self.cache.lock();
-        if cache.len() >= CACHE_CAPACITY {
-            cache.clear();
-        }
-        cache.insert(spec.clone(), Arc::clone(&grammar));
+        let bytes = grammar.bytes;
+        self.cache
+            .lock()
+            .insert(spec.clone(), Arc::clone(&grammar), bytes);
         Ok(grammar)
     }
 
+    /// Grammars in the cache.
+    #[cfg(test)]
+    pub fn cached(&self) -> usize {
+        self.cache.lock().len()
+    }
+
     fn compile_uncached(&self, spec: &GrammarSpec) -> Result<Grammar> {
-        let top = spec.to_grammar()?;
         let invalid = |m: String| CoreError::InvalidArgument(format!("{}: {m}", spec.kind()));
-        let parser = catch_unwind(AssertUnwindSafe(|| self.factory.create_parser(top)))
-            .map_err(|_| invalid("the constraint could not be compiled".into()))?
-            .map_err(|e| invalid(first_line(&e.to_string())))?;
+        let top = spec.to_grammar(self.factory.limits())?;
+        let mut parser = match catch_unwind(AssertUnwindSafe(|| self.factory.create_parser(top))) {
+            Ok(Ok(parser)) => parser,
+            Ok(Err(e)) => return Err(invalid(engine_reason(&e.to_string()))),
+            Err(_) => return Err(invalid(engine_reason("panic"))),
+        };
+        admit(&parser, self.factory.limits()).map_err(invalid)?;
+        check_first_step(&mut parser).map_err(invalid)?;
+        let bytes = estimated_bytes(spec, &parser);
+        let initial = Matcher::new(Ok(parser));
         Ok(Grammar {
             spec: spec.clone(),
-            initial: Mutex::new(Matcher::new(Ok(parser))),
+            initial: Mutex::new(initial),
             vocab: Arc::clone(&self.vocab),
+            bytes,
         })
     }
 }
 
-/// llguidance's errors can carry a long trace after the reason.
-fn first_line(message: &str) -> String {
-    message.lines().next().unwrap_or(message).trim().to_string()
+/// llguidance's limits, with short errors: the default ones bound each mask's work (the
+/// per-request budget), and `initial_lexer_fuel` bounds the lexer a grammar builds.
+fn limits() -> ParserLimits {
+    ParserLimits {
+        verbose_errors: false,
+        ..ParserLimits::default()
+    }
+}
+
+/// The static checks of `admission`, worded for users.
+fn admit(parser: &TokenParser, limits: &ParserLimits) -> std::result::Result<(), String> {
+    let grammar = parser.parser.grammar();
+    admission::check(grammar, limits.max_items_in_row).map_err(|refusal| match refusal {
+        Refusal::Unproductive { is_start: true, .. } => {
+            "matches nothing: no output can ever complete it".to_string()
+        }
+        Refusal::Unproductive { rule, .. } => format!(
+            "{} can never be completed (each of its alternatives needs itself or another rule \
+             that cannot complete)",
+            rule_phrase(&rule)
+        ),
+        Refusal::RowTooLarge { rule, limit } => format!(
+            "too many alternatives at one point: {} puts more than {limit} items in one parser \
+             step, the grammar engine's limit",
+            rule_phrase(&rule)
+        ),
+        Refusal::TooComplex => "too large to check: simplify the constraint".to_string(),
+    })
+}
+
+/// A rule by its name where the user wrote it (a Lark rule); rules llguidance made up for a
+/// schema or a regex have names like `#12`, which mean nothing to a user.
+fn rule_phrase(rule: &str) -> String {
+    let written = rule
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && rule.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if written {
+        format!("the rule {rule:?}")
+    } else {
+        "one of its rules".to_string()
+    }
+}
+
+/// The first token mask: the grammar engine's per-step limits hold there, and some token (or
+/// the end) is allowed, so the language is not empty.
+fn check_first_step(parser: &mut TokenParser) -> std::result::Result<(), String> {
+    let computed = catch_unwind(AssertUnwindSafe(|| {
+        parser.start_without_prompt();
+        parser.compute_mask()
+    }));
+    match computed {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(_)) if parser.stop_reason() == StopReason::NoExtensionBias => {
+            Err("matches nothing: no token is allowed at its start".into())
+        }
+        Ok(Err(e)) => Err(engine_reason(&e.to_string())),
+        Err(_) => Err(engine_reason("panic")),
+    }
+}
+
+/// What a cached grammar holds, roughly: its lexer's tables and its source-sized structures.
+fn estimated_bytes(spec: &GrammarSpec, parser: &TokenParser) -> usize {
+    let lexer = parser.parser.lexer_stats().num_bytes;
+    lexer + 64 * spec.source_len() + (64 << 10)
+}
+
+/// llguidance's reason for refusing a grammar, without the trace or parser state after it;
+/// a panic inside llguidance becomes a plain sentence, not its text.
+fn engine_reason(message: &str) -> String {
+    let first = message.lines().next().unwrap_or(message).trim();
+    if first.starts_with("panic") {
+        if first.contains("u16::MAX") {
+            return "too large: the grammar engine supports at most about 65,000 rules and \
+                    lexemes"
+                .into();
+        }
+        return "the grammar engine failed on it (an internal error); simplify the constraint"
+            .into();
+    }
+    if let Some(rest) = first.strip_prefix("Parser Error: ") {
+        return rest.to_string();
+    }
+    first.to_string()
 }
 
 impl Grammar {

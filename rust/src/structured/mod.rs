@@ -8,6 +8,8 @@
 //! the model runs), the runner waits for it when it samples, and the scheduler advances the
 //! matcher with every accepted token, ending the request when its grammar is complete.
 
+mod admission;
+mod cache;
 mod compiler;
 mod masks;
 mod matcher;

@@ -1,6 +1,6 @@
 //! What a request constrains its output to, and the llguidance grammar for it.
 
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::JsonCompileOptions;
 use serde_json::{json, Value};
 
@@ -56,14 +56,37 @@ impl GrammarSpec {
         }
     }
 
+    /// Bytes of the constraint's text (a choice list counts its strings).
+    pub fn source_len(&self) -> usize {
+        match self {
+            GrammarSpec::Json(text) | GrammarSpec::Regex(text) | GrammarSpec::Grammar(text) => {
+                text.len()
+            }
+            GrammarSpec::JsonObject => 0,
+            GrammarSpec::Choice(choices) => choices.iter().map(|c| c.len() + 3).sum(),
+        }
+    }
+
     /// The llguidance grammar; malformed JSON, a non-schema or an empty choice list is
-    /// refused here, the rest when the grammar is compiled.
-    pub fn to_grammar(&self) -> Result<TopLevelGrammar> {
+    /// refused here, and so is what is sure to be past the parser's `limits` (its work grows
+    /// faster than its size, so it is refused before any compiling); the rest when the grammar
+    /// is compiled.
+    pub fn to_grammar(&self, limits: &ParserLimits) -> Result<TopLevelGrammar> {
         let invalid = |m: String| CoreError::InvalidArgument(format!("{}: {m}", self.kind()));
+        let most = limits.max_items_in_row;
+        if let GrammarSpec::Regex(text) | GrammarSpec::Grammar(text) = self {
+            if text.len() > MAX_SOURCE_BYTES {
+                return Err(invalid(format!(
+                    "{} bytes is too long: at most {MAX_SOURCE_BYTES} are supported",
+                    text.len()
+                )));
+            }
+        }
         Ok(match self {
             GrammarSpec::Json(text) => {
                 let schema: Value = serde_json::from_str(text)
                     .map_err(|e| invalid(format!("the schema is not valid JSON: {e}")))?;
+                check_optional_properties(&schema, most).map_err(invalid)?;
                 TopLevelGrammar::from_json_schema(compact(schema).map_err(invalid)?)
             }
             GrammarSpec::JsonObject => TopLevelGrammar::from_json_schema(
@@ -79,6 +102,14 @@ impl GrammarSpec {
                 if choices.is_empty() {
                     return Err(invalid("the list of choices is empty".into()));
                 }
+                // One parser row holds every choice, and the item that predicts them.
+                if choices.len() >= most {
+                    return Err(invalid(format!(
+                        "{} strings is too many: at most {} are supported",
+                        choices.len(),
+                        most - 1
+                    )));
+                }
                 TopLevelGrammar::from_lark(choice_lark(choices))
             }
             GrammarSpec::Grammar(lark) => {
@@ -88,6 +119,48 @@ impl GrammarSpec {
                 TopLevelGrammar::from_lark(lark.clone())
             }
         })
+    }
+}
+
+/// Regexes and Lark grammars longer than this are refused unread: compiling one that size
+/// takes seconds, and hand-written ones are a few kilobytes.
+const MAX_SOURCE_BYTES: usize = 256 << 10;
+
+/// Schema keywords whose values are JSON data, not schemas.
+const VALUE_KEYWORDS: [&str; 4] = ["const", "enum", "default", "examples"];
+
+/// Optional properties are alternatives at every step of their object, each a few parser
+/// items, and compiling them takes time quadratic in their number: an object with more than
+/// the row limit of them is refused before compiling (fewer may still be past the limit, which
+/// the compiler's admission check finds).
+fn check_optional_properties(schema: &Value, most: usize) -> std::result::Result<(), String> {
+    match schema {
+        Value::Object(map) => {
+            if let Some(Value::Object(properties)) = map.get("properties") {
+                let required = match map.get("required") {
+                    Some(Value::Array(names)) => names
+                        .iter()
+                        .filter(|n| n.as_str().is_some_and(|n| properties.contains_key(n)))
+                        .count(),
+                    _ => 0,
+                };
+                let optional = properties.len().saturating_sub(required);
+                if optional > most {
+                    return Err(format!(
+                        "an object with {optional} optional properties is past the grammar \
+                         engine's limit ({most} parser items in one step): make properties \
+                         required or split the object"
+                    ));
+                }
+            }
+            map.iter()
+                .filter(|(key, _)| !VALUE_KEYWORDS.contains(&key.as_str()))
+                .try_for_each(|(_, v)| check_optional_properties(v, most))
+        }
+        Value::Array(items) => items
+            .iter()
+            .try_for_each(|v| check_optional_properties(v, most)),
+        _ => Ok(()),
     }
 }
 
@@ -175,9 +248,46 @@ mod tests {
             ),
         ];
         for (spec, expected) in cases {
-            let err = spec.to_grammar().unwrap_err().to_string();
+            let err = spec
+                .to_grammar(&ParserLimits::default())
+                .unwrap_err()
+                .to_string();
             assert!(err.starts_with(expected), "{spec:?}: {err}");
         }
+    }
+
+    #[test]
+    fn refuses_what_is_sure_to_be_past_the_limits_before_compiling() {
+        let limits = ParserLimits::default(); // 2000 items in a row
+        let many = |n: usize| (0..n).map(|i| format!("w{i}")).collect::<Vec<_>>();
+        assert!(GrammarSpec::Choice(many(1999)).to_grammar(&limits).is_ok());
+        let err = GrammarSpec::Choice(many(2000)).to_grammar(&limits);
+        let err = err.unwrap_err().to_string();
+        assert!(
+            err.starts_with("choice: 2000 strings is too many: at most 1999"),
+            "{err}"
+        );
+        let object = |n: usize, required: usize| {
+            let properties: serde_json::Map<String, Value> =
+                many(n).into_iter().map(|p| (p, json!({}))).collect();
+            json!({"properties": properties, "required": many(required)})
+        };
+        let spec = |schema: Value| GrammarSpec::Json(schema.to_string());
+        assert!(spec(object(2500, 500)).to_grammar(&limits).is_ok());
+        let nested = json!({"items": {"anyOf": [object(2001, 0)]}});
+        let err = spec(nested).to_grammar(&limits).unwrap_err().to_string();
+        assert!(
+            err.starts_with("json: an object with 2001 optional properties"),
+            "{err}"
+        );
+        let data = json!({"const": object(2001, 0), "examples": [object(2001, 0)]});
+        assert!(spec(data).to_grammar(&limits).is_ok());
+        let long = format!("start: \"{}\"", "a".repeat(MAX_SOURCE_BYTES));
+        let err = GrammarSpec::Grammar(long).to_grammar(&limits);
+        assert!(err
+            .unwrap_err()
+            .to_string()
+            .contains("bytes is too long: at most 262144"));
     }
 
     #[test]

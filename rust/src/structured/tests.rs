@@ -280,3 +280,122 @@ fn pending_masks_are_computed_off_thread_and_joined_once() {
     assert!(!digits.is_empty() && !digits.contains(&EOS));
     assert!(std::ptr::eq(masks, pending.clone().wait()));
 }
+
+fn refusal(c: &GrammarCompiler, spec: &GrammarSpec) -> String {
+    match c.compile(spec) {
+        Err(CoreError::InvalidArgument(m)) => m,
+        Err(other) => panic!("{spec:?}: wrong error {other:?}"),
+        Ok(_) => panic!("{spec:?}: compiled"),
+    }
+}
+
+#[test]
+fn grammars_that_match_nothing_are_refused_at_compile_time() {
+    let c = compiler(700);
+    let cases = [
+        json_spec(json!({"$ref": "#"})),
+        json_spec(
+            json!({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                         "$ref": "#/$defs/a"}),
+        ),
+        GrammarSpec::Regex("[^\\s\\S]".into()),
+        GrammarSpec::Grammar("start: x\nx: x \"a\"\n".into()),
+        GrammarSpec::Json("false".into()),
+    ];
+    for spec in cases {
+        let m = refusal(&c, &spec);
+        let kind = format!("{}: ", spec.kind());
+        assert!(
+            m.starts_with(&kind) && m.contains("matches nothing"),
+            "{spec:?}: {m}"
+        );
+    }
+    // A dead branch is named: it would leave a request with no token to draw.
+    let dead = GrammarSpec::Grammar("start: \"a\" | \"b\" loop\nloop: \"c\" loop\n".into());
+    let m = refusal(&c, &dead);
+    assert!(
+        m.contains("the rule \"loop\" can never be completed"),
+        "{m}"
+    );
+    // Recursion with a way out is fine, and so is a grammar of the empty string.
+    let ok = [
+        GrammarSpec::Grammar("start: x\nx: x \"a\" | \"b\"\n".into()),
+        json_spec(json!({"type": "object", "properties": {"next": {"$ref": "#"}}})),
+        GrammarSpec::Regex("a{0}".into()),
+        GrammarSpec::Json("true".into()),
+    ];
+    for spec in ok {
+        assert!(c.compile(&spec).is_ok(), "{spec:?}");
+    }
+}
+
+#[test]
+fn grammars_past_the_parser_row_limit_are_refused_at_compile_time() {
+    let c = compiler(700);
+    let words = |n: usize| (0..n).map(|i| format!("w{i}")).collect::<Vec<String>>();
+    assert!(c.compile(&GrammarSpec::Choice(words(1999))).is_ok());
+    let m = refusal(&c, &GrammarSpec::Choice(words(20_000)));
+    assert!(m.starts_with("choice: 20000 strings is too many"), "{m}");
+    let alternatives = |n: usize| {
+        let quoted: Vec<String> = words(n).iter().map(|w| format!("\"{w}\"")).collect();
+        GrammarSpec::Grammar(format!("start: {}\n", quoted.join(" | ")))
+    };
+    assert!(c.compile(&alternatives(1999)).is_ok());
+    let m = refusal(&c, &alternatives(2000));
+    assert!(
+        m.starts_with("grammar: too many alternatives at one point: the rule \"start\""),
+        "{m}"
+    );
+    // An object's optional properties are alternatives at each step: 498 fit in a row.
+    let object = |n: usize| {
+        let properties: serde_json::Map<String, Value> = words(n)
+            .into_iter()
+            .map(|p| (p, json!({"type": "integer"})))
+            .collect();
+        json_spec(json!({"type": "object", "properties": properties}))
+    };
+    assert!(c.compile(&object(498)).is_ok());
+    let m = refusal(&c, &object(499));
+    assert!(
+        m.starts_with("json: too many alternatives at one point: one of its rules"),
+        "{m}"
+    );
+    let m = refusal(&c, &object(10_000));
+    assert!(
+        m.starts_with("json: an object with 10000 optional properties"),
+        "{m}"
+    );
+}
+
+#[test]
+fn admitted_grammars_do_not_fail_in_the_first_steps() {
+    let c = compiler(700);
+    let words: Vec<String> = (0..1999).map(|i| format!("w{i}")).collect();
+    let specs = [
+        GrammarSpec::Choice(words.clone()),
+        json_spec(json!({"type": "object", "properties":
+            words[..498].iter().map(|w| (w.clone(), json!({"type": "integer"})))
+                .collect::<serde_json::Map<String, Value>>()})),
+    ];
+    for spec in &specs {
+        for seed in 0..3 {
+            let (text, _) = random_walk(&c, spec, seed);
+            assert!(!text.is_empty(), "{spec:?}");
+        }
+    }
+}
+
+#[test]
+fn the_cache_is_bounded_and_keeps_recent_grammars() {
+    let c = compiler(700);
+    let first = c.compile(&GrammarSpec::Regex("a+".into())).unwrap();
+    for i in 0..300 {
+        c.compile(&GrammarSpec::Regex(format!("b{{{i}}}"))).unwrap();
+        // kept warm: the most recently used survive eviction
+        assert!(Arc::ptr_eq(
+            &first,
+            &c.compile(&GrammarSpec::Regex("a+".into())).unwrap()
+        ));
+    }
+    assert!(c.cached() <= 256);
+}
