@@ -80,11 +80,32 @@ impl<'a> Reachable<'a> {
     }
 }
 
+/// The size of the reachable grammar, for an estimate of its memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrammarSize {
+    pub symbols: usize,
+    /// Symbols in all rules' right-hand sides.
+    pub rule_symbols: usize,
+}
+
 /// Checks the grammar; `max_items_in_row` is the parser's row limit.
-pub fn check(grammar: &CGrammar, max_items_in_row: usize) -> Result<(), Refusal> {
+pub fn check(grammar: &CGrammar, max_items_in_row: usize) -> Result<GrammarSize, Refusal> {
     let reach = Reachable::new(grammar);
     check_productive(&reach)?;
-    check_row_sizes(&reach, max_items_in_row)
+    check_row_sizes(&reach, max_items_in_row)?;
+    let rule_symbols = reach
+        .symbols
+        .iter()
+        .map(|&sym| {
+            (0..grammar.rules_of(sym).len())
+                .map(|r| reach.rhs(sym, r).len())
+                .sum::<usize>()
+        })
+        .sum();
+    Ok(GrammarSize {
+        symbols: reach.symbols.len(),
+        rule_symbols,
+    })
 }
 
 /// Every reachable symbol derives some text: a worklist fixpoint, linear in the grammar.

@@ -12,7 +12,7 @@ use llguidance::api::{ParserLimits, StopReason};
 use llguidance::{Matcher, ParserFactory, TokenParser};
 use parking_lot::Mutex;
 
-use super::admission::{self, Refusal};
+use super::admission::{self, GrammarSize, Refusal};
 use super::cache::LruCache;
 use super::matcher::GrammarMatcher;
 use super::spec::GrammarSpec;
@@ -23,7 +23,7 @@ use crate::text::Tokenizer;
 /// Compiled grammars kept for reuse: many requests bring the same schema.
 const CACHE_ENTRIES: usize = 256;
 /// Estimated bytes the kept grammars may hold together.
-const CACHE_BYTES: usize = 512 << 20;
+const CACHE_BYTES: usize = 256 << 20;
 
 /// Compiles constraints over one tokenizer's vocabulary (the expensive part, once per
 /// distinct constraint; kept in a small cache).
@@ -38,6 +38,7 @@ pub struct Grammar {
     spec: GrammarSpec,
     initial: Mutex<Matcher>,
     vocab: Arc<GrammarVocab>,
+    /// Estimated memory, for the cache's byte budget.
     bytes: usize,
 }
 
@@ -75,10 +76,18 @@ impl GrammarCompiler {
         Ok(grammar)
     }
 
-    /// Grammars in the cache.
+    /// Grammars in the cache, and their estimated bytes.
     #[cfg(test)]
-    pub fn cached(&self) -> usize {
-        self.cache.lock().len()
+    pub fn cached(&self) -> (usize, usize) {
+        let cache = self.cache.lock();
+        (cache.len(), cache.bytes())
+    }
+
+    /// The same compiler with a cache of other bounds.
+    #[cfg(test)]
+    pub fn with_cache(mut self, entries: usize, bytes: usize) -> Self {
+        self.cache = Mutex::new(LruCache::new(entries, bytes));
+        self
     }
 
     fn compile_uncached(&self, spec: &GrammarSpec) -> Result<Grammar> {
@@ -89,9 +98,9 @@ impl GrammarCompiler {
             Ok(Err(e)) => return Err(invalid(engine_reason(&e.to_string()))),
             Err(_) => return Err(invalid(engine_reason("panic"))),
         };
-        admit(&parser, self.factory.limits()).map_err(invalid)?;
+        let size = admit(&parser, self.factory.limits()).map_err(invalid)?;
         check_first_step(&mut parser).map_err(invalid)?;
-        let bytes = estimated_bytes(spec, &parser);
+        let bytes = estimated_bytes(spec, size, &parser);
         let initial = Matcher::new(Ok(parser));
         Ok(Grammar {
             spec: spec.clone(),
@@ -112,7 +121,7 @@ fn limits() -> ParserLimits {
 }
 
 /// The static checks of `admission`, worded for users.
-fn admit(parser: &TokenParser, limits: &ParserLimits) -> std::result::Result<(), String> {
+fn admit(parser: &TokenParser, limits: &ParserLimits) -> std::result::Result<GrammarSize, String> {
     let grammar = parser.parser.grammar();
     admission::check(grammar, limits.max_items_in_row).map_err(|refusal| match refusal {
         Refusal::Unproductive { is_start: true, .. } => {
@@ -164,10 +173,12 @@ fn check_first_step(parser: &mut TokenParser) -> std::result::Result<(), String>
     }
 }
 
-/// What a cached grammar holds, roughly: its lexer's tables and its source-sized structures.
-fn estimated_bytes(spec: &GrammarSpec, parser: &TokenParser) -> usize {
+/// What a cached grammar holds, roughly: its lexer's tables, its strings (kept in the grammar,
+/// its lexemes and their regexes) and its symbols and rules; fitted to the memory measured
+/// for large choices and schemas (a 1,999-string choice of 1.2 MB: about 7 MiB).
+fn estimated_bytes(spec: &GrammarSpec, size: GrammarSize, parser: &TokenParser) -> usize {
     let lexer = parser.parser.lexer_stats().num_bytes;
-    lexer + 64 * spec.source_len() + (64 << 10)
+    lexer + 6 * spec.source_len() + 256 * (size.symbols + size.rule_symbols) + (16 << 10)
 }
 
 /// llguidance's reason for refusing a grammar, without the trace or parser state after it;
@@ -192,6 +203,11 @@ fn engine_reason(message: &str) -> String {
 impl Grammar {
     pub fn spec(&self) -> &GrammarSpec {
         &self.spec
+    }
+
+    #[cfg(test)]
+    pub fn estimated_bytes(&self) -> usize {
+        self.bytes
     }
 
     /// A matcher at the start of the grammar; `stop_ids` (the request's EOS and stop token

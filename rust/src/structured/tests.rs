@@ -386,7 +386,7 @@ fn admitted_grammars_do_not_fail_in_the_first_steps() {
 }
 
 #[test]
-fn the_cache_is_bounded_and_keeps_recent_grammars() {
+fn the_cache_is_bounded_by_count_and_keeps_recent_grammars() {
     let c = compiler(700);
     let first = c.compile(&GrammarSpec::Regex("a+".into())).unwrap();
     for i in 0..300 {
@@ -397,5 +397,26 @@ fn the_cache_is_bounded_and_keeps_recent_grammars() {
             &c.compile(&GrammarSpec::Regex("a+".into())).unwrap()
         ));
     }
-    assert!(c.cached() <= 256);
+    assert_eq!(c.cached().0, 256);
+}
+
+#[test]
+fn the_cache_is_bounded_by_bytes() {
+    let choice = |i: usize| {
+        let long = "x".repeat(2000);
+        GrammarSpec::Choice((0..50).map(|j| format!("{i} {j} {long}")).collect())
+    };
+    let one = compiler(700).compile(&choice(0)).unwrap().estimated_bytes();
+    assert!(one > 6 * 50 * 2000, "{one}"); // at least its strings, as held in the lexer
+    let c = compiler(700).with_cache(100, 3 * one + one / 2);
+    for i in 0..6 {
+        c.compile(&choice(i)).unwrap();
+    }
+    let (entries, bytes) = c.cached();
+    assert!(
+        entries == 3 && bytes <= 3 * one + one / 2,
+        "{entries} {bytes}"
+    );
+    let last = c.compile(&choice(5)).unwrap();
+    assert!(Arc::ptr_eq(&last, &c.compile(&choice(5)).unwrap()));
 }
