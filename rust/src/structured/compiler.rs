@@ -217,3 +217,23 @@ impl Grammar {
         GrammarMatcher::new(matcher, Arc::clone(&self.vocab), stop_ids)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_reasons_are_one_line_and_panics_are_never_quoted() {
+        let panic = "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n\
+                     <backtrace>\n   0: llguidance::earley::grammar\n</backtrace>";
+        let reason = engine_reason(panic);
+        assert!(reason.starts_with("too large: the grammar engine supports at most"));
+        let reason = engine_reason("panic: index out of bounds: the len is 3 but the index is 7");
+        assert!(
+            !reason.contains("index") && reason.contains("internal error"),
+            "{reason}"
+        );
+        let reason = engine_reason("Parser Error: Current row has 2001 items; max is 2000\nstate");
+        assert_eq!(reason, "Current row has 2001 items; max is 2000");
+    }
+}
