@@ -67,6 +67,9 @@ class GrammarPool:
         except asyncio.TimeoutError:
             if future.cancel():
                 raise busy(field) from None
+        except asyncio.CancelledError:  # the client went away: drop the compile if queued
+            future.cancel()
+            raise
         start = started_at[0] if started_at else time.monotonic()
         left = self._budget_s - (time.monotonic() - start)
         try:
