@@ -95,6 +95,8 @@ def build_app(
         max_bytes=config.max_body_bytes,
         read_timeout=config.request_read_timeout,
         max_concurrent_reads=config.max_concurrent_body_reads,
+        body_timeout=config.request_body_timeout,
+        max_reads_per_client=config.max_body_reads_per_client,
     )
     if config.api_key:  # outside the body limit: the key is checked before any body is read
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

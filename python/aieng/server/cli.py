@@ -16,12 +16,13 @@ from aieng.cli.common import (
     positive_int,
     probability,
 )
-from aieng.engine_args import EngineArgs
+from aieng.engine_args import EngineArgs, at_least, cli_type
 from aieng.server.config import MIB, ServerConfig
 from aieng.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("aieng.server")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+non_negative_int = cli_type(int, at_least(0))
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,10 +86,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "its body; past it the answer is 408 and the connection closes; 0 for none",
     )
     server.add_argument(
+        "--request-body-timeout",
+        type=non_negative_float,
+        default=30.0,
+        help="seconds a client may take to send its whole request body, however it trickles; "
+        "past it the answer is 408 and the connection closes; 0 for none (default: %(default)s)",
+    )
+    server.add_argument(
         "--max-concurrent-body-reads",
         type=positive_int,
         default=64,
         help="request bodies received at once; past it new ones get 503 (default: %(default)s)",
+    )
+    server.add_argument(
+        "--max-body-reads-per-client",
+        type=non_negative_int,
+        default=16,
+        help="request bodies received at once from one client address; past it its new ones "
+        "get 429 (behind a proxy every client has the proxy's address); 0 for no per-client "
+        "bound (default: %(default)s)",
     )
     server.add_argument(
         "--allowed-origins",
@@ -153,7 +169,9 @@ def server_config(args: argparse.Namespace, model_path: Path) -> ServerConfig:
         shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes,
         request_read_timeout=args.request_read_timeout or None,
+        request_body_timeout=args.request_body_timeout or None,
         max_concurrent_body_reads=args.max_concurrent_body_reads,
+        max_body_reads_per_client=args.max_body_reads_per_client or None,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         log_format=args.log_format,
         cost_per_hour=args.cost_per_hour,

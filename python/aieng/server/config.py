@@ -21,7 +21,9 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     max_body_bytes: int = 4 * MIB
     request_read_timeout: float | None = 30.0  # seconds a client may take for headers or body
+    request_body_timeout: float | None = 30.0  # seconds a whole body may take; past it 408
     max_concurrent_body_reads: int = 64  # bodies read at once; past it 503
+    max_body_reads_per_client: int | None = 16  # of those, from one peer address; past it 429
     allowed_origins: tuple[str, ...] = field(default_factory=tuple)
     log_format: str = "text"
     cost_per_hour: float | None = None  # the machine's price in USD, for the cost metrics
@@ -43,8 +45,13 @@ class ServerConfig:
             raise ValueError(f"kv_cache_watermark must be in (0, 1], got {self.kv_cache_watermark}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
-        if self.request_read_timeout is not None and self.request_read_timeout <= 0:
-            raise ValueError(f"request_read_timeout must be > 0, got {self.request_read_timeout}")
+        for name in ("request_read_timeout", "request_body_timeout"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_body_reads_per_client is not None and self.max_body_reads_per_client < 1:
+            raise ValueError(
+                f"max_body_reads_per_client must be >= 1, got {self.max_body_reads_per_client}"
+            )
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.admin_key is not None and self.admin_key == self.api_key:

@@ -1,5 +1,5 @@
 """ASGI middleware in front of every route: request ids, the API key (checked before any body
-is read), the body size limit and read timeout."""
+is read), the body size limit, its read timeouts and the bounds on bodies read at once."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import hmac
 import re
 import time
 import uuid
+from collections import Counter
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,6 +24,12 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+def _peer(scope: Scope) -> str:
+    """The client's address (behind a proxy: the proxy's)."""
+    client = scope.get("client")
+    return client[0] if client else ""
 
 
 def _has_body(scope: Scope) -> bool:
@@ -83,11 +90,14 @@ class RequestIdMiddleware:
 class BodyLimitMiddleware:
     """Reads the whole body first: past `max_bytes` the answer is 413 before any route runs.
 
-    A client that sends no part of its body for `read_timeout` seconds gets 408 (a slow
-    client cannot pin a connection and its buffered body indefinitely), and at most
-    `max_concurrent_reads` bodies are read at once: past it the answer is 503 at once, so
-    buffered bodies never hold more than `max_concurrent_reads * max_bytes` of memory. Runs
-    inside the API key check, so an unauthenticated request is refused before its body is read.
+    A body must arrive in full within `body_timeout` seconds, and with no pause of
+    `read_timeout` seconds; past either the answer is 408 and the connection closes (a slow or
+    trickling client cannot pin a connection and its buffered body). At most
+    `max_concurrent_reads` bodies are read at once (past it 503 at once, so buffered bodies
+    never hold more than `max_concurrent_reads * max_bytes` of memory), and at most
+    `max_reads_per_client` of them from one peer address (past it 429), so one client cannot
+    hold every place. Runs inside the API key check, so an unauthenticated request is refused
+    before its body is read.
     """
 
     def __init__(
@@ -96,10 +106,16 @@ class BodyLimitMiddleware:
         max_bytes: int,
         read_timeout: float | None = None,
         max_concurrent_reads: int | None = None,
+        body_timeout: float | None = None,
+        max_reads_per_client: int | None = None,
     ):
-        self.app, self.max_bytes, self.read_timeout = app, max_bytes, read_timeout
+        self.app, self.max_bytes = app, max_bytes
+        self.read_timeout, self.body_timeout = read_timeout, body_timeout
         self.max_concurrent_reads = max_concurrent_reads
-        self.reading = 0  # bodies being read now (one event loop: no lock needed)
+        self.max_reads_per_client = max_reads_per_client
+        # bodies being read now, in all and by peer address (one event loop: no lock needed)
+        self.reading = 0
+        self.reading_by_client: Counter[str] = Counter()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -113,22 +129,21 @@ class BodyLimitMiddleware:
             if int(declared) > self.max_bytes:
                 await self._too_large(send)
                 return
-        has_body = _has_body(scope)
-        if has_body and self.max_concurrent_reads is not None:
-            if self.reading >= self.max_concurrent_reads:
-                await _send_error(
-                    send,
-                    503,
-                    "too many request bodies are being received; retry later",
-                    "too_many_uploads",
-                    [(b"retry-after", b"1"), CLOSE],
-                )
-                return
-        self.reading += has_body
+        if not _has_body(scope):
+            await self.app(scope, receive, send)
+            return
+        client = _peer(scope)
+        if await self._refused(client, send):
+            return
+        self.reading += 1
+        self.reading_by_client[client] += 1
         try:
             body = await self._read(receive, send)
         finally:
-            self.reading -= has_body
+            self.reading -= 1
+            self.reading_by_client[client] -= 1
+            if not self.reading_by_client[client]:
+                del self.reading_by_client[client]
         if body is None:
             return
         replayed = False
@@ -142,21 +157,46 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
+    async def _refused(self, client: str, send: Send) -> bool:
+        """Answers 503 when every place to read a body is taken, 429 when this client holds its
+        share of them."""
+        if self.max_concurrent_reads is not None and self.reading >= self.max_concurrent_reads:
+            await _send_error(
+                send,
+                503,
+                "too many request bodies are being received; retry later",
+                "too_many_uploads",
+                [(b"retry-after", b"1"), CLOSE],
+            )
+            return True
+        held = self.reading_by_client[client]
+        if self.max_reads_per_client is not None and held >= self.max_reads_per_client:
+            await _send_error(
+                send,
+                429,
+                f"this client is already sending {held} request bodies, the most one client "
+                "may send at once; retry when one of them is in",
+                "too_many_uploads_from_client",
+                [(b"retry-after", b"1"), CLOSE],
+            )
+            return True
+        return False
+
     async def _read(self, receive: Receive, send: Send) -> bytes | None:
         """The body, or None once an error was answered or the client left."""
         chunks: list[bytes] = []
         size = 0
+        deadline = None if self.body_timeout is None else time.monotonic() + self.body_timeout
         while True:
+            wait, whole = self.read_timeout, False
+            if deadline is not None:
+                left = max(0.0, deadline - time.monotonic())
+                if wait is None or left < wait:
+                    wait, whole = left, True
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout)
+                message = await asyncio.wait_for(receive(), wait)
             except TimeoutError:
-                await _send_error(
-                    send,
-                    408,
-                    f"the request body did not arrive within {self.read_timeout:g} s",
-                    "request_timeout",
-                    [CLOSE],
-                )
+                await self._timed_out(send, whole)
                 return None
             if message["type"] != "http.request":  # the client left before sending it all
                 return None
@@ -168,6 +208,13 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+    async def _timed_out(self, send: Send, whole: bool) -> None:
+        if whole:
+            message = f"the request body did not arrive in full within {self.body_timeout:g} s"
+        else:
+            message = f"no part of the request body arrived for {self.read_timeout:g} s"
+        await _send_error(send, 408, message, "request_timeout", [CLOSE])
 
     async def _too_large(self, send: Send) -> None:
         await _send_error(
