@@ -170,12 +170,15 @@ class ServerContext:
                 )
             if version is not None:
                 return
-        if name is not None and not self.config.knows_model(name):
-            raise invalid(
-                f"model {name!r} is not served here; this server serves "
-                f"{self.config.served_model_name!r}",
-                "model",
-                "model_not_found",
+        if name is not None and not self.config.knows_model(name):  # 404, as OpenAI answers
+            served = ", ".join(
+                repr(n) for n in sorted(self.catalog or {self.config.served_model_name})
+            )
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist; this server serves {served}",
+                param="model",
+                code="model_not_found",
             )
 
     def new_engine_id(self) -> str:

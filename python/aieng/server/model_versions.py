@@ -285,6 +285,7 @@ class ModelVersions:
             return state
         if version in self.pinned:
             raise VersionError(409, f"{self.name}@{version} is loaded and served", "loaded")
+        self._check_folder(state.manifest)
         self._check_fits(ctx, state)
         self._check_tokenizer(state.manifest)
         state.set("loading")
@@ -322,11 +323,31 @@ class ModelVersions:
             self.states[old_version].set("loaded")
         logger.info("%s@%s is the default version now", self.name, version)
 
+    def _check_folder(self, manifest: ModelManifest) -> None:
+        """A version found at start whose folder (or its manifest) has since been removed."""
+        folder = manifest.folder
+        assert folder is not None
+        if not (folder / MANIFEST).is_file():
+            gone = f"its folder {folder}" if not folder.is_dir() else f"its {folder / MANIFEST}"
+            raise VersionError(
+                404,
+                f"{manifest.ref}: {gone} is gone (removed since the server scanned "
+                "--model-dir); restore it to load this version",
+                "version_folder_missing",
+            )
+
     def _check_tokenizer(self, manifest: ModelManifest) -> None:
         """A switch keeps requests tokenized by one version running on the other (those admitted
         around the switch), so versions must share their tokenizer."""
         serving = self.states[self.serving].manifest.folder
         assert serving is not None and manifest.folder is not None
+        if not serving.is_dir():
+            raise VersionError(
+                409,
+                f"{self.name}@{self.serving}: the serving version's folder {serving} is gone, so "
+                f"{manifest.ref}'s tokenizer cannot be compared with its own; restore it",
+                "version_folder_missing",
+            )
         for name in TOKENIZER_FILES:
             old, new = serving / name, manifest.folder / name
             same = old.is_file() == new.is_file() and (

@@ -173,6 +173,10 @@ class CompletionRequest(SamplingFields):
             )
         if not items or not all(items):
             raise ValueError("the prompt is empty")
+        bad = next((t for p in items if isinstance(p, list) for t in p if not 0 <= t < INT64), None)
+        if bad is not None:  # said here: the union's members would each give their own error
+            sign = ": a token id must be >= 0" if bad < 0 else ""
+            raise ValueError(f"token id {bad} is outside the vocabulary{sign}")
         return value
 
     @field_validator("suffix")

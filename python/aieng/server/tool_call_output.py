@@ -4,8 +4,9 @@
 delta; text before it streams as content; the markup never does).
 
 A call is sent only once it is complete and has parsed, so a streamed response joins to exactly
-the non-streamed one, and a malformed call is content in both. `finish_reason` is "tool_calls"
-when the output ended by itself ("stop") having called a tool; a cut output keeps "length".
+the non-streamed one, and a malformed call is content in both; a call the output's end cut
+("length", "abort") is in neither. `finish_reason` is "tool_calls" when the output ended by
+itself ("stop") having called a tool; a cut output keeps "length".
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def assistant_message(
     """The message of a whole choice, and its finish_reason."""
     if parser is None:
         return {"role": "assistant", "content": text}, finish_reason
-    parsed = parser.parse(text)
+    parsed = parser.parse(text, cut=_cut(finish_reason))
     if not parsed.calls:
         return {"role": "assistant", "content": parsed.content}, finish_reason
     message = {
@@ -49,7 +50,7 @@ class ToolCallDeltas:
         stream = self.streams.setdefault(d.index, self.parser.stream())
         out = stream.feed(d.text)
         if d.finish_reason is not None:
-            tail = stream.finish()
+            tail = stream.finish(cut=_cut(d.finish_reason))
             out = ParsedOutput(out.content + tail.content, out.calls + tail.calls)
         delta: dict[str, Any] = {}
         if out.content:
@@ -70,6 +71,11 @@ def _call(call: ParsedCall) -> dict[str, Any]:
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     }
+
+
+def _cut(reason: str | None) -> bool:
+    """The output did not end by itself (an EOS or a stop string)."""
+    return reason is not None and reason != "stop"
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

@@ -8,7 +8,9 @@ markup, so the constrained model writes what it was trained to write.
 
 One mechanism reads both ways: `parse(text)` is `ToolCallStream.feed(text)` then `finish()`, so a
 streamed response always joins to the non-streamed one. A call whose JSON is malformed stays in
-the content as the model wrote it (never an error); whitespace next to a call is dropped.
+the content as the model wrote it (never an error); a call still open (or a start tag begun) when
+the output was cut (its length limit, an abort) is dropped, neither a call nor content;
+whitespace next to a call is dropped.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ class ToolCallStream(ABC):
     def feed(self, text: str) -> ParsedOutput: ...
 
     @abstractmethod
-    def finish(self) -> ParsedOutput:
-        """What was held back, once the output has ended."""
+    def finish(self, cut: bool = False) -> ParsedOutput:
+        """What was held back, once the output has ended; `cut`: it did not end by itself
+        (its length limit, an abort), so a call left open is unfinished."""
 
 
 class ToolParser(ABC):
@@ -69,9 +72,9 @@ class ToolParser(ABC):
         """A Lark grammar (llguidance's dialect) of one call, or of one or more calls when
         `parallel`, to one of `functions` with arguments valid against its schema."""
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, cut: bool = False) -> ParsedOutput:
         stream = self.stream()
-        head, tail = stream.feed(text), stream.finish()
+        head, tail = stream.feed(text), stream.finish(cut)
         return ParsedOutput(head.content + tail.content, head.calls + tail.calls)
 
 
@@ -151,22 +154,25 @@ class _MarkupStream(ToolCallStream):
             self.buffer = self.buffer[start + len(self.start) :]
             self.inside, self.scanned = True, 0
 
-    def finish(self) -> ParsedOutput:
+    def finish(self, cut: bool = False) -> ParsedOutput:
         out = ParsedOutput("")
         rest, self.buffer = self.buffer, ""
         if self.inside:  # never closed: a call if it is whole (the model stopped at its end)
             self.inside = False
-            self._close(rest, "", out)
-        else:
+            self._close(rest, "", out, drop_malformed=cut)
+        elif not cut:  # held back: the beginning of a start tag, which a cut output never ended
             self._content(rest, out)
         out.content += self.held_space
         self.held_space = ""
         return out
 
-    def _close(self, body: str, end_tag: str, out: ParsedOutput) -> None:
+    def _close(
+        self, body: str, end_tag: str, out: ParsedOutput, drop_malformed: bool = False
+    ) -> None:
         call = self.read_call(body.strip())
-        if call is None:  # malformed: the content, as written
-            self._content(self.start + body + end_tag, out)
+        if call is None:  # malformed: the content, as written (cut short: nothing)
+            if not drop_malformed:
+                self._content(self.start + body + end_tag, out)
             return
         self.held_space = ""
         self.after_call = True
