@@ -25,6 +25,7 @@ def _error(description: str) -> dict[str, Any]:
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _error("The request is invalid; the message names the problem and `param` the field."),
     401: _error("The API key is missing or wrong."),
+    404: _error("The request names a model this server does not serve."),
     413: _error("The body is larger than the server's limit."),
     429: _error("The waiting queue or the KV cache is full; retry after `Retry-After` seconds."),
     503: _error("The server is starting or shutting down, or the request timed out waiting."),

@@ -1,0 +1,171 @@
+"""Schema fuzzing of a live server from the OpenAPI document it publishes (schemathesis): every
+operation, schema-valid and schema-invalid inputs, and for the generation routes also inputs
+steered towards requests the engine runs (a short prompt, few tokens, streamed or not).
+
+Each response: no 5xx but a deliberate 503; it conforms to the document (schemathesis' checks:
+status code, content type, headers, body schema; invalid input refused); every error body is
+`{"error": {message, type, param, code}}`; every JSON body and every `data:` event of a stream
+is strict JSON (no NaN or Infinity), the stream ending with `data: [DONE]`.
+
+The document declares application/json for /metrics (Prometheus text) and for streams
+(text/event-stream): content_type_conformance is left out for those responses only.
+
+`tests/test_server_fuzz.py` runs a bounded number of cases; `benches/fuzz_api.py` runs for
+minutes. Both count what they tried in `STATS`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    positive_data_acceptance,
+)
+
+DELIBERATE_5XX = {503}  # overload, starting or stopping: the server says so on purpose
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Always left out: our own 5xx check replaces not_a_server_error (which refuses 503); and the
+# document's request schemas are looser than the server's checks (an empty /tokenize body, a tool
+# message without content, a token id past the vocabulary are schema-valid, and rightly 400).
+EXCLUDED_CHECKS = [not_a_server_error, positive_data_acceptance]
+
+
+@dataclass
+class ApiStats:
+    cases: Counter = field(default_factory=Counter)  # per operation and mode
+    statuses: Counter = field(default_factory=Counter)
+    streams: int = 0
+    stream_events: int = 0
+    steered: int = 0
+
+    def table(self) -> list[tuple[str, object]]:
+        rows: list[tuple[str, object]] = [("cases", sum(self.cases.values()))]
+        rows += [(f"  {k}", v) for k, v in sorted(self.cases.items())]
+        rows += [("steered generation cases", self.steered)]
+        rows += [(f"status {k}", v) for k, v in sorted(self.statuses.items())]
+        rows += [("streams read", self.streams), ("stream events parsed", self.stream_events)]
+        return rows
+
+
+STATS = ApiStats()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(text: str) -> Any:
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def check_stream(text: str) -> int:
+    """Every `data:` event is strict JSON but the last, `[DONE]`; returns the events read."""
+    events = [e for e in text.split("\n\n") if e.strip()]
+    assert events, "an empty stream"
+    payloads = []
+    for event in events:
+        data = [
+            line[len("data:") :].strip() for line in event.splitlines() if line.startswith("data:")
+        ]
+        assert data, f"an event without data: {event!r}"
+        payloads.append("\n".join(data))
+    assert payloads[-1] == "[DONE]", f"the stream does not end with [DONE]: {payloads[-1]!r}"
+    for payload in payloads[:-1]:
+        body = strict_json(payload)
+        assert isinstance(body, dict), payload
+        if "error" in body:
+            check_error_body(body)
+    return len(payloads)
+
+
+def check_error_body(body: Any) -> None:
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+
+
+def check_case(case) -> None:
+    response = case.call(timeout=60)
+    status = response.status_code
+    STATS.statuses[status] += 1
+    assert status < 500 or status in DELIBERATE_5XX, (case.as_curl_command(), response.text[:500])
+    media = (response.headers.get("content-type") or [""])[0].split(";")[0]  # header: values
+    excluded = list(EXCLUDED_CHECKS)
+    if media == "text/event-stream" or case.path == "/metrics":
+        excluded.append(content_type_conformance)
+    case.validate_response(response, excluded_checks=excluded)
+    if media == "text/event-stream":
+        assert status == 200, response.text[:500]
+        STATS.streams += 1
+        STATS.stream_events += check_stream(response.text)
+    elif media == "application/json":
+        body = strict_json(response.text)
+        if status >= 400:
+            check_error_body(body)
+
+
+@st.composite
+def steered(draw, case):
+    """The schema's case with the fields a request needs to run set to plausible values."""
+    if not isinstance(case.body, dict) or not draw(st.booleans()):
+        return case
+    # Each field the schema drew is kept or not: random values, few enough to run together.
+    body = {k: v for k, v in case.body.items() if draw(st.integers(0, 2)) == 0}
+    words = st.sampled_from(["The", " quick", " fox", "日本", " 🙂", "\n", " STOP"])
+    text = draw(st.lists(words, min_size=1, max_size=6).map("".join))
+    if case.path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    body["max_tokens"] = draw(st.integers(0, 8))
+    body["stream"] = draw(st.booleans())
+    if body["stream"] and draw(st.booleans()):
+        body["stream_options"] = {"include_usage": True}
+    case.body = body
+    STATS.steered += 1
+    return case
+
+
+def operations(schema) -> list[tuple[str, str, GenerationMode]]:
+    """(method, path, mode) of every operation in the document; invalid input only where an
+    operation has a body (a string path parameter has no invalid value)."""
+    found = []
+    for result in schema.get_all_operations():
+        op = result.ok()
+        modes = [GenerationMode.POSITIVE]
+        if op.body:
+            modes.append(GenerationMode.NEGATIVE)
+        found += [(op.method.upper(), op.path, mode) for mode in modes]
+    return found
+
+
+def fuzz_operation(schema, method: str, path: str, mode: GenerationMode, **overrides) -> None:
+    """Runs hypothesis over one operation; `overrides` go to hypothesis' settings."""
+    operation = schema[path][method]
+    label = f"{method} {path} {mode.value}"
+    strategy = operation.as_strategy(generation_mode=mode)
+    if path in GENERATION_PATHS and mode == GenerationMode.POSITIVE:
+        strategy = strategy.flatmap(steered)
+
+    @given(case=strategy)
+    @settings(
+        **{
+            "deadline": None,
+            "suppress_health_check": list(HealthCheck),
+            "database": None,
+            **overrides,
+        }
+    )
+    def check(case):
+        STATS.cases[label] += 1
+        check_case(case)
+
+    check()
