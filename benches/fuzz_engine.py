@@ -2,7 +2,7 @@
 requests, aborts and steps on a tiny model with a small KV cache), fresh randomness each batch,
 and prints a table of what it tried and every distinct failure with hypothesis' shrunk steps.
 
-    .venv/bin/python benches/fuzz_engine.py --minutes 5 [--hit-known-bugs]
+    .venv/bin/python benches/fuzz_engine.py --minutes 5
 """
 
 import argparse
@@ -14,7 +14,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import engine_fuzz_machine
 from engine_fuzz_machine import STATS, EngineMachine, Engines
 from fuzz_runs import print_table, run_until
 from hypothesis import HealthCheck, settings
@@ -26,14 +25,8 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--examples-per-batch", type=int, default=50)
     ap.add_argument("--steps", type=int, default=40, help="rules per example")
-    ap.add_argument(
-        "--hit-known-bugs",
-        action="store_true",
-        help="also abort requests before their first step (a known bug while it is open)",
-    )
     args = ap.parse_args()
     logging.getLogger("aieng").setLevel(logging.CRITICAL)  # requests that end with "error"
-    engine_fuzz_machine.AVOID_ABORT_BEFORE_FIRST_STEP = not args.hit_known_bugs
     with tempfile.TemporaryDirectory() as folder:
         EngineMachine.engines = Engines(Path(folder))
         batch = settings(

@@ -73,10 +73,6 @@ CONSTRAINTS = [
     StructuredOutputsParams(json_object=True),
 ]
 FINISH_REASONS = {"stop", "length", "abort"}
-# Aborting a request before the engine's next step leaves its rows in the runner, and the slot's
-# next sequence can be scored as that request (test_engine_fuzz's xfail regression test). While
-# True, the abort rule only picks requests that went through a step since they were added.
-AVOID_ABORT_BEFORE_FIRST_STEP = True
 
 
 @dataclass
@@ -213,7 +209,6 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         self.engine = self.engines.fresh()
         self.live: dict[str, Live] = {}
-        self.stepped: set[str] = set()  # live requests the runner has been told of
         self.finished: list[tuple[Live, RequestOutput]] = []
         STATS.examples += 1
 
@@ -231,8 +226,6 @@ class EngineMachine(RuleBasedStateMachine):
         STATS.kinds.update(features(params))
 
     def abortable(self) -> list[str]:
-        if AVOID_ABORT_BEFORE_FIRST_STEP:
-            return sorted(self.stepped & self.live.keys())
         return sorted(self.live)
 
     @precondition(lambda self: self.abortable())
@@ -247,7 +240,6 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(count=st.integers(1, 4))
     def step(self, count):
-        self.stepped.update(self.live)
         for _ in range(count):
             for out in self.engine.step():
                 self.record(out)

@@ -31,13 +31,9 @@ def test_random_requests_aborts_and_steps_keep_the_engine_sound(engines):
     assert STATS.requests > before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the fuzzer: a request aborted before the engine's next step leaves its "
-    "prompt-logprob row in the runner, which then scores the slot's next sequence",
-)
 def test_abort_before_the_first_step_leaves_no_prompt_scoring_behind(engines):
-    """engine_fuzz_machine.AVOID_ABORT_BEFORE_FIRST_STEP keeps the fuzzer off this while open."""
+    """Found by the fuzzer: the aborted request's prompt-scoring row reached the runner after
+    its removal and scored the slot's next sequence (a sibling of "a")."""
     engine = engines.fresh()
     engine.add_request(
         "a", [42], SamplingParams(n=2, temperature=0, max_tokens=2, prompt_logprobs=0)

@@ -239,3 +239,24 @@ def test_logprobs_of_forbidden_tokens_are_finite_json(server, route, body, strea
     numbers = [n for p in payloads for c in p["choices"] for n in all_numbers(c.get("logprobs"))]
     assert numbers and all(math.isfinite(n) for n in numbers)
     assert LOGPROB_FLOOR in numbers  # the forbidden tokens are there, at the floor
+
+
+def test_the_server_allows_what_the_engines_max_logprobs_allows(model):
+    """One limit: a server whose engine allows 30 logprobs serves 25 and refuses 31 (the
+    engine's SamplingParams.verify), on completions and chat alike."""
+    with ThreadServer(model, engine={"max_logprobs": 30}) as s:
+        body = {"prompt": "The", "max_tokens": 1, "logprobs": 25}
+        ok = httpx.post(f"{s.url}/v1/completions", json=body)
+        assert ok.status_code == 200, ok.text
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        ok = httpx.post(
+            f"{s.url}/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 25}
+        )
+        assert ok.status_code == 200, ok.text
+        [entry] = ok.json()["choices"][0]["logprobs"]["content"]
+        assert len(entry["top_logprobs"]) == 25
+        refused = httpx.post(
+            f"{s.url}/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 31}
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "top_logprobs"

@@ -52,6 +52,8 @@ COMPLETION_CASES = [
     ({"prompt": "x", "n": 0}, "n", []),
     ({"prompt": "x", "n": 17}, "n", ["16"]),
     ({"prompt": "x", "logprobs": 21}, "logprobs", ["20"]),
+    # The engine's max_logprobs is the one limit (SamplingParams.verify), streaming or not.
+    ({"prompt": "x", "logprobs": 21, "stream": True}, "logprobs", ["20", "max_logprobs"]),
     ({"prompt": "x", "presence_penalty": 5}, "presence_penalty", []),
     ({"prompt": "x", "max_tokens": -1}, "max_tokens", []),
     ({"prompt": "x", "top_k": -2}, "top_k", []),
@@ -87,6 +89,11 @@ CHAT_CASES = [
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", []),
     ({"messages": [{"role": "user"}]}, "messages.0.content", ["missing"]),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", []),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        ["20", "max_logprobs"],
+    ),
     (
         {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4096},
         "max_completion_tokens",

@@ -284,7 +284,14 @@ class LLMEngine:
     def _drop_sequence(self, seq: _Sequence) -> None:
         """Takes a live sequence out of the core and the runner's sampling rows."""
         self.core.abort(seq.core_id)
-        self._finished_slots.append(seq.slot)
+        # A row the runner has not seen yet is withdrawn, not removed after the runner adds it
+        # (the runner applies removals first: the row would outlive its sequence and serve the
+        # slot's next one). A pending row at this slot is always this sequence's own.
+        pending = [row for row in self._added if row.slot == seq.slot]
+        if pending:
+            self._added.remove(pending[0])
+        else:
+            self._finished_slots.append(seq.slot)
         self._by_core_id.pop(seq.core_id, None)
         entry = self._by_slot.pop(seq.slot, None)
         if entry is not None:

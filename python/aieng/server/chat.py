@@ -66,7 +66,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = sampling_params(body, max_tokens, logprobs, ctx.model_defaults)
     await compile_constraint(engine, params, body)
     params = await constrain_to_calls(engine, params, plan)
-    generation = Generation(ctx, request, engine, [ids], [params])
+    generation = Generation(
+        ctx, request, engine, [ids], [params], field_names={"logprobs": "top_logprobs"}
+    )
     response = await respond(
         generation,
         body.stream,

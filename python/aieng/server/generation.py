@@ -73,8 +73,12 @@ class Generation:
         engine: AsyncLLMEngine,
         prompts: list[list[int]],
         params: list[SamplingParams],
+        field_names: dict[str, str] | None = None,
     ):
+        """field_names: the request's own name of an engine-checked field, where the route
+        names it differently (chat's `top_logprobs` is the engine's `logprobs`)."""
         self.ctx, self.http, self.endpoint, self.engine = ctx, http, http.url.path, engine
+        self.field_names = field_names or {}
         self.request_id = request_id_of(http)
         self.arrival = arrival_of(http)
         self.created = int(time.time())
@@ -259,7 +263,8 @@ class Generation:
             return error
         if isinstance(error, InvalidArgumentError):
             named = ENGINE_CHECKED_FIELDS.search(str(error))
-            return ApiError(400, str(error), named[1] if named else "prompt", "invalid_value")
+            field = named[1] if named else "prompt"
+            return ApiError(400, str(error), self.field_names.get(field, field), "invalid_value")
         if isinstance(error, EngineDeadError):
             return ApiError(503, str(error), code="engine_dead")
         if isinstance(error, AiengError):

@@ -23,8 +23,9 @@ from pydantic import (
     model_validator,
 )
 
+from aieng.sampling import MAX_TOP_K
+
 MAX_N = 16
-MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
 MAX_ALLOWED_TOKENS = 1 << 20  # allowed_token_ids: bounded by the body size anyway
@@ -32,7 +33,6 @@ MAX_BAD_WORDS = 256
 MAX_TOOLS = 128  # OpenAI's limit on the functions of one request
 MAX_SCHEMA_NESTING = 64  # objects and arrays in a tool's parameters (serde's limit is 128)
 INT64 = 1 << 63
-INT32 = 1 << 31
 
 
 def check_unicode(value: str) -> str:
@@ -85,7 +85,7 @@ class SamplingFields(_Lenient):
     user: Str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = Field(None, ge=-1, lt=INT32)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     min_tokens: int = Field(0, ge=0, lt=INT64)
@@ -151,7 +151,7 @@ class CompletionRequest(SamplingFields):
     prompt: Prompt
     # 0: score the prompt only (with echo and logprobs), as lm-evaluation-harness asks
     max_tokens: int | None = Field(None, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     echo: bool = False
     suffix: Str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -321,7 +321,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
