@@ -36,6 +36,7 @@ import torch
 from aieng import LLM, SamplingParams
 from aieng.benchmarks.offline import machine
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.kv_cache import KVCacheSpec
 from aieng.models.default import default_model_path
 from aieng.runner import ModelRunner
@@ -70,7 +71,7 @@ def capacity(budgets: dict[str, int]) -> list[dict]:
                     kv_cache_memory=budget,
                     kv_cache_dtype=kv_cache_dtype,
                 )
-                runner = ModelRunner(args)
+                runner = ModelRunner(create_engine_config(args))
                 spec, blocks = runner.kv_spec, runner.num_blocks
                 del runner
             else:

@@ -6,6 +6,7 @@ from fake_scheduler import FakeScheduler
 from tiny_models import VOCAB_SIZE, hf_greedy, load_hf
 
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.models.llama import LlamaForCausalLM
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
@@ -23,7 +24,9 @@ class HFReference:
         self.folder = folder
         self.hf = load_hf(folder)
         self.runner = ModelRunner(
-            EngineArgs(model=str(folder), block_size=BLOCK_SIZE, kv_cache_memory=1 << 22)
+            create_engine_config(
+                EngineArgs(model=str(folder), block_size=BLOCK_SIZE, kv_cache_memory=1 << 22)
+            )
         )
         generator = torch.Generator().manual_seed(seed)
         self.prompts = [

@@ -28,6 +28,7 @@ from aieng.attention.cuda_self_check import (
 )
 from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.layers.attention import Attention
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
@@ -214,7 +215,7 @@ def run_engine(folder: Path, dtype: str, backend: str, kv_cache_dtype: str) -> l
         model=str(folder), device="cuda", dtype=dtype, block_size=16, kv_cache_memory=1 << 24,
         attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
-    runner = ModelRunner(args)
+    runner = ModelRunner(create_engine_config(args))
     assert runner.attention.name == backend
     scheduler = FakeScheduler(runner)
     generator = torch.Generator().manual_seed(3)

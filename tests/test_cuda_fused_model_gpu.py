@@ -19,6 +19,7 @@ from aieng.attention.backend import QuantizedKVCache
 from aieng.attention.cuda_paged import write_step_kv
 from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.kernels import fused_dispatch
 from aieng.kernels.fused_dispatch import kernel_name
 from aieng.runner import ModelRunner
@@ -66,7 +67,7 @@ def run_engine(folder: Path, dtype: str, backend: str, kv_cache_dtype: str) -> l
         model=str(folder), device="cuda", dtype=dtype, block_size=16, kv_cache_memory=1 << 24,
         attention_backend=backend, kv_cache_dtype=kv_cache_dtype, max_num_seqs=8,
     )  # fmt: skip
-    runner = ModelRunner(args)
+    runner = ModelRunner(create_engine_config(args))
     assert runner.attention.name == backend
     scheduler = FakeScheduler(runner)
     generator = torch.Generator().manual_seed(3)

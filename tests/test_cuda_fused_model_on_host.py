@@ -26,6 +26,7 @@ from aieng.attention.causal import CausalAttention, DenseBatch
 from aieng.attention.cuda_paged import write_step_kv
 from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.kernels import fused_dispatch
 from aieng.kernels.fused_dispatch import FusedKernels
 from aieng.layers.activation import silu_and_mul, silu_and_mul_torch
@@ -212,7 +213,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 def greedy(folder: Path) -> list:
     args = EngineArgs(model=str(folder), device="cpu", block_size=4, kv_cache_memory=1 << 20)
-    scheduler = FakeScheduler(ModelRunner(args))
+    scheduler = FakeScheduler(ModelRunner(create_engine_config(args)))
     generator = torch.Generator().manual_seed(3)
     for n in (1, 6, 13):
         prompt = torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist()

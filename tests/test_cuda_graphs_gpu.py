@@ -12,6 +12,7 @@ from fake_scheduler import FakeScheduler
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.quantization.compressed_tensors_writer import QuantScheme
 from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
 from aieng.runner import ModelRunner
@@ -43,7 +44,7 @@ def generate(folder, enforce_eager: bool, **options) -> tuple[list, int]:
         model=str(folder), device="cuda", block_size=16, kv_cache_memory=1 << 24,
         max_num_seqs=MAX_NUM_SEQS, enforce_eager=enforce_eager, **options,
     )  # fmt: skip
-    runner = ModelRunner(args)
+    runner = ModelRunner(create_engine_config(args))
     replays = 0
     if not enforce_eager:
         assert runner.graphs is not None, "graphs were not captured (see the log)"

@@ -31,6 +31,7 @@ from aieng.cuda_graphs import (
     padded_size,
 )
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.gpu_memory import (
     GpuMemory,
     gpu_memory_figures,
@@ -313,12 +314,13 @@ def test_nan_output_fails_the_check(caplog) -> None:
     assert "int4_gemv_f16_m4 differs" in caplog.text and "int4_gemm_f16 differs" in caplog.text
 
 
-def test_the_cuda_method_is_chosen_only_where_cuda_is(monkeypatch) -> None:
+def test_the_cuda_method_is_chosen_only_for_a_cuda_device(monkeypatch) -> None:
+    """The target device decides, not whether this machine has a GPU."""
     config = QuantizationConfig("compressed-tensors", ((("Linear",), scheme(32, True)),))
-    for available, expected in ((True, CudaInt4LinearMethod), (False, QuantizedLinearMethod)):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
-        method = methods.quantized_linear_methods(config, {})("model.layers.0.mlp.up_proj")
-        assert type(method) is expected
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device, expected in (("cuda:0", CudaInt4LinearMethod), ("cpu", QuantizedLinearMethod)):
+        choose = methods.quantized_linear_methods(config, {}, device=device)
+        assert type(choose("model.layers.0.mlp.up_proj")) is expected
     # On a CPU device the CUDA method is the torch one: the CPU INT4 kernel or dequant.
     method = CudaInt4LinearMethod(scheme(32, False), "cpu")
     layer = Linear(128, 32, methods=lambda prefix: method)
@@ -484,7 +486,7 @@ def test_graph_computation_matches_the_eager_forward(kv_cache_dtype: str) -> Non
     args = EngineArgs(
         model, device="cpu", kv_cache_memory=1 << 20, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype
     )
-    runner = ModelRunner(args)
+    runner = ModelRunner(create_engine_config(args))
     runner.kv_caches = runner.kv_spec.allocate(
         runner.num_blocks + GRAPH_PAD_BLOCKS, runner.device, runner.attention
     )
@@ -515,7 +517,11 @@ def test_cuda_backend_graph_metadata_is_its_decode_batch() -> None:
 
 def test_runner_on_cpu_runs_eagerly() -> None:
     model = str(default_model_path())
-    runner = ModelRunner(EngineArgs(model, device="cpu", kv_cache_memory=1 << 20, max_num_seqs=4))
+    runner = ModelRunner(
+        create_engine_config(
+            EngineArgs(model, device="cpu", kv_cache_memory=1 << 20, max_num_seqs=4)
+        )
+    )
     assert runner.graphs is None
     assert runner.kv_caches[0][0].shape[0] == runner.num_blocks  # no scratch block on CPU
 
@@ -634,12 +640,12 @@ def test_engine_with_the_cuda_int4_method_follows_the_reference(tmp_path, monkey
             return QuantizedLinearMethod(scheme, prefix, use_kernel=False)
 
         with monkeypatch.context() as patch:
-            patch.setattr(methods, "CudaInt4LinearMethod", method)
-            patch.setattr(torch.cuda, "is_available", lambda: True)  # choose the CUDA method
+            # The method chosen for a 4-bit layer on this (CPU) device: the CUDA one, or not.
+            patch.setattr(methods, "QuantizedLinearMethod", method)
             args = EngineArgs(
                 str(tmp_path / "int4"), device="cpu", block_size=4, kv_cache_memory=1 << 22
             )
-            runner = ModelRunner(args)
+            runner = ModelRunner(create_engine_config(args))
         kinds = methods.describe_linear_kernels(runner.model)
         taken, other = ("cuda_int4", "dequant") if cuda else ("dequant", "cuda_int4")
         assert taken in kinds and other not in kinds, kinds

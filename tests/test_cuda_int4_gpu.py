@@ -13,6 +13,7 @@ from test_cuda_int4 import quantized_layer_from, random_int4, scheme
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.kernels.int4 import int4_matmul, reference_matmul, repack
 from aieng.layers.linear import Linear
 from aieng.quantization import methods
@@ -128,7 +129,7 @@ def run_engine(folder, dtype: str, kernels: bool, monkeypatch) -> list:
         args = EngineArgs(
             model=str(folder), device="cuda", dtype=dtype, block_size=16, kv_cache_memory=1 << 24
         )
-        runner = ModelRunner(args)
+        runner = ModelRunner(create_engine_config(args))
     kinds = methods.describe_linear_kernels(runner.model)
     assert ("cuda_int4" in kinds) == kernels, kinds
     scheduler = FakeScheduler(runner)

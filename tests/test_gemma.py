@@ -36,6 +36,7 @@ from aieng.attention.torch_paged import (
 )
 from aieng.config import ModelConfig
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.layers.activation import gelu_tanh_and_mul
 from aieng.layers.linear import DenseLinearMethod, Linear, dense_everywhere
 from aieng.layers.norm import RMSNorm
@@ -159,7 +160,11 @@ def test_gemma_with_an_int8_kv_cache_runs(tmp_path, monkeypatch):
     serves all three layers and both windows."""
     folder = build("gemma2", tmp_path / "gemma2")
     runner = ModelRunner(
-        EngineArgs(model=str(folder), block_size=4, kv_cache_memory=1 << 22, kv_cache_dtype="int8")
+        create_engine_config(
+            EngineArgs(
+                model=str(folder), block_size=4, kv_cache_memory=1 << 22, kv_cache_dtype="int8"
+            )
+        )
     )
     assert runner.kv_spec.quantized
     builds = []
@@ -195,7 +200,9 @@ def test_gemma_int4_checkpoint_matches_hf_on_the_dequantized_weights(tmp_path, m
     quantize_checkpoint(folder, tmp_path / "int4", QuantizeOptions("rtn", scheme), None)
     monkeypatch.setattr(linear_method, "int4_kernel_available", lambda: False)
     runner = ModelRunner(
-        EngineArgs(model=str(tmp_path / "int4"), block_size=4, kv_cache_memory=1 << 22)
+        create_engine_config(
+            EngineArgs(model=str(tmp_path / "int4"), block_size=4, kv_cache_memory=1 << 22)
+        )
     )
     hf = load_hf(folder)
     model = runner.model

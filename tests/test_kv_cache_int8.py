@@ -27,6 +27,7 @@ from aieng.attention.torch_paged import (
 from aieng.cli import build_parser
 from aieng.config import ModelConfig
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.evaluate import perplexity
 from aieng.kv_cache import KVCacheSpec
 from aieng.models.default import default_model_path
@@ -256,7 +257,7 @@ def test_the_engine_budget_and_startup_log_line(caplog):
         with caplog.at_level(logging.INFO, logger="aieng.runner"):
             caplog.clear()
             args = EngineArgs(model=model, kv_cache_memory=8 << 20, kv_cache_dtype=cache_dtype)
-            runner = aieng.runner.ModelRunner(args)
+            runner = aieng.runner.ModelRunner(create_engine_config(args))
         counts[cache_dtype] = runner.num_blocks
         assert runner.num_blocks == (8 << 20) // runner.kv_spec.block_bytes
         [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
@@ -274,9 +275,11 @@ def test_a_backend_that_reads_no_int8_cache_is_refused(monkeypatch):
 
     monkeypatch.setattr(aieng.runner, "select_attention_backend", lambda *a: FloatOnly())
     args = EngineArgs(model=str(default_model_path()), kv_cache_memory=1 << 20)
-    aieng.runner.ModelRunner(args)  # a float cache: fine
+    aieng.runner.ModelRunner(create_engine_config(args))  # a float cache: fine
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8': the attention backend"):
-        aieng.runner.ModelRunner(EngineArgs(**{**vars(args), "kv_cache_dtype": "int8"}))
+        aieng.runner.ModelRunner(
+            create_engine_config(EngineArgs(**{**vars(args), "kv_cache_dtype": "int8"}))
+        )
 
 
 def test_the_flag_reaches_engine_args():

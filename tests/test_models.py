@@ -6,6 +6,7 @@ from fake_scheduler import FakeScheduler
 from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_checkpoint, hf_greedy, load_hf
 
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
 
@@ -25,7 +26,9 @@ class Reference:
     def __init__(self, arch, folder):
         self.folder = build_checkpoint(arch, folder)
         self.hf = load_hf(self.folder)
-        self.runner = ModelRunner(runner_args(self.folder, kv_cache_memory=1 << 22))
+        self.runner = ModelRunner(
+            create_engine_config(runner_args(self.folder, kv_cache_memory=1 << 22))
+        )
         generator = torch.Generator().manual_seed(1)
         self.prompts = [
             torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in PROMPT_LENS
@@ -170,4 +173,8 @@ def test_kv_cache_is_sized_from_the_budget(reference):
     assert k_cache.shape == v_cache.shape == expected
     assert len(runner.kv_caches) == config.num_hidden_layers
     with pytest.raises(ValueError, match=r"kv_cache_memory: a budget of .* holds no KV block"):
-        ModelRunner(runner_args(reference.folder, kv_cache_memory=runner.block_bytes - 1))
+        ModelRunner(
+            create_engine_config(
+                runner_args(reference.folder, kv_cache_memory=runner.block_bytes - 1)
+            )
+        )

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import VOCAB_SIZE, build_checkpoint, hf_greedy, load_hf
 
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.layers.linear import Linear
 from aieng.models.loader import load_model
 from aieng.quantization import linear_method
@@ -70,7 +71,7 @@ class Quantized:
 
     def run(self, **options):
         args = EngineArgs(model=str(self.folder), block_size=4, kv_cache_memory=1 << 22, **options)
-        scheduler = FakeScheduler(ModelRunner(args))
+        scheduler = FakeScheduler(ModelRunner(create_engine_config(args)))
         for prompt in self.prompts:
             scheduler.add(prompt, GREEDY)
         return scheduler.run()

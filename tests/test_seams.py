@@ -14,6 +14,7 @@ from torch import nn
 import aieng.runner
 from aieng.attention import AttentionBackend, AttentionInputs
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.layers.linear import LinearMethod, WeightLoadError, set_weight_attrs
 from aieng.models.loader import load_model
 from aieng.sampling import SamplingParams
@@ -114,7 +115,7 @@ def test_fake_backend_and_linear_method_match_hf(arch, tmp_path, monkeypatch):
         aieng.runner, "load_model", functools.partial(load_model, linear_methods=lambda p: method)
     )
     runner = aieng.runner.ModelRunner(
-        EngineArgs(model=str(folder), block_size=4, kv_cache_memory=1 << 22)
+        create_engine_config(EngineArgs(model=str(folder), block_size=4, kv_cache_memory=1 << 22))
     )
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.method is method and qkv.weight.shape[0] == qkv.input_size

@@ -20,6 +20,7 @@ from train_fixtures import tiny_config, train_tiny, write_corpus
 
 from aieng import LLM, SamplingParams
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.models.loader import load_model
 from aieng.runner import ModelRunner
 from aieng.train.causal_lm import batch_logits, batch_loss
@@ -127,7 +128,9 @@ def test_training_forward_matches_serving_forward(trained):
     continuations whose prompts arrive in chunks and whose tokens decode over the KV cache."""
     folder, _ = trained
     runner = ModelRunner(
-        EngineArgs(model=str(folder / "model"), block_size=4, kv_cache_memory=1 << 22)
+        create_engine_config(
+            EngineArgs(model=str(folder / "model"), block_size=4, kv_cache_memory=1 << 22)
+        )
     )
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(3, runner.config.vocab_size, (2, 64), generator=generator)

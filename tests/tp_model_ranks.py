@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from aieng.engine_config import create_engine_config
+
 
 @dataclass(frozen=True)
 class Case:
@@ -38,7 +40,7 @@ def score(cases: list[Case]) -> dict[str, list[np.ndarray]]:
         )
         try:
             args = EngineArgs(model=case.folder, block_size=4, kv_cache_memory=1 << 22)
-            runner = ModelRunner(args)
+            runner = ModelRunner(create_engine_config(args))
             results[case.name] = [
                 runner.prompt_logprobs(prompt, case.chunk_size).numpy() for prompt in case.prompts
             ]

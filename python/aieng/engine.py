@@ -18,14 +18,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from aieng._core import EngineCore, Grammar, GrammarCompiler, InvalidArgumentError, Tokenizer
-from aieng.config import ModelConfig
 from aieng.distributed.executor import make_runner
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import EngineConfig, check_model_folder, create_engine_config
 from aieng.errors import is_fatal_device_error
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, PromptLogprobs, RunnerStep
@@ -107,37 +106,36 @@ class _Request:
         )
 
 
+def _tokenizer_of(args: EngineArgs) -> Tokenizer:
+    return Tokenizer.from_dir(str(check_model_folder(args)))
+
+
 class LLMEngine:
     """Owns the tokenizer, the model runner and the Rust core; steps them together."""
 
-    def __init__(self, config: EngineArgs):
-        self.config = config
-        if config.model is None:
-            raise ValueError("EngineArgs.model must name a checkpoint folder")
-        model_dir = Path(config.model)
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"model folder not found: {model_dir}")
-        self.tokenizer = Tokenizer.from_dir(str(model_dir))
-        model_config = ModelConfig.from_pretrained(model_dir)
-        self.vocab_size = model_config.vocab_size
-        eos = set(self.tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
-        outside = sorted(t for t in eos if t >= self.vocab_size)
-        if outside:
-            raise ValueError(
-                f"{model_dir}: end-of-sequence token id {outside[0]} is outside the model's "
-                f"vocabulary of {self.vocab_size} (tokenizer.json or generation_config.json)"
-            )
-        self.eos_token_ids = sorted(eos)
-        self.max_model_len = config.effective_max_model_len(model_config.max_position_embeddings)
-        self.runner = make_runner(config, self.eos_token_ids, on_failure=self._runner_failed)
+    def __init__(self, args: EngineArgs | EngineConfig):
+        """args: the options (resolved here, once, by create_engine_config), or a config
+        already resolved."""
+        if isinstance(args, EngineConfig):
+            self.engine_config = args
+            self.tokenizer = Tokenizer.from_dir(args.model_path)
+        else:
+            self.tokenizer = _tokenizer_of(args)
+            self.engine_config = create_engine_config(args, self.tokenizer)
+        resolved = self.engine_config
+        self.config = resolved.args
+        self.vocab_size = resolved.model.vocab_size
+        self.eos_token_ids = list(resolved.eos_token_ids)
+        self.max_model_len = resolved.scheduler.max_model_len
+        self.runner = make_runner(resolved, on_failure=self._runner_failed)
         self.core = EngineCore(
             num_blocks=self.runner.num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=self.runner.max_num_batched_tokens,
+            block_size=resolved.cache.block_size,
+            max_num_seqs=resolved.scheduler.max_num_seqs,
+            max_num_batched_tokens=resolved.scheduler.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            enable_prefix_caching=resolved.cache.enable_prefix_caching,
+            long_prefill_token_threshold=resolved.scheduler.long_prefill_token_threshold,
             tokenizer=self.tokenizer,
         )
         self.requests: dict[str, _Request] = {}

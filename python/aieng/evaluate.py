@@ -19,6 +19,7 @@ from pathlib import Path
 
 from aieng._core import InvalidArgumentError, Tokenizer
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import create_engine_config
 from aieng.runner import ModelRunner
 
 
@@ -105,7 +106,7 @@ def perplexity(
         kv_cache_memory=16 << 20,
         kv_cache_dtype=kv_cache_dtype,
     )
-    runner = ModelRunner(args)
+    runner = ModelRunner(create_engine_config(args))
     window = window or runner.config.max_position_embeddings
     stride = stride or max(1, window // 2)
     if window > runner.config.max_position_embeddings:

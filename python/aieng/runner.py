@@ -24,13 +24,13 @@ import torch
 
 from aieng.attention import AttentionInputs, ForwardContext, KVCache, select_attention_backend
 from aieng.cuda_graphs import GRAPH_PAD_BLOCKS, capture_decode_graphs, graphs_wanted
-from aieng.engine_args import EngineArgs, torch_dtype
+from aieng.engine_config import EngineConfig
 from aieng.errors import is_fatal_device_error
 from aieng.gpu_memory import log_gpu_memory
 from aieng.input_buffers import InputBuffers
 from aieng.isolated_sampling import sample_rows
 from aieng.kv_cache import KVCacheSpec
-from aieng.models.loader import LoadTimes, load_model, resolve_dtype
+from aieng.models.loader import LoadTimes, load_model
 from aieng.prompt_logprobs import PromptScorer
 from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, RunnerStep, SampledLogprobs
 from aieng.sampler import Sampler, SamplerOutput, SamplingTable
@@ -43,38 +43,39 @@ CPU_KV_CACHE_FRACTION = 0.2  # of available RAM, when kv_cache_memory is not giv
 class ModelRunner:
     samples = True  # False on tensor-parallel ranks > 0: they run the model, rank 0 samples
 
-    def __init__(self, args: EngineArgs, eos_token_ids: Sequence[int] = ()):
-        """args.kv_cache_memory: bytes for the KV cache (default on CPU: a fraction of available
-        RAM; on CUDA: what gpu_memory_utilization of the GPU leaves after a profiling forward of
-        max_num_batched_tokens tokens; a default budget is capped at what max_num_seqs
-        full-length sequences can use). eos_token_ids: banned from rows below min_tokens."""
-        self.args = args
-        device = None if args.device == "auto" else args.device
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = None if args.dtype == "auto" else torch_dtype(args.dtype)
-        if dtype is None and self.device.type == "cpu":
-            dtype = torch.float32
+    def __init__(self, config: EngineConfig):
+        """config.cache.kv_cache_memory: bytes for the KV cache (default on CPU: a fraction of
+        available RAM; on CUDA: what gpu_memory_utilization of the GPU leaves after a profiling
+        forward of max_num_batched_tokens tokens; a default budget is capped at what
+        max_num_seqs full-length sequences can use). config.eos_token_ids: banned from rows
+        below min_tokens."""
+        self.engine_config = config
+        args = config.args
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
         self.model: Any
         self.load_times = LoadTimes()
-        self.model, self.config = load_model(args.model, dtype, self.device, times=self.load_times)
-        self.dtype = dtype or resolve_dtype(self.config.dtype)
-        self.block_size = args.block_size
-        self.eos_token_ids = list(eos_token_ids)
-        self.max_model_len = args.effective_max_model_len(self.config.max_position_embeddings)
-        self.max_num_batched_tokens = args.effective_max_num_batched_tokens(self.max_model_len)
+        self.model, self.config = load_model(
+            config.model_path, self.dtype, self.device, config.model, times=self.load_times
+        )
+        self.block_size = config.cache.block_size
+        self.eos_token_ids = list(config.eos_token_ids)
+        self.max_model_len = config.scheduler.max_model_len
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        kv_cache_dtype = config.cache.kv_cache_dtype
         self.kv_spec = KVCacheSpec.for_model(
-            self.config, self.block_size, self.dtype, args.kv_cache_dtype
+            self.config, self.block_size, self.dtype, kv_cache_dtype
         )
         self.attention = select_attention_backend(
-            args.attention_backend, self.config, self.device, self.dtype, args.kv_cache_dtype
+            args.attention_backend, self.config, self.device, self.dtype, kv_cache_dtype
         )
-        if args.kv_cache_dtype not in self.attention.kv_cache_dtypes:
+        if kv_cache_dtype not in self.attention.kv_cache_dtypes:
             raise ValueError(
-                f"kv_cache_dtype {args.kv_cache_dtype!r}: the attention backend "
+                f"kv_cache_dtype {kv_cache_dtype!r}: the attention backend "
                 f"{self.attention.name!r} reads only {', '.join(self.attention.kv_cache_dtypes)}"
             )
         kv_start = time.perf_counter()
-        self.num_blocks = self._num_blocks(args)
+        self.num_blocks = self._num_blocks()
         # CUDA graphs pad decode steps with rows that write a scratch block past the core's.
         graphs = graphs_wanted(args.enforce_eager, self.device)
         pad_blocks = GRAPH_PAD_BLOCKS if graphs else 0
@@ -98,12 +99,14 @@ class ModelRunner:
         max_blocks = math.ceil(self.max_model_len / self.block_size)
         self.inputs = InputBuffers(self.max_num_batched_tokens, max_blocks, self.device)
         self.sampling = SamplingTable(
-            self.config.vocab_size, self.device, capacity=max(64, args.max_num_seqs)
+            self.config.vocab_size, self.device, capacity=max(64, config.scheduler.max_num_seqs)
         )
         self.sampler = Sampler(self.device, args.seed)
         self.prompt_scorer = PromptScorer(self.device)
         self.graphs = (
-            capture_decode_graphs(self, args.max_num_seqs, self.num_blocks) if graphs else None
+            capture_decode_graphs(self, config.scheduler.max_num_seqs, self.num_blocks)
+            if graphs
+            else None
         )
         log_gpu_memory(self)
 
@@ -111,16 +114,18 @@ class ModelRunner:
     def block_bytes(self) -> int:
         return self.kv_spec.block_bytes
 
-    def _num_blocks(self, args: EngineArgs) -> int:
-        memory = args.kv_cache_memory
+    def _num_blocks(self) -> int:
+        cache = self.engine_config.cache
+        memory = cache.kv_cache_memory
         if memory is None:
             memory = (
-                self._profile_free_memory(args.gpu_memory_utilization)
+                self._profile_free_memory(cache.gpu_memory_utilization)
                 if self.device.type == "cuda"
                 else int(available_ram() * CPU_KV_CACHE_FRACTION)
             )
             blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
-            memory = min(memory, args.max_num_seqs * blocks_per_seq * self.block_bytes)
+            max_num_seqs = self.engine_config.scheduler.max_num_seqs
+            memory = min(memory, max_num_seqs * blocks_per_seq * self.block_bytes)
         num_blocks = memory // self.block_bytes
         if num_blocks < 1:
             raise ValueError(

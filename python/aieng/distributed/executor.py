@@ -25,12 +25,13 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import EngineConfig
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -53,11 +54,10 @@ class TensorParallelError(RuntimeError):
 
 
 def make_runner(
-    args: EngineArgs,
-    eos_token_ids: Sequence[int],
+    config: EngineConfig,
     on_failure: Callable[[str], None] | None = None,
 ) -> ModelRunner | TensorParallelRunner:
-    """The runner for `args.tensor_parallel_size`. `on_failure(reason)` is called from a
+    """The runner for `config.parallel.tensor_parallel_size`. `on_failure(reason)` is called from a
     watcher thread when a worker dies between steps. In a process a launcher started as a
     rank > 0, this serves as that worker until rank 0 shuts down, then exits the process."""
     from aieng.distributed import parallel_state
@@ -68,17 +68,17 @@ def make_runner(
             f"{parallel_state.get_tp_rank()} of {parallel_state.get_tp_world_size()}); shut it "
             "down first (engine.runner.shutdown())"
         )
-    size = args.tensor_parallel_size
+    size = config.parallel.tensor_parallel_size
     if size == 1:
         from aieng.runner import ModelRunner
 
-        return ModelRunner(args, eos_token_ids=eos_token_ids)
-    place = launched_place(args)
+        return ModelRunner(config)
+    place = launched_place(config.args)
     if place is not None and place.rank > 0:
         from aieng.distributed.worker import run_launched
 
-        raise SystemExit(run_launched(args, place))
-    return TensorParallelRunner(args, eos_token_ids, on_failure, launched=place is not None)
+        raise SystemExit(run_launched(config, place))
+    return TensorParallelRunner(config, on_failure, launched=place is not None)
 
 
 def launched_place(args: EngineArgs) -> RankPlace | None:
@@ -110,17 +110,16 @@ def run_as_launched_worker(args: EngineArgs) -> int | None:
     if place is None or place.rank == 0:
         return None
     from aieng.distributed.worker import run_launched
+    from aieng.engine_config import create_engine_config
 
-    return run_launched(args, place)
+    return run_launched(create_engine_config(args), place)
 
 
-def check_size(args: EngineArgs) -> None:
+def check_size(config: EngineConfig) -> None:
     """Refuses a size the machine cannot hold: more ranks than CUDA devices. More ranks than
     CPU cores only warns: it runs, each rank on one thread, slower."""
-    from aieng.distributed.rank import uses_cuda
-
-    size = args.tensor_parallel_size
-    if uses_cuda(args):
+    size = config.parallel.tensor_parallel_size
+    if config.uses_cuda:
         import torch
 
         count = torch.cuda.device_count()
@@ -182,7 +181,7 @@ class _Workers:
         self.on_failure: Callable[[str], None] | None = None
         self._stop_send: Connection | None = None
 
-    def spawn(self, args: EngineArgs, eos: Sequence[int], world: int, addr: str, port: int) -> None:
+    def spawn(self, config: EngineConfig, world: int, addr: str, port: int) -> None:
         import torch.multiprocessing as mp
 
         from aieng.distributed.rank import RankPlace
@@ -194,7 +193,7 @@ class _Workers:
             place = RankPlace(rank, world, rank)
             proc = ctx.Process(
                 target=run_spawned,
-                args=(args, list(eos), place, addr, port, send),
+                args=(config, place, addr, port, send),
                 name=f"aieng-tp-rank{rank}",
                 daemon=True,
             )
@@ -336,8 +335,7 @@ class TensorParallelRunner:
 
     def __init__(
         self,
-        args: EngineArgs,
-        eos_token_ids: Sequence[int],
+        config: EngineConfig,
         on_failure: Callable[[str], None] | None = None,
         launched: bool = False,
     ):
@@ -349,13 +347,13 @@ class TensorParallelRunner:
             RankRunner,
             cpu_threads,
             join_group,
-            rank_args,
+            rank_config,
         )
 
-        check_size(args)
-        self.args = args
-        self.world_size = args.tensor_parallel_size
-        self._threads = cpu_threads(args, self.world_size)
+        check_size(config)
+        self.engine_config = config
+        self.world_size = config.parallel.tensor_parallel_size
+        self._threads = cpu_threads(config, self.world_size)
         threads_before = torch.get_num_threads()
         if self._threads is not None:
             torch.set_num_threads(self._threads)
@@ -365,12 +363,12 @@ class TensorParallelRunner:
         place = RankPlace(0, self.world_size, 0)
         try:
             if launched:
-                self._group = join_group(args, place)
+                self._group = join_group(config, place)
             else:
-                self._group = self._start_workers(args, eos_token_ids, place)
-            self._local = RankRunner(rank_args(args, place), eos_token_ids, samples=True)
+                self._group = self._start_workers(config, place)
+            self._local = RankRunner(rank_config(config, place), samples=True)
             if not launched:
-                timeout = args.distributed_timeout_s
+                timeout = config.parallel.distributed_timeout_s
                 self._workers.wait_for("ready", timeout, f"distributed_timeout_s ({timeout:g} s)")
         except BaseException as error:
             self._workers.close(None)
@@ -386,9 +384,7 @@ class TensorParallelRunner:
         self._finalizer = weakref.finalize(self, _close, self._workers, self._group, threads_before)
         logger.info("tensor parallelism: %d ranks, this process is rank 0", self.world_size)
 
-    def _start_workers(
-        self, args: EngineArgs, eos: Sequence[int], place: RankPlace
-    ) -> dist.ProcessGroup:
+    def _start_workers(self, config: EngineConfig, place: RankPlace) -> dist.ProcessGroup:
         """Spawns ranks 1..N-1 on this machine and joins them (env:// on MASTER_ADDR, a free
         MASTER_PORT unless MASTER_PORT is given)."""
         from aieng.distributed.rank import join_group
@@ -396,12 +392,12 @@ class TensorParallelRunner:
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT") or free_port(addr))
         _check_port_free(addr, port)
-        self._workers.spawn(args, eos, self.world_size, addr, port)
+        self._workers.spawn(config, self.world_size, addr, port)
         # Each worker first imports torch and aieng (seconds); the rendezvous, bounded by
         # distributed_timeout_s, starts once they all can join it.
         self._workers.wait_for("started", START_S, f"{START_S:g} s")
         with _master_env(addr, port):
-            return join_group(args, place)
+            return join_group(config, place)
 
     def _first_worker_error(self) -> Exception | None:
         self._workers.collect_reports()
@@ -470,7 +466,7 @@ class TensorParallelRunner:
             if closed:
                 cause = "a rank's connection closed: it died or left"
             else:
-                limit = self.args.distributed_timeout_s
+                limit = self.engine_config.parallel.distributed_timeout_s
                 cause = f"a rank hung past distributed_timeout_s = {limit:g} s, or this one failed"
             self._workers.fail(f"{FAILURE}: {text} ({cause})")
         return TensorParallelError(self._workers.failure)

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from aieng.engine_args import EngineArgs
+from aieng.engine_config import EngineConfig
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -48,8 +49,7 @@ def serve_steps(runner: RankRunner, group: dist.ProcessGroup) -> None:
 
 
 def run_worker(
-    args: EngineArgs,
-    eos_token_ids: Sequence[int],
+    config: EngineConfig,
     place: RankPlace,
     report: Callable[[str, str], None] | None = None,
 ) -> None:
@@ -58,16 +58,16 @@ def run_worker(
     import torch
 
     from aieng.distributed import parallel_state
-    from aieng.distributed.rank import RankRunner, cpu_threads, join_group, rank_args
+    from aieng.distributed.rank import RankRunner, cpu_threads, join_group, rank_config
 
-    threads = cpu_threads(args, place.world_size)
+    threads = cpu_threads(config, place.world_size)
     if threads is not None:
         torch.set_num_threads(threads)
         logger.info("tensor-parallel rank %d: %d CPU threads", place.rank, threads)
     if report is not None:
         report("started", "")
-    group = join_group(args, place)
-    runner = RankRunner(rank_args(args, place), eos_token_ids, samples=False)
+    group = join_group(config, place)
+    runner = RankRunner(rank_config(config, place), samples=False)
     if report is not None:
         report("ready", "")
     try:
@@ -77,8 +77,7 @@ def run_worker(
 
 
 def run_spawned(
-    args: EngineArgs,
-    eos_token_ids: Sequence[int],
+    config: EngineConfig,
     place: RankPlace,
     master_addr: str,
     master_port: int,
@@ -102,7 +101,7 @@ def run_spawned(
             pass
 
     try:
-        run_worker(args, eos_token_ids, place, report)
+        run_worker(config, place, report)
     except BaseException as error:
         if not isinstance(error, KeyboardInterrupt):
             report("error", f"{type(error).__name__}: {error}")
@@ -110,11 +109,11 @@ def run_spawned(
         sys.exit(1)
 
 
-def run_launched(args: EngineArgs, place: RankPlace) -> int:
+def run_launched(config: EngineConfig, place: RankPlace) -> int:
     """A rank > 0 started by a launcher (torchrun): serve until rank 0 shuts down; the exit
     status, 0 after a clean shutdown, 1 after a failure (logged)."""
     try:
-        run_worker(args, (), place)
+        run_worker(config, place)
     except Exception as error:
         logger.error(
             "tensor-parallel rank %d failed: %s: %s", place.rank, type(error).__name__, error
@@ -139,7 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     place = launched_place(args)
     if place is None or place.rank == 0:
         parser.error("run by a launcher as a rank > 0 (RANK and WORLD_SIZE in the environment)")
-    return run_launched(args, place)
+    from aieng.engine_config import create_engine_config
+
+    return run_launched(create_engine_config(args), place)
 
 
 if __name__ == "__main__":

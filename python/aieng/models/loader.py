@@ -93,7 +93,7 @@ def load_model(
     dtype = dtype or resolve_dtype(config.dtype, str(folder / "config.json"))
     if linear_methods is None:
         packed = getattr(cls, "packed_modules", {})
-        linear_methods = quantized_linear_methods(config.quantization, packed)
+        linear_methods = quantized_linear_methods(config.quantization, packed, device=device)
     times = times if times is not None else LoadTimes()
     start = time.perf_counter()
     with torch.device(device):

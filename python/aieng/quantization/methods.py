@@ -30,9 +30,12 @@ def quantized_linear_methods(
     quantization: QuantizationConfig | None,
     packed_modules: Mapping[str, tuple[str, int]],
     use_kernels: bool = True,
+    device: str | torch.device = "cpu",
 ) -> LinearMethodChooser:
     """A chooser giving each layer the quantized method its checkpoint names call for, or the
-    dense one (an `ignore`d layer, the LM head, or no quantization at all)."""
+    dense one (an `ignore`d layer, the LM head, or no quantization at all), for weights on
+    `device`."""
+    on_cuda = torch.device(device).type == "cuda"
 
     def choose(prefix: str) -> LinearMethod:
         if quantization is None:
@@ -40,9 +43,8 @@ def quantized_linear_methods(
         scheme = quantization.scheme_for(checkpoint_layer_names(prefix, packed_modules))
         if scheme is None:
             return DenseLinearMethod()
-        # 4-bit layers on a machine with an NVIDIA GPU: the CUDA kernels (checked at load; on
-        # a CPU device the method is the torch one).
-        cuda_int4 = scheme.bits == 4 and torch.cuda.is_available()
+        # 4-bit layers on an NVIDIA GPU: the CUDA kernels (checked at load).
+        cuda_int4 = scheme.bits == 4 and on_cuda
         method = CudaInt4LinearMethod if cuda_int4 else QuantizedLinearMethod
         return method(scheme, prefix, use_kernels)
 
