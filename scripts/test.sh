@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's whole check: lint, Rust unit tests, the Python test suite.
+# The project's whole check: lint, Rust unit tests, the docs site, the Python test suite.
 # Run it through the README's test command, which first installs into .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,5 +32,7 @@ cargo test --quiet
 echo "== ruff"
 "$venv/ruff" check python tests benches
 "$venv/ruff" format --check python tests benches
+echo "== mkdocs build --strict"
+"$venv/mkdocs" build --strict --site-dir "$(mktemp -d)"
 echo "== pytest"
 "$venv/python" -m pytest -q "$@"

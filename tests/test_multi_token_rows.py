@@ -1,14 +1,23 @@
-"""Several accepted tokens per sampled row (what speculative decoding returns), through the
-engine: every token reaches the output in order, every stop check applies to each of them, and
-the tokens after the first are computed as the request's next query tokens."""
+"""Several accepted tokens per sampled row (what speculative decoding will return), from the
+runner's output on: the engine hands them to the core, every token reaches the output in order,
+every stop check applies to each of them, and the tokens after the first are computed as the
+request's next query tokens.
+
+What this does not cover: the runner producing them. `ModelRunner.execute` samples one token per
+row (its `num_sampled` is all ones; no proposer or verification step exists yet), so the engine
+tests below add the extra tokens to the runner's output, above it — the runner's sampling table
+never sees them there. How the sampling table takes several tokens of one row is tested on the
+table itself (the last test), against a request resumed with the same outputs."""
 
 import numpy as np
 import pytest
+import torch
 from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import build_checkpoint
 
 from aieng import LLM, SamplingParams
 from aieng.runner_io import ModelRunnerOutput
+from aieng.sampler import Sampler, SamplingTable
 
 VOCAB = 384
 
@@ -22,7 +31,8 @@ def llm(tmp_path_factory):
 
 
 def with_extra_tokens(llm, monkeypatch, extra: list[int]):
-    """Each row's sampled token is followed by the tokens `extra`, as if they were accepted."""
+    """Each row's sampled token is followed by the tokens `extra`, as if they were accepted:
+    added to what `runner.execute` returns, after the runner recorded its one token per row."""
     runner = llm.engine.runner
     execute = runner.execute
     plans = []
@@ -39,7 +49,7 @@ def with_extra_tokens(llm, monkeypatch, extra: list[int]):
     return plans
 
 
-def test_every_accepted_token_is_output_and_computed_next(llm, monkeypatch):
+def test_injected_tokens_are_output_and_computed_next(llm, monkeypatch):
     plans = with_extra_tokens(llm, monkeypatch, [7, 8])
     params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     [out] = llm.generate([[5, 6, 9, 10, 11]], params, use_tqdm=False)
@@ -51,7 +61,7 @@ def test_every_accepted_token_is_output_and_computed_next(llm, monkeypatch):
     llm.engine.check_pool_whole()
 
 
-def test_a_stop_inside_a_row_drops_the_rest(llm, monkeypatch):
+def test_a_stop_inside_an_injected_row_drops_the_rest(llm, monkeypatch):
     with_extra_tokens(llm, monkeypatch, [7, 8, 9])
     params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[8])
     [out] = llm.generate([[5, 6, 9, 10, 11]], params, use_tqdm=False)
@@ -59,3 +69,36 @@ def test_a_stop_inside_a_row_drops_the_rest(llm, monkeypatch):
     assert completion.token_ids[-2:] == [7, 8] and completion.finish_reason == "stop"
     assert completion.stop_reason == 8
     llm.engine.check_pool_whole()
+
+
+def test_the_sampling_table_takes_a_rows_tokens_at_once():
+    """A slot repeated in one `append_tokens` call (what a runner accepting several tokens per
+    row will hand its table) leaves the state of one token per step, and of a request resumed
+    with those outputs: output counts (penalties), the output index (min_tokens, seeded draws)
+    and the bad-words history."""
+    params = SamplingParams(
+        temperature=1.0, seed=7, repetition_penalty=1.3, frequency_penalty=0.5,
+        min_tokens=5, stop_token_ids=[2],
+    )  # fmt: skip
+    outputs = [4, 30, 4]
+    at_once, one_by_one, resumed = (SamplingTable(VOCAB) for _ in range(3))
+    for table in (at_once, one_by_one):
+        table.add_request(3, params, [10, 11], eos_token_ids=[1], bad_words_ids=[[4, 5]])
+    resumed.add_request(
+        3, params, [10, 11], eos_token_ids=[1], bad_words_ids=[[4, 5]], output_token_ids=outputs
+    )
+    at_once.append_tokens(np.array([3, 3, 3]), np.array(outputs))
+    for token in outputs:
+        one_by_one.append_tokens(np.array([3]), np.array([token]))
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0))
+    batches = [table.batch(np.array([3])) for table in (at_once, one_by_one, resumed)]
+    first = batches[0]
+    assert first.penalties.output_counts[0, 4] == 2 and first.penalties.output_counts[0, 30] == 1
+    # min_tokens (3 of 5 out) bans the stop id and EOS; the bad word [4, 5] bans 5 after a 4
+    assert sorted(first.blocked_ids.tolist()) == [1, 2, 5]
+    for batch in batches[1:]:
+        assert torch.equal(batch.penalties.output_counts, first.penalties.output_counts)
+        assert sorted(batch.blocked_ids.tolist()) == sorted(first.blocked_ids.tolist())
+        assert torch.equal(batch.seeded_keys, first.seeded_keys)
+    drawn = [Sampler(seed=0)(logits.clone(), batch).tokens.tolist() for batch in batches]
+    assert drawn[0] == drawn[1] == drawn[2]

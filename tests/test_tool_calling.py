@@ -445,7 +445,7 @@ def test_closed_objects_close_what_declares_its_properties():
 
 
 def test_openai_round_trip_of_a_call_and_its_answer(client):
-    """The README's flow: a schema that does not close its object (the constraint does), the
+    """docs/server.md's flow: a schema that does not close its object (the constraint does), the
     reply's message sent back as the openai client dumps it (no content key), then the answer."""
     open_weather = {
         "type": "function",

@@ -2,8 +2,9 @@
 
 `LLM(...)`, `aieng serve`, `aieng generate` and the other commands take their options, defaults,
 validation and help text from the fields below; the CLI flags are generated from them
-(`add_cli_args`), and so is README's options table (`markdown_table`). Derived values (the
-context length, the token budget of a step) are computed here and nowhere else.
+(`add_cli_args`), and so is the options table of docs/usage.md (`markdown_table`, written there
+by scripts/gen_docs_tables.py). Derived values (the context length, the token budget of a step)
+are computed here and nowhere else.
 
 Importing this module does not import torch, so `aieng --help` stays fast.
 """
@@ -341,7 +342,7 @@ class EngineArgs:
 
     @classmethod
     def markdown_table(cls) -> str:
-        """README's table of the options: the `LLM(...)` keyword, the flag, default, meaning."""
+        """The options table of docs/usage.md: `LLM(...)` keyword, flag, default, meaning."""
         rows = ["| `LLM(...)` keyword | flag | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             flag = f"`{_flag(f.name)}`"
