@@ -30,8 +30,8 @@ cargo clippy --features python --quiet -- -D warnings
 echo "== cargo test"
 cargo test --quiet
 echo "== ruff"
-"$venv/ruff" check python tests benches
-"$venv/ruff" format --check python tests benches
+"$venv/ruff" check python tests benches scripts
+"$venv/ruff" format --check python tests benches scripts
 echo "== mkdocs build --strict"
 "$venv/mkdocs" build --strict --site-dir "$(mktemp -d)"
 echo "== pytest"
