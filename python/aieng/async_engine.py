@@ -27,7 +27,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from aieng._core import Grammar
 from aieng.engine import EngineDeadError, LLMEngine
+from aieng.engine_client import EngineStats, ModelInfo
 from aieng.outputs import RequestOutput
 from aieng.sampling import SamplingParams
 
@@ -35,49 +37,6 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAKE_S = 0.25  # an idle loop still beats this often, so liveness stays visible
 _Item = tuple[str | None, RequestOutput | BaseException]  # request id None: every request
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What the loop publishes after every step or command batch (read without locks)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    num_cached_blocks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_requests: int = 0  # requests the engine holds (running, waiting or not yet in the core)
-    kv_cache_dtype: str = ""  # 'int8' or the model's dtype; '' before the engine is loaded
-    block_size: int = 0
-    max_num_seqs: int = 0  # the batch's capacity in requests; 0 before the engine is loaded
-    heartbeat: float = 0.0  # time.monotonic() of the loop's last turn
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> EngineStats:
-        core = engine.core.stats()
-        pool = core["pool"]
-        return cls(
-            num_running=core["num_running"],
-            num_waiting=core["num_waiting"],
-            kv_cache_usage=pool["usage"],
-            num_blocks=pool["num_blocks"],
-            num_free_blocks=pool["num_free_blocks"],
-            num_cached_blocks=pool["num_cached_blocks"],
-            prefix_cache_queries=pool["prefix_cache_queries"],
-            prefix_cache_hits=pool["prefix_cache_hits"],
-            num_preemptions=core["num_preemptions"],
-            num_steps=core["num_steps"],
-            num_requests=len(engine.requests),
-            kv_cache_dtype=engine.runner.kv_spec.cache_dtype,
-            block_size=engine.runner.block_size,
-            max_num_seqs=engine.config.max_num_seqs,
-            heartbeat=time.monotonic(),
-        )
 
 
 @dataclass
@@ -105,7 +64,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[int], None] | None = None):
         self.engine = engine
         self.on_step = on_step  # called in the loop thread with each step's scheduled tokens
-        self.stats = EngineStats.of(engine)
+        self.stats: EngineStats = engine.stats()
         self.failure: str | None = None  # why the loop died; None while it runs or after stop()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False  # the loop thread no longer takes calls (guarded by _lock)
@@ -139,8 +98,19 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info
+
+    @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.engine.model_info.max_model_len
+
+    def compile_grammar(self, params: SamplingParams) -> Grammar | None:
+        """The compiled constraint of params; thread-safe (the engine's compiler locks)."""
+        return self.engine.compile_grammar(params)
+
+    def gpu_memory(self):
+        return self.engine.gpu_memory()
 
     async def generate(
         self,
@@ -242,7 +212,7 @@ class AsyncLLMEngine:
             items += [(out.request_id, out) for out in self.engine.step()]
             if self.on_step is not None:
                 self.on_step(self.engine.last_step_num_tokens)
-        self.stats = EngineStats.of(self.engine)
+        self.stats = self.engine.stats()
         if items:
             self._post(items)
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aieng._core import EngineCore, Grammar, GrammarCompiler, InvalidArgumentError, Tokenizer
-from aieng.distributed.executor import make_runner
+from aieng.distributed.executor import make_runner, run_as_launched_worker
 from aieng.engine_args import EngineArgs
+from aieng.engine_client import EngineStats, ModelInfo
 from aieng.engine_config import EngineConfig, check_model_folder, create_engine_config
 from aieng.errors import is_fatal_device_error
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -31,6 +32,10 @@ from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, PromptLogprobs, R
 from aieng.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# A front end started by a launcher (torchrun) as a tensor-parallel rank > 0 serves as that
+# rank's worker instead: run_as_launched_worker(args) -> its exit status, or None elsewhere.
+__all__ = ["EngineDeadError", "LLMEngine", "run_as_launched_worker"]
 
 
 NO_VALID_TOKEN = "the model produced no valid token (NaN or fully masked logits)"
@@ -106,6 +111,25 @@ class _Request:
         )
 
 
+def _model_info(config: EngineConfig, runner) -> ModelInfo:
+    return ModelInfo(
+        model_path=config.model_path,
+        architecture=config.model.architecture,
+        vocab_size=config.model.vocab_size,
+        max_model_len=config.scheduler.max_model_len,
+        eos_token_ids=config.eos_token_ids,
+        device=str(runner.device),
+        dtype=config.dtype,
+        kv_cache_dtype=runner.kv_spec.cache_dtype,
+        block_size=config.cache.block_size,
+        num_blocks=runner.num_blocks,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        tensor_parallel_size=config.parallel.tensor_parallel_size,
+        generation_defaults=dict(config.model.generation_defaults),
+        load_phases=runner.load_times.phases(),
+    )
+
+
 def _tokenizer_of(args: EngineArgs) -> Tokenizer:
     return Tokenizer.from_dir(str(check_model_folder(args)))
 
@@ -138,6 +162,7 @@ class LLMEngine:
             long_prefill_token_threshold=resolved.scheduler.long_prefill_token_threshold,
             tokenizer=self.tokenizer,
         )
+        self.model_info = _model_info(resolved, self.runner)
         self.requests: dict[str, _Request] = {}
         self._by_core_id: dict[str, tuple[_Request, _Sequence]] = {}
         self._by_slot: dict[int, tuple[_Request, _Sequence]] = {}
@@ -319,6 +344,34 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        """The core's counters and the pool's state now (call from the thread that steps)."""
+        core = self.core.stats()
+        pool = core["pool"]
+        return EngineStats(
+            num_running=core["num_running"],
+            num_waiting=core["num_waiting"],
+            kv_cache_usage=pool["usage"],
+            num_blocks=pool["num_blocks"],
+            num_free_blocks=pool["num_free_blocks"],
+            num_cached_blocks=pool["num_cached_blocks"],
+            prefix_cache_queries=pool["prefix_cache_queries"],
+            prefix_cache_hits=pool["prefix_cache_hits"],
+            num_preemptions=core["num_preemptions"],
+            num_steps=core["num_steps"],
+            num_requests=len(self.requests),
+            kv_cache_dtype=self.model_info.kv_cache_dtype,
+            block_size=self.model_info.block_size,
+            max_num_seqs=self.model_info.max_num_seqs,
+            heartbeat=time.monotonic(),
+        )
+
+    def gpu_memory(self):
+        """The runner's GPU memory figures now (aieng.gpu_memory.GpuMemory); None off CUDA."""
+        from aieng.gpu_memory import gpu_memory_figures
+
+        return gpu_memory_figures(self.runner)
 
     # ------------------------------------------------------------------ the step
 

@@ -32,7 +32,7 @@ class LLM:
         if args.model is None:  # the bundled default model (aieng.models.default)
             args.model = str(default_model_path())
         self.engine = LLMEngine(args)
-        defaults = self.engine.runner.config.generation_defaults
+        defaults = self.engine.model_info.generation_defaults
         self.default_sampling_params = SamplingParams(**defaults)
 
     __init__.__doc__ = "The engine options (`EngineArgs`), by keyword:\n\n" + EngineArgs.docstring()

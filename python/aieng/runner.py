@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from aieng.cuda_graphs import GRAPH_PAD_BLOCKS, capture_decode_graphs, graphs_wa
 from aieng.engine_config import EngineConfig
 from aieng.errors import is_fatal_device_error
 from aieng.gpu_memory import log_gpu_memory
+from aieng.host_memory import available_ram
 from aieng.input_buffers import InputBuffers
 from aieng.isolated_sampling import sample_rows
 from aieng.kv_cache import KVCacheSpec
@@ -340,15 +340,3 @@ def _chunk_of(plan: _OneOffPlan, start: int, end: int) -> _OneOffPlan:
         seq_lens=np.array([end], np.int32),
         block_tables=plan.block_tables,
     )
-
-
-def available_ram() -> int:
-    """MemAvailable from /proc/meminfo, else free physical pages."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -131,8 +131,8 @@ async def _load(
     logger.info(
         "serving %s (max_model_len %d, %d KV blocks)",
         ctx.config.served_model_name,
-        engine.max_model_len,
-        engine.runner.num_blocks,
+        async_engine.model_info.max_model_len,
+        async_engine.model_info.num_blocks,
     )
 
 

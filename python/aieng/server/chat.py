@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from aieng.async_engine import AsyncLLMEngine
+from aieng.engine_client import EngineClient
 from aieng.errors import ChatTemplateError, InvalidArgumentError
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
@@ -83,7 +83,7 @@ async def render_chat(
     ctx: ServerContext,
     messages: list[ChatMessage],
     add_generation_prompt: bool,
-    engine: AsyncLLMEngine | None = None,
+    engine: EngineClient | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The conversation through the chat template of `engine` (the one the request will run

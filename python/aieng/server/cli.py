@@ -210,7 +210,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as error:
         logger.error("%s", error)
         return 2
-    from aieng.distributed.executor import run_as_launched_worker
+    from aieng.engine import run_as_launched_worker
 
     worker_status = run_as_launched_worker(engine)  # a launcher's rank > 0: no server, a worker
     if worker_status is not None:

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from aieng.async_engine import AsyncLLMEngine
+from aieng.engine_client import EngineClient
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
@@ -71,7 +71,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 
 async def _prompt_ids(
-    ctx: ServerContext, body: CompletionRequest, engine: AsyncLLMEngine
+    ctx: ServerContext, body: CompletionRequest, engine: EngineClient
 ) -> list[list[int]]:
     prompts = body.prompts
     if isinstance(prompts[0], str):

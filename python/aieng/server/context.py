@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from aieng.async_engine import AsyncLLMEngine, EngineStats
-from aieng.gpu_memory import GpuMemory, gpu_memory_figures
+from aieng.engine_client import EngineClient, EngineStats
+from aieng.gpu_memory import GpuMemory
 from aieng.server.admission import Admission, ServerState
 from aieng.server.config import ServerConfig
 from aieng.server.errors import ApiError, invalid
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class ServerContext:
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.engine: AsyncLLMEngine | None = None
+        self.engine: EngineClient | None = None
         self.model_defaults: dict[str, Any] = {}
         self.created = int(time.time())
         self.admission = Admission(config, self.stats)
@@ -55,19 +55,19 @@ class ServerContext:
         return None if self.engine is None else self.engine.stats
 
     def load_phases(self) -> dict[str, float] | None:
-        return None if self.engine is None else self.engine.engine.runner.load_times.phases()
+        return None if self.engine is None else dict(self.engine.model_info.load_phases)
 
     def gpu_memory(self) -> GpuMemory | None:
-        return None if self.engine is None else gpu_memory_figures(self.engine.engine.runner)
+        return None if self.engine is None else self.engine.gpu_memory()
 
-    def attach(self, engine: AsyncLLMEngine) -> None:
+    def attach(self, engine: EngineClient) -> None:
         self.engine = engine
-        self.model_defaults = dict(engine.engine.runner.config.generation_defaults)
+        self.model_defaults = dict(engine.model_info.generation_defaults)
         self.admission.state = ServerState.READY
 
     def ready_engine(
         self, generation_request: Request | None = None, model: str | None = None
-    ) -> AsyncLLMEngine:
+    ) -> EngineClient:
         """The engine, or 503 while it loads, after a failure, or while draining. A generation
         request refused here is counted and logged like any other refusal."""
         state = self.admission.state
@@ -143,11 +143,11 @@ class ServerContext:
             if split is not None and split.mode == "shadow" and generation.engine is default:
                 mirror(self, split, generation)
 
-    def switch_engine(self, engine: AsyncLLMEngine) -> None:
+    def switch_engine(self, engine: EngineClient) -> None:
         """Requests admitted from now on go to `engine` (hot reload); those admitted before
         keep the engine they hold."""
         self.engine = engine
-        self.model_defaults = dict(engine.engine.runner.config.generation_defaults)
+        self.model_defaults = dict(engine.model_info.generation_defaults)
         self._token_text = {}
 
     def release_lease(self, engine_id: int) -> None:
@@ -187,7 +187,7 @@ class ServerContext:
     @property
     def vocab_size(self) -> int:
         assert self.engine is not None
-        return self.engine.engine.runner.config.vocab_size
+        return self.engine.model_info.vocab_size
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         vocab = self.vocab_size

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from aieng.async_engine import AsyncLLMEngine, EngineDeadError
+from aieng.engine import EngineDeadError
+from aieng.engine_client import EngineClient
 from aieng.errors import AiengError, InvalidArgumentError
 from aieng.outputs import RequestOutput
 from aieng.sampling import SamplingParams
@@ -70,7 +71,7 @@ class Generation:
         self,
         ctx: ServerContext,
         http: Request,
-        engine: AsyncLLMEngine,
+        engine: EngineClient,
         prompts: list[list[int]],
         params: list[SamplingParams],
         field_names: dict[str, str] | None = None,

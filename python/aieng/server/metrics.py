@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from aieng.async_engine import EngineStats
+from aieng.engine_client import EngineStats
 
 if TYPE_CHECKING:
     from aieng.gpu_memory import GpuMemory

@@ -36,8 +36,8 @@ from aieng.sampling import SamplingParams
 from aieng.server.traffic_split import TrafficSplit
 
 if TYPE_CHECKING:
-    from aieng.async_engine import AsyncLLMEngine
     from aieng.engine import LLMEngine
+    from aieng.engine_client import EngineClient
     from aieng.server.context import ServerContext
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def free_memory_bytes(device: str) -> int:
     if device == "cuda" and torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info()
         return int(free)
-    from aieng.runner import available_ram
+    from aieng.host_memory import available_ram
 
     return available_ram()
 
@@ -171,15 +171,15 @@ class ModelVersions:
         self.states[serving].set("serving" if primary else "loading")
         self.serving = serving
         self.primary = primary
-        self._engine: AsyncLLMEngine | None = None  # the default engine when not primary
+        self._engine: EngineClient | None = None  # the default engine when not primary
         self.name = versions[serving].name
         self._load_version = load_version
         self._loading: asyncio.Task | None = None
-        self._draining: dict[str, AsyncLLMEngine] = {}
+        self._draining: dict[str, EngineClient] = {}
         self.split: TrafficSplit | None = None  # a canary or shadow candidate
         # `--serve-all-versions`: other versions loaded beside the default one, each served to
         # requests for name@version (state "loaded")
-        self.pinned: dict[str, AsyncLLMEngine] = {}
+        self.pinned: dict[str, EngineClient] = {}
         self.background: asyncio.Task | None = None  # load_all, when asked for
 
     def stop_all(self) -> None:
@@ -194,10 +194,10 @@ class ModelVersions:
         for engine in engines:
             engine.stop()
 
-    def default_engine(self, ctx: ServerContext) -> AsyncLLMEngine | None:
+    def default_engine(self, ctx: ServerContext) -> EngineClient | None:
         return ctx.engine if self.primary else self._engine
 
-    def _set_default(self, ctx: ServerContext, engine: AsyncLLMEngine) -> None:
+    def _set_default(self, ctx: ServerContext, engine: EngineClient) -> None:
         if self.primary:
             ctx.switch_engine(engine)
         else:
@@ -216,7 +216,7 @@ class ModelVersions:
         state.set("serving")
         logger.info("serving %s", state.manifest.ref)
 
-    def engine_for(self, ctx: ServerContext, version: str) -> AsyncLLMEngine | None:
+    def engine_for(self, ctx: ServerContext, version: str) -> EngineClient | None:
         """The engine serving `version` (None: not loaded)."""
         if version == self.serving:
             return self.default_engine(ctx)
@@ -294,7 +294,7 @@ class ModelVersions:
 
     def _check_fits(self, ctx: ServerContext, state: VersionState) -> None:
         version, requirements = str(state.manifest.version), state.manifest.requirements
-        device = ctx.engine.engine.runner.device.type if ctx.engine is not None else "cpu"
+        device = ctx.engine.model_info.device.split(":")[0] if ctx.engine is not None else "cpu"
         if requirements.device not in ("any", device):
             raise VersionError(
                 507,
@@ -388,7 +388,7 @@ class ModelVersions:
             del old_engine, new  # only _draining holds the old engine now: freeing it frees it
             await self._drain(ctx, old_version)
 
-    async def _load(self, ctx: ServerContext, state: VersionState) -> AsyncLLMEngine:
+    async def _load(self, ctx: ServerContext, state: VersionState) -> EngineClient:
         """Loads a version into a new engine (in a worker thread), starts it and smoke-tests it;
         stopped again if the smoke generation fails."""
         from aieng.async_engine import AsyncLLMEngine
@@ -407,7 +407,7 @@ class ModelVersions:
         state.load_s = round(time.perf_counter() - start, 3)
         return new
 
-    async def _smoke(self, engine: AsyncLLMEngine, version: str) -> None:
+    async def _smoke(self, engine: EngineClient, version: str) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=SMOKE_MAX_TOKENS, ignore_eos=True)
         prompt = list(range(1, SMOKE_PROMPT_TOKENS + 1))
         last = None

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from aieng.async_engine import AsyncLLMEngine
+from aieng.engine_client import EngineClient
 from aieng.server.admission import ServerState
 from aieng.server.chat import render_chat
 from aieng.server.context import ServerContext, context_of
@@ -122,7 +122,7 @@ router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=Fals
 router.add_api_route("/ready", ready, methods=["HEAD"], include_in_schema=False)
 
 
-def _liveness(engine: AsyncLLMEngine) -> dict[str, Any]:
+def _liveness(engine: EngineClient) -> dict[str, Any]:
     age = time.monotonic() - engine.stats.heartbeat
     body: dict[str, Any] = {"status": "ok", "last_heartbeat_s": round(age, 3)}
     if not engine.alive or age > HEARTBEAT_LIMIT_S:

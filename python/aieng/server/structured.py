@@ -6,7 +6,7 @@ naming the field and the problem."""
 
 from __future__ import annotations
 
-from aieng.async_engine import AsyncLLMEngine
+from aieng.engine_client import EngineClient
 from aieng.errors import InvalidArgumentError
 from aieng.sampling import SamplingParams
 from aieng.server.errors import invalid
@@ -30,13 +30,13 @@ def constraint_of(req: SamplingFields) -> StructuredOutputsParams | None:
 
 
 async def compile_constraint(
-    engine: AsyncLLMEngine, params: SamplingParams, req: SamplingFields
+    engine: EngineClient, params: SamplingParams, req: SamplingFields
 ) -> None:
     """Compiles the request's constraint into the engine's cache; refuses an invalid one."""
     if params.structured_outputs is None:
         return
     field = constraint_field(req)
     try:
-        await grammar_pool().run(field, lambda: engine.engine.compile_grammar(params))
+        await grammar_pool().run(field, lambda: engine.compile_grammar(params))
     except InvalidArgumentError as error:
         raise invalid(f"{field}: {error}", field) from error

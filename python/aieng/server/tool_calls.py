@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from aieng.async_engine import AsyncLLMEngine
+from aieng.engine_client import EngineClient
 from aieng.errors import InvalidArgumentError
 from aieng.sampling import SamplingParams
 from aieng.server.errors import invalid
@@ -96,7 +96,7 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
 
 
 async def constrain_to_calls(
-    engine: AsyncLLMEngine, params: SamplingParams, plan: ToolPlan
+    engine: EngineClient, params: SamplingParams, plan: ToolPlan
 ) -> SamplingParams:
     """`params` constrained to the plan's calls, compiled off the event loop; a function whose
     parameters are not a usable JSON schema is a 400 naming `tools`."""
@@ -106,7 +106,7 @@ async def constrain_to_calls(
         params, structured_outputs=StructuredOutputsParams(grammar=plan.grammar)
     )
     try:
-        await grammar_pool().run("tools", lambda: engine.engine.compile_grammar(constrained))
+        await grammar_pool().run("tools", lambda: engine.compile_grammar(constrained))
     except InvalidArgumentError as error:
         raise invalid(
             f"tools: a function's parameters schema is not usable: {error}", "tools"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from aieng.async_engine import AsyncLLMEngine
+    from aieng.engine_client import EngineClient
     from aieng.server.context import ServerContext
     from aieng.server.generation import Generation
 
@@ -38,7 +38,7 @@ MODES = ("canary", "shadow")
 @dataclass
 class TrafficSplit:
     version: str
-    engine: AsyncLLMEngine
+    engine: EngineClient
     mode: str  # canary | shadow
     percent: float = 0.0  # canary only
     rng: random.Random = field(default_factory=random.Random)
@@ -64,7 +64,7 @@ def mirror(ctx: ServerContext, split: TrafficSplit, primary: Generation) -> None
         return
     stats, candidate = ctx.stats(), split.engine
     if (stats is not None and stats.num_waiting > 0) or (
-        candidate.stats.num_requests >= candidate.engine.config.max_num_seqs
+        candidate.stats.num_requests >= candidate.engine.model_info.max_num_seqs
     ):
         metrics.shadow_outcome("dropped")  # under load the mirror goes first
         return
