@@ -47,7 +47,7 @@ def measure(model: str, size: int, threads: int, prompts: list[list[int]], outpu
         steps = llm.engine.core.stats()["num_steps"] - steps_before
     finally:
         if size > 1:
-            llm.engine.runner.shutdown()
+            llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {
         "tensor_parallel_size": size,
@@ -93,7 +93,7 @@ def all_reduce_latency(numel: int, iters: int = 2000) -> float:
     """Seconds per gloo all-reduce of `numel` float32 between two idle processes."""
     import torch.multiprocessing as mp
 
-    from aieng.distributed.executor import free_port
+    from aieng.executor.multiproc import free_port
 
     ctx, port = mp.get_context("spawn"), free_port()
     out = ctx.Queue()

@@ -146,5 +146,5 @@ def test_engine_config_is_what_the_runner_takes():
 
     from aieng.runner import ModelRunner
 
-    [param] = list(inspect.signature(ModelRunner.__init__).parameters.values())[1:]
+    param = inspect.signature(ModelRunner.__init__).parameters["config"]
     assert param.annotation in (EngineConfig, "EngineConfig")

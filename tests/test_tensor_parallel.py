@@ -27,9 +27,9 @@ from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import QWEN3_MOE, save_tiny
 
 from aieng import LLM, SamplingParams
-from aieng.distributed.executor import TensorParallelError
 from aieng.distributed.messages import HEAD_BYTES
 from aieng.engine import EngineDeadError
+from aieng.executor import ExecutorError
 from aieng.runner_io import NewSamplingRow
 from aieng.structured_outputs import StructuredOutputsParams
 
@@ -124,7 +124,7 @@ def run_batches(llm: LLM):
     fourth = llm.generate(batch[:2], constrained, use_tqdm=False)
     assert all(o.outputs[0].text in CHOICES for o in fourth)
     outputs = first + second + third + fourth
-    return outputs, llm.engine.runner.prompt_logprobs(batch[-1], chunk_size=16)
+    return outputs, llm.engine.prompt_logprobs(batch[-1], chunk_size=16)
 
 
 def check_close(name: str, expected, got) -> None:
@@ -161,7 +161,7 @@ def test_tp2_greedy_matches_tp1(folders, name):
         ]
         llm.engine.check_pool_whole()
     finally:
-        llm.engine.runner.shutdown()
+        llm.shutdown()
     assert [o.num_cached_tokens > 0 for o in got[len(LENGTHS) : len(LENGTHS) + 2]] == [True] * 2
     check_close(name, expected, got)
     torch.testing.assert_close(scores, expected_scores, atol=1e-4, rtol=0)
@@ -219,7 +219,7 @@ def start_and_break(folder, sig: signal.Signals):
     engine raises; -> (the engine, the worker's pid, seconds from the signal to the error)."""
     llm = LLM(folder, tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S, **OPTIONS)
     engine = llm.engine
-    [pid] = engine.runner.worker_pids
+    [pid] = engine.executor.worker_pids
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i, prompt in enumerate(prompts(2, [5, 9, 30])):
         engine.add_request(str(i), prompt, long)
@@ -235,7 +235,7 @@ def start_and_break(folder, sig: signal.Signals):
         with pytest.raises(EngineDeadError):  # and every later call
             llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     finally:
-        engine.runner.shutdown()
+        llm.shutdown()
     assert "tensor-parallel group failed" in str(raised.value)
     return engine, pid, elapsed
 
@@ -266,6 +266,44 @@ def test_serve_exits_nonzero_when_its_worker_dies(folders, tmp_path):
     assert gone(worker)
 
 
+# ---------------------------------------------------------------------- engine lifetime
+
+
+def test_engines_one_after_another_in_one_process(folders):
+    """shutdown(), a `with` block and `del` + gc.collect() each release a tensor-parallel engine
+    (its worker process, its group): engines of size 2, then 1, then 2, then 2 again, in one
+    process, all giving the same tokens."""
+    import gc
+
+    folder, batch = folders["llama"], prompts(4, [5, 9])
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+
+    with LLM(folder, tensor_parallel_size=2, **OPTIONS) as llm:
+        expected = tokens(llm)
+        [pid] = llm.engine.executor.worker_pids
+    assert gone(pid) and not tp_children()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llm.generate(batch, GREEDY, use_tqdm=False)
+    single = LLM(folder, **OPTIONS)
+    assert tokens(single) == expected
+    single.shutdown()
+    llm = LLM(folder, tensor_parallel_size=2, **OPTIONS)
+    assert tokens(llm) == expected
+    [pid] = llm.engine.executor.worker_pids
+    del llm
+    gc.collect()
+    assert gone(pid) and not tp_children()
+    llm = LLM(folder, tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert tokens(llm) == expected
+    finally:
+        llm.shutdown()
+        llm.shutdown()  # idempotent
+    assert not tp_children()
+
+
 # ---------------------------------------------------------------------- env:// (a launcher)
 
 LAUNCHED = """
@@ -275,7 +313,7 @@ llm = LLM(sys.argv[1], tensor_parallel_size=2, **json.loads(sys.argv[2]))
 params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 outputs = llm.generate(json.loads(sys.argv[3]), params, use_tqdm=False)
 print(json.dumps([o.outputs[0].token_ids for o in outputs]))
-llm.engine.runner.shutdown()
+llm.shutdown()
 """
 
 
@@ -342,7 +380,7 @@ def test_a_worker_that_fails_before_it_starts_is_named(folders, tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("aieng.distributed.executor.TensorParallelError: ")
+    assert last.startswith("aieng.executor.base.WorkerFailedError: ")
     assert "worker rank 1" in last and "exited with status 1 before it could start" in last
     assert "if __name__ == '__main__':" in last
 
@@ -353,7 +391,7 @@ def test_a_rendezvous_port_in_use_is_one_line(folders, monkeypatch):
         taken.listen()
         port = taken.getsockname()[1]
         monkeypatch.setenv("MASTER_PORT", str(port))
-        with pytest.raises(TensorParallelError, match=f"port 127.0.0.1:{port} .* cannot be used"):
+        with pytest.raises(ExecutorError, match=f"port 127.0.0.1:{port} .* cannot be used"):
             LLM(folders["llama"], tensor_parallel_size=2, **OPTIONS)
     assert not tp_children()
 

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aieng._core import EngineCore, Grammar, GrammarCompiler, InvalidArgumentError, Tokenizer
-from aieng.distributed.executor import make_runner, run_as_launched_worker
 from aieng.engine_args import EngineArgs
 from aieng.engine_client import EngineStats, ModelInfo
 from aieng.engine_config import EngineConfig, check_model_folder, create_engine_config
-from aieng.errors import is_fatal_device_error
+from aieng.errors import is_fatal
+from aieng.executor import Executor, make_executor
+from aieng.executor.multiproc import run_as_launched_worker
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, PromptLogprobs, RunnerStep
 from aieng.sampling import SamplingParams
@@ -111,22 +112,22 @@ class _Request:
         )
 
 
-def _model_info(config: EngineConfig, runner) -> ModelInfo:
+def _model_info(config: EngineConfig, executor: Executor) -> ModelInfo:
     return ModelInfo(
         model_path=config.model_path,
         architecture=config.model.architecture,
         vocab_size=config.model.vocab_size,
         max_model_len=config.scheduler.max_model_len,
         eos_token_ids=config.eos_token_ids,
-        device=str(runner.device),
+        device=str(executor.device),
         dtype=config.dtype,
-        kv_cache_dtype=runner.kv_spec.cache_dtype,
+        kv_cache_dtype=executor.kv_cache_dtype,
         block_size=config.cache.block_size,
-        num_blocks=runner.num_blocks,
+        num_blocks=executor.num_blocks,
         max_num_seqs=config.scheduler.max_num_seqs,
         tensor_parallel_size=config.parallel.tensor_parallel_size,
         generation_defaults=dict(config.model.generation_defaults),
-        load_phases=runner.load_times.phases(),
+        load_phases=executor.load_phases,
     )
 
 
@@ -151,9 +152,15 @@ class LLMEngine:
         self.vocab_size = resolved.model.vocab_size
         self.eos_token_ids = list(resolved.eos_token_ids)
         self.max_model_len = resolved.scheduler.max_model_len
-        self.runner = make_runner(resolved, on_failure=self._runner_failed)
+        self.executor = make_executor(resolved, on_failure=self._runner_failed)
+        try:
+            memory = self.executor.determine_available_memory()
+            self.executor.initialize_cache(self.executor.driver.runner.num_blocks_for(memory))
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.core = EngineCore(
-            num_blocks=self.runner.num_blocks,
+            num_blocks=self.executor.num_blocks,
             block_size=resolved.cache.block_size,
             max_num_seqs=resolved.scheduler.max_num_seqs,
             max_num_batched_tokens=resolved.scheduler.max_num_batched_tokens,
@@ -162,7 +169,7 @@ class LLMEngine:
             long_prefill_token_threshold=resolved.scheduler.long_prefill_token_threshold,
             tokenizer=self.tokenizer,
         )
-        self.model_info = _model_info(resolved, self.runner)
+        self.model_info = _model_info(resolved, self.executor)
         self.requests: dict[str, _Request] = {}
         self._by_core_id: dict[str, tuple[_Request, _Sequence]] = {}
         self._by_slot: dict[int, tuple[_Request, _Sequence]] = {}
@@ -368,10 +375,28 @@ class LLMEngine:
         )
 
     def gpu_memory(self):
-        """The runner's GPU memory figures now (aieng.gpu_memory.GpuMemory); None off CUDA."""
-        from aieng.gpu_memory import gpu_memory_figures
+        """Rank 0's GPU memory figures now (aieng.gpu_memory.GpuMemory); None off CUDA."""
+        return self.executor.gpu_memory()
 
-        return gpu_memory_figures(self.runner)
+    def prompt_logprobs(self, token_ids: Sequence[int], chunk_size: int | None = None):
+        """Log-probability of each token given the ones before it, through the serving forward
+        on every rank (one prefill into a scratch KV cache; with `chunk_size`, prefill chunks of
+        that many tokens): (len(token_ids) - 1,) float32 tensor."""
+        self._check_alive()
+        return self.executor.prompt_logprobs(token_ids, chunk_size)
+
+    @property
+    def runner(self):
+        """Rank 0's ModelRunner, in this process: for tests and tools that inspect the model
+        or its KV cache. The engine itself goes through `executor`."""
+        return self.executor.driver.runner
+
+    def shutdown(self) -> None:
+        """Releases every process, thread and group the engine started (its tensor-parallel
+        workers); later calls raise EngineDeadError. Idempotent."""
+        if self.dead_reason is None:
+            self.dead_reason = "the engine was shut down"
+        self.executor.shutdown()
 
     # ------------------------------------------------------------------ the step
 
@@ -385,7 +410,7 @@ class LLMEngine:
         step = RunnerStep(plan, self._added, self._finished_slots)
         self._added, self._finished_slots = [], []
         if plan.num_tokens == 0:
-            self.runner.execute(step)  # keeps the runner's sampling rows current
+            self.executor.execute(step)  # keeps the runner's sampling rows current
             self.core.update(np.zeros(0, np.int64))
             if self.core.has_unfinished():
                 raise RuntimeError("the scheduler produced an empty step with requests left")
@@ -394,7 +419,7 @@ class LLMEngine:
         if self._unscheduled:
             self._mark_scheduled(slots)
         try:
-            result = self.runner.execute(step)
+            result = self.executor.execute(step)
         except Exception as error:
             outputs = self._fail_step(plan, error)
             # Rows of live requests the runner may not have applied before it raised.
@@ -440,7 +465,7 @@ class LLMEngine:
     def _fail_step(self, plan, error: Exception) -> list[RequestOutput]:
         """The runner raised: end this step's requests with an error, keep the engine."""
         message = f"{type(error).__name__}: {error}"
-        if is_fatal_device_error(message):
+        if is_fatal(error):
             self.dead_reason = message
             logger.error("engine step failed; the device is unusable: %s", message)
             raise EngineDeadError(message) from error

@@ -15,14 +15,22 @@ from aieng._core import (
 __all__ = [
     "AiengError",
     "ChatTemplateError",
+    "EngineFatalError",
     "EngineStateError",
     "InvalidArgumentError",
     "OutOfBlocksError",
     "RequestTooLargeError",
     "TokenizerError",
     "UnknownRequestError",
+    "is_fatal",
     "is_fatal_device_error",
 ]
+
+
+class EngineFatalError(RuntimeError):
+    """A failure after which the engine cannot serve (no one request's fault): a tensor-parallel
+    group out of step, a device left unusable."""
+
 
 # Failures after which the device cannot be trusted: the engine stops instead of serving garbage.
 FATAL_DEVICE_ERRORS = (
@@ -32,10 +40,16 @@ FATAL_DEVICE_ERRORS = (
     "CUBLAS_STATUS",
     "cuDNN error",
     "NCCL error",
-    "tensor-parallel group failed",  # aieng.distributed.executor.FAILURE: ranks out of step
 )
 
 
 def is_fatal_device_error(message: str) -> bool:
-    """Whether an error with this text left the device unusable (not one request's fault)."""
+    """Whether an error with this text left the device unusable (not one request's fault).
+    torch reports CUDA failures as plain RuntimeErrors: their text is all there is to go on."""
     return any(marker in message for marker in FATAL_DEVICE_ERRORS)
+
+
+def is_fatal(error: BaseException) -> bool:
+    """Whether `error` leaves the engine unable to serve: a typed EngineFatalError, or a
+    device failure torch reported."""
+    return isinstance(error, EngineFatalError) or is_fatal_device_error(str(error))

@@ -5,8 +5,8 @@ the previous window did not score are scored, each with as much left context as 
 allows (a window's first token has none, so the text's first token, and with stride == window
 each window's first, go unscored — as in transformers' perplexity guide). The mean of the scored
 tokens' negative log-likelihoods is exponentiated. Scores come from
-`ModelRunner.prompt_logprobs`, the engine's own forward path, so this is the yardstick for
-quantization and kernel changes.
+`LLMEngine.prompt_logprobs`, the engine's own forward path on every rank, so this is the
+yardstick for quantization and kernel changes.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
-from aieng._core import InvalidArgumentError, Tokenizer
+from aieng._core import InvalidArgumentError
+from aieng.engine import LLMEngine
 from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
-from aieng.runner import ModelRunner
 
 
 @dataclass
@@ -53,15 +53,21 @@ def sliding_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int
     return spans
 
 
+class Scorer(Protocol):
+    """What scores a window: an LLMEngine, or a ModelRunner of one's own (tests)."""
+
+    def prompt_logprobs(self, token_ids: Sequence[int], chunk_size: int | None = None): ...
+
+
 def perplexity_of_ids(
-    runner: ModelRunner, ids: Sequence[int], window: int, stride: int
+    scorer: Scorer, ids: Sequence[int], window: int, stride: int
 ) -> PerplexityResult:
     if len(ids) < 2:
         raise InvalidArgumentError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
     start = time.perf_counter()
     total, count = 0.0, 0
     for begin, end, first in sliding_windows(len(ids), window, stride):
-        logprobs = runner.prompt_logprobs(ids[begin:end])  # targets begin+1 .. end-1
+        logprobs = scorer.prompt_logprobs(ids[begin:end])  # targets begin+1 .. end-1
         scored = logprobs[first - begin - 1 :]
         total -= float(scored.double().sum())
         count += len(scored)
@@ -86,32 +92,37 @@ def perplexity(
     max_tokens: int | None = None,
     device: str | None = None,
     kv_cache_dtype: str = "auto",
+    tensor_parallel_size: int = 1,
 ) -> PerplexityResult:
     """Perplexity of the checkpoint folder `model` on a UTF-8 text file. `window` defaults to the
     model's context, `stride` to half the window; `max_tokens` scores only the text's start.
-    kv_cache_dtype: EngineArgs.kv_cache_dtype ('int8' scores through an INT8 cache)."""
+    kv_cache_dtype: EngineArgs.kv_cache_dtype ('int8' scores through an INT8 cache). Scored by an
+    engine (`LLMEngine.prompt_logprobs`), so tensor_parallel_size > 1 scores across ranks."""
     path = Path(text_file)
     if not path.is_file():
         raise FileNotFoundError(f"no such text file: {path}")
     text = path.read_text(encoding="utf-8")
-    tokenizer = Tokenizer.from_dir(str(model))
-    ids = tokenizer.encode(text, add_special_tokens=True)
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    # Scoring uses scratch caches sized per window; the runner's own cache stays small.
+    # Scoring uses scratch caches sized per window; the engine's own cache stays small.
     args = EngineArgs(
         model=str(model),
         device=device or "auto",
         max_num_seqs=1,
         kv_cache_memory=16 << 20,
         kv_cache_dtype=kv_cache_dtype,
+        tensor_parallel_size=tensor_parallel_size,
     )
-    runner = ModelRunner(create_engine_config(args))
-    window = window or runner.config.max_position_embeddings
-    stride = stride or max(1, window // 2)
-    if window > runner.config.max_position_embeddings:
-        raise InvalidArgumentError(
-            f"window {window} exceeds the model's context of "
-            f"{runner.config.max_position_embeddings} tokens"
-        )
-    return perplexity_of_ids(runner, ids, window, stride)
+    engine = LLMEngine(args)
+    try:
+        ids = engine.tokenizer.encode(text, add_special_tokens=True)
+        if max_tokens is not None:
+            ids = ids[:max_tokens]
+        context = engine.model_info.max_model_len
+        window = window or context
+        stride = stride or max(1, window // 2)
+        if window > context:
+            raise InvalidArgumentError(
+                f"window {window} exceeds the model's context of {context} tokens"
+            )
+        return perplexity_of_ids(engine, ids, window, stride)
+    finally:
+        engine.shutdown()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from aieng.errors import is_fatal_device_error
+from aieng.errors import is_fatal
 from aieng.runner_io import SampledLogprobs
 from aieng.sampler import Sampler, SamplerOutput, SamplingTable
 
@@ -35,7 +35,7 @@ def sample_rows(
     try:
         return (*_sample(sampler, table, logits, slots, bitmask, to_host), {})
     except Exception as error:
-        if is_fatal_device_error(str(error)):
+        if is_fatal(error):
             raise
         if len(slots) == 1:
             return _all_failed(slots, error)

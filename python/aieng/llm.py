@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from aieng._core import InvalidArgumentError
-from aieng.engine import LLMEngine
+from aieng.engine import LLMEngine, run_as_launched_worker
 from aieng.engine_args import EngineArgs
 from aieng.models.default import default_model_path
 from aieng.outputs import RequestOutput
@@ -22,6 +22,12 @@ class LLM:
 
     `generate` runs a batch to completion, `stream` yields incremental outputs of one
     prompt, `chat` renders conversations with the model's chat template first.
+
+    Its lifetime is explicit: `shutdown()`, leaving a `with LLM(...) as llm:` block, and
+    garbage collection each release every process, thread and buffer the engine started, so
+    engines can be built one after another in one process. In a process a launcher (torchrun)
+    started as tensor-parallel rank > 0, `LLM(...)` serves as that rank's worker until rank 0
+    shuts down, then exits the process (SystemExit with the worker's status).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any):
@@ -31,6 +37,9 @@ class LLM:
         args = EngineArgs(model=model, **kwargs)
         if args.model is None:  # the bundled default model (aieng.models.default)
             args.model = str(default_model_path())
+        worker_status = run_as_launched_worker(args)
+        if worker_status is not None:  # a launcher's rank > 0: it served as a worker
+            raise SystemExit(worker_status)
         self.engine = LLMEngine(args)
         defaults = self.engine.model_info.generation_defaults
         self.default_sampling_params = SamplingParams(**defaults)
@@ -39,6 +48,17 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Releases everything the engine started (tensor-parallel workers included); the LLM
+        cannot generate afterwards. Idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -24,7 +24,7 @@ import torch
 from aieng.attention import AttentionInputs, ForwardContext, KVCache, select_attention_backend
 from aieng.cuda_graphs import GRAPH_PAD_BLOCKS, capture_decode_graphs, graphs_wanted
 from aieng.engine_config import EngineConfig
-from aieng.errors import is_fatal_device_error
+from aieng.errors import is_fatal
 from aieng.gpu_memory import log_gpu_memory
 from aieng.host_memory import available_ram
 from aieng.input_buffers import InputBuffers
@@ -43,12 +43,11 @@ CPU_KV_CACHE_FRACTION = 0.2  # of available RAM, when kv_cache_memory is not giv
 class ModelRunner:
     samples = True  # False on tensor-parallel ranks > 0: they run the model, rank 0 samples
 
-    def __init__(self, config: EngineConfig):
-        """config.cache.kv_cache_memory: bytes for the KV cache (default on CPU: a fraction of
-        available RAM; on CUDA: what gpu_memory_utilization of the GPU leaves after a profiling
-        forward of max_num_batched_tokens tokens; a default budget is capped at what
-        max_num_seqs full-length sequences can use). config.eos_token_ids: banned from rows
-        below min_tokens."""
+    def __init__(self, config: EngineConfig, allocate_cache: bool = True):
+        """Loads the model. With `allocate_cache` (a runner on its own: tests, tools) it also
+        sizes and allocates its KV cache; a Worker leaves that to its executor, which asks every
+        rank `available_kv_cache_memory()` and then calls `initialize_cache(num_blocks)`.
+        config.eos_token_ids: banned from rows below min_tokens."""
         self.engine_config = config
         args = config.args
         self.device = config.torch_device
@@ -74,10 +73,28 @@ class ModelRunner:
                 f"kv_cache_dtype {kv_cache_dtype!r}: the attention backend "
                 f"{self.attention.name!r} reads only {', '.join(self.attention.kv_cache_dtypes)}"
             )
+        max_blocks = math.ceil(self.max_model_len / self.block_size)
+        self.inputs = InputBuffers(self.max_num_batched_tokens, max_blocks, self.device)
+        self.sampling = SamplingTable(
+            self.config.vocab_size, self.device, capacity=max(64, config.scheduler.max_num_seqs)
+        )
+        self.sampler = Sampler(self.device, args.seed)
+        self.prompt_scorer = PromptScorer(self.device)
+        self.num_blocks = 0
+        self.kv_caches: list[KVCache] = []
+        self.graphs = None
+        if allocate_cache:
+            self.initialize_cache(self.num_blocks_for(self.available_kv_cache_memory()))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocates `num_blocks` KV blocks (every rank the same number), then captures the
+        decode CUDA graphs over them where they are wanted."""
+        if self.kv_caches:
+            raise RuntimeError("the KV cache is already allocated")
         kv_start = time.perf_counter()
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = num_blocks
         # CUDA graphs pad decode steps with rows that write a scratch block past the core's.
-        graphs = graphs_wanted(args.enforce_eager, self.device)
+        graphs = graphs_wanted(self.engine_config.args.enforce_eager, self.device)
         pad_blocks = GRAPH_PAD_BLOCKS if graphs else 0
         self.kv_caches = self.kv_spec.allocate(
             self.num_blocks + pad_blocks, self.device, self.attention
@@ -96,36 +113,33 @@ class ModelRunner:
             self.device,
             self.attention.name,
         )
-        max_blocks = math.ceil(self.max_model_len / self.block_size)
-        self.inputs = InputBuffers(self.max_num_batched_tokens, max_blocks, self.device)
-        self.sampling = SamplingTable(
-            self.config.vocab_size, self.device, capacity=max(64, config.scheduler.max_num_seqs)
-        )
-        self.sampler = Sampler(self.device, args.seed)
-        self.prompt_scorer = PromptScorer(self.device)
-        self.graphs = (
-            capture_decode_graphs(self, config.scheduler.max_num_seqs, self.num_blocks)
-            if graphs
-            else None
-        )
+        max_num_seqs = self.engine_config.scheduler.max_num_seqs
+        self.graphs = capture_decode_graphs(self, max_num_seqs, num_blocks) if graphs else None
         log_gpu_memory(self)
 
     @property
     def block_bytes(self) -> int:
         return self.kv_spec.block_bytes
 
-    def _num_blocks(self) -> int:
+    def available_kv_cache_memory(self) -> int:
+        """Bytes this device gives the KV cache: config.cache.kv_cache_memory, or by default on
+        CPU a fraction of available RAM, on CUDA what gpu_memory_utilization of the GPU leaves
+        after a profiling forward of max_num_batched_tokens tokens; a default budget is capped
+        at what max_num_seqs full-length sequences can use."""
         cache = self.engine_config.cache
-        memory = cache.kv_cache_memory
-        if memory is None:
-            memory = (
-                self._profile_free_memory(cache.gpu_memory_utilization)
-                if self.device.type == "cuda"
-                else int(available_ram() * CPU_KV_CACHE_FRACTION)
-            )
-            blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
-            max_num_seqs = self.engine_config.scheduler.max_num_seqs
-            memory = min(memory, max_num_seqs * blocks_per_seq * self.block_bytes)
+        if cache.kv_cache_memory is not None:
+            return cache.kv_cache_memory
+        memory = (
+            self._profile_free_memory(cache.gpu_memory_utilization)
+            if self.device.type == "cuda"
+            else int(available_ram() * CPU_KV_CACHE_FRACTION)
+        )
+        blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        max_num_seqs = self.engine_config.scheduler.max_num_seqs
+        return max(0, min(memory, max_num_seqs * blocks_per_seq * self.block_bytes))
+
+    def num_blocks_for(self, memory: int) -> int:
+        """How many KV blocks `memory` bytes hold (ValueError when not one)."""
         num_blocks = memory // self.block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -193,7 +207,7 @@ class ModelRunner:
         try:
             return self.prompt_scorer.score(plan, hidden, self.model.compute_logits)
         except Exception as error:
-            if is_fatal_device_error(str(error)):
+            if is_fatal(error):
                 raise
             for slot in scoring:
                 self.prompt_scorer.remove(slot)

@@ -23,7 +23,7 @@ def add_eval(commands) -> None:
     p.add_argument("--stride", type=positive_int, metavar="N", help="default: half the window")
     p.add_argument("--max-tokens", type=positive_int, metavar="N", help="score only the start")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    EngineArgs.add_cli_args(p, only=("model", "device", "kv_cache_dtype"))
+    EngineArgs.add_cli_args(p, only=("model", "device", "kv_cache_dtype", "tensor_parallel_size"))
     p.set_defaults(run=run_eval)
 
 
@@ -40,6 +40,7 @@ def run_eval(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         device=None if engine.device == "auto" else engine.device,
         kv_cache_dtype=engine.kv_cache_dtype,
+        tensor_parallel_size=engine.tensor_parallel_size,
     )
     if args.json:
         print(json.dumps({"model": str(folder), "file": args.text, **result.as_dict()}))

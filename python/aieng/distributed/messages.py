@@ -74,11 +74,34 @@ class Execute:
 
 @dataclass(frozen=True)
 class Call:
-    """Call a runner method whose forward needs every rank (e.g. `prompt_logprobs`)."""
+    """Call a Worker method on every rank (`Executor.collective_rpc`): one whose forward needs
+    every rank (`prompt_logprobs`), or one each rank answers for itself. With reduce="min" every
+    rank joins an all-reduce of its (integer) result, and all get the minimum."""
 
     method: str
     args: tuple = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    reduce: str | None = None
+
+
+REDUCTIONS = ("min",)
+
+
+def run_call(worker: Any, call: Call) -> Any:
+    """Runs `call` on this rank's worker (every rank does, rank 0 included)."""
+    result = getattr(worker, call.method)(*call.args, **call.kwargs)
+    if call.reduce is None:
+        return result
+    if call.reduce not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {call.reduce!r}: one of {', '.join(REDUCTIONS)}")
+    import torch
+    import torch.distributed as dist
+
+    from aieng.distributed import parallel_state
+
+    value = torch.tensor([int(result)], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=parallel_state.get_cpu_group())
+    return int(value.item())
 
 
 @dataclass(frozen=True)

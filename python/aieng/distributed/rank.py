@@ -1,5 +1,5 @@
 """One tensor-parallel rank's set-up, the same on the driver and on every worker: join the group,
-pick the device and the CPU threads, open the group of step messages, build the rank's runner."""
+pick the device and the CPU threads, open the group of step messages."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from aieng.distributed import parallel_state
 from aieng.engine_config import EngineConfig
-from aieng.runner import ModelRunner
 
 # Workers wait for the next step message as long as the engine stays idle; a dead driver still
 # ends the wait at once (its connection closes).
@@ -62,22 +61,3 @@ def join_group(config: EngineConfig, place: RankPlace) -> dist.ProcessGroup:
     group = dist.new_group(backend="gloo", timeout=timeout)
     assert isinstance(group, dist.ProcessGroup)  # every rank is a member
     return group
-
-
-class RankRunner(ModelRunner):
-    """A ModelRunner that is one rank of a tensor-parallel group.
-
-    Every rank must hold the same number of KV blocks (the core's accounting on the driver is
-    the only one), so each takes the minimum over the ranks of what its memory allows. Ranks
-    other than the driver run the model but do not sample (`samples`): their logits
-    all-gather still joins the collective, and the grammar masks stay with the driver's core."""
-
-    def __init__(self, config: EngineConfig, samples: bool):
-        self.samples = samples
-        super().__init__(config)
-
-    def _num_blocks(self) -> int:
-        own = super()._num_blocks()
-        count = torch.tensor([own], dtype=torch.int64)
-        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=parallel_state.get_cpu_group())
-        return int(count.item())

@@ -27,23 +27,24 @@ from aieng.engine_config import EngineConfig
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from aieng.distributed.rank import RankPlace, RankRunner
+    from aieng.distributed.rank import RankPlace
+    from aieng.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
-def serve_steps(runner: RankRunner, group: dist.ProcessGroup) -> None:
-    """Runs rank 0's messages on `runner` until Shutdown; a broken group raises."""
-    from aieng.distributed.messages import Call, Execute, Shutdown, receive_message
+def serve_steps(worker: Worker, group: dist.ProcessGroup) -> None:
+    """Runs rank 0's messages on `worker` until Shutdown; a broken group raises."""
+    from aieng.distributed.messages import Call, Execute, Shutdown, receive_message, run_call
 
     while True:
         message = receive_message(group)
         if isinstance(message, Shutdown):
             return
         if isinstance(message, Execute):
-            runner.execute(message.step)
+            worker.execute(message.step)
         elif isinstance(message, Call):
-            getattr(runner, message.method)(*message.args, **message.kwargs)
+            run_call(worker, message)
         else:
             raise TypeError(f"unknown tensor-parallel message {type(message).__name__}")
 
@@ -58,7 +59,8 @@ def run_worker(
     import torch
 
     from aieng.distributed import parallel_state
-    from aieng.distributed.rank import RankRunner, cpu_threads, join_group, rank_config
+    from aieng.distributed.rank import cpu_threads, join_group, rank_config
+    from aieng.worker import Worker
 
     threads = cpu_threads(config, place.world_size)
     if threads is not None:
@@ -67,11 +69,11 @@ def run_worker(
     if report is not None:
         report("started", "")
     group = join_group(config, place)
-    runner = RankRunner(rank_config(config, place), samples=False)
+    worker = Worker(rank_config(config, place), samples=False)
     if report is not None:
         report("ready", "")
     try:
-        serve_steps(runner, group)
+        serve_steps(worker, group)
     finally:
         parallel_state.destroy_tensor_parallel()
 
@@ -127,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher started: rank 0 serves as `aieng serve` does, the others run here."""
     import argparse
 
-    from aieng.distributed.executor import launched_place
+    from aieng.executor.multiproc import launched_place
     from aieng.models.default import default_model_path
 
     parser = argparse.ArgumentParser(prog="python -m aieng.distributed.worker")

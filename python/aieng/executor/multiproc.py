@@ -1,19 +1,21 @@
-"""The engine's runner for `tensor_parallel_size` N: the plain ModelRunner for N = 1, else a
-`TensorParallelRunner` that behaves like one (vLLM's driver worker).
+"""`MultiprocExecutor`: tensor_parallel_size N > 1 — rank 0's worker in this process, ranks
+1..N-1 in processes of their own (vLLM's multiprocessing executor).
 
-The process that runs the engine is rank 0: it holds rank 0's runner in-process and, on one
-machine, spawns ranks 1..N-1 (`torch.multiprocessing`, spawn) which rendezvous with it through
-env:// — the path a launcher (torchrun) takes on several machines, where every process finds its
-RANK and WORLD_SIZE in the environment and ranks > 0 become workers (`launched_place`).
+On one machine the executor spawns ranks 1..N-1 (`torch.multiprocessing`, spawn), which
+rendezvous with rank 0 through env:// — the path a launcher (torchrun) takes on several machines,
+where every process finds its RANK and WORLD_SIZE in the environment and ranks > 0 become
+workers (`launched_place`, `run_as_launched_worker`).
 
-Each step rank 0 broadcasts one message (`messages.Execute`) and runs its own runner; the
+Each step rank 0 broadcasts one message (`messages.Execute`) and runs its own worker; the
 collectives inside the model keep the ranks in step, and rank 0's sampled tokens are the step's.
+Other worker methods go to every rank as a `messages.Call` (`collective_rpc`); the minimum of the
+ranks' KV-cache memory is taken there, by an all-reduce over the ranks' results.
 
 Failures are fatal: after one the ranks are out of step. A worker that dies is seen by a
 watcher thread at once (and by the collective it leaves, which raises); one that hangs makes
 the next collective raise after `distributed_timeout_s`. Either way the engine learns it through
-`on_failure` or a `TensorParallelError` (its message starts with `FAILURE`, which the engine
-counts as fatal), the remaining workers are stopped and joined, and nothing waits forever.
+`on_failure` or a `WorkerFailedError` (a typed, fatal failure), the remaining workers are stopped
+and joined, and nothing waits forever.
 """
 
 from __future__ import annotations
@@ -25,19 +27,19 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from aieng.engine_args import EngineArgs
 from aieng.engine_config import EngineConfig
+from aieng.executor.base import Executor, ExecutorError, WorkerFailedError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
     from aieng.distributed.rank import RankPlace
-    from aieng.runner import ModelRunner
     from aieng.runner_io import ModelRunnerOutput, RunnerStep
 
 logger = logging.getLogger(__name__)
@@ -47,38 +49,6 @@ JOIN_S = 5.0  # how long a worker gets to leave after the shutdown message
 TERM_S = 1.0  # how long a worker gets after SIGTERM before SIGKILL (a stopped one never exits)
 START_S = 300.0  # how long spawned workers may take to import torch and aieng
 REPORT_WAIT_S = 2.0  # after a collective fails: how long to wait for the worker's exit
-
-
-class TensorParallelError(RuntimeError):
-    """A rank died, hung or failed: the group cannot run another step."""
-
-
-def make_runner(
-    config: EngineConfig,
-    on_failure: Callable[[str], None] | None = None,
-) -> ModelRunner | TensorParallelRunner:
-    """The runner for `config.parallel.tensor_parallel_size`. `on_failure(reason)` is called from a
-    watcher thread when a worker dies between steps. In a process a launcher started as a
-    rank > 0, this serves as that worker until rank 0 shuts down, then exits the process."""
-    from aieng.distributed import parallel_state
-
-    if parallel_state.get_tp_world_size() > 1:
-        raise RuntimeError(
-            "this process already holds a tensor-parallel engine (rank "
-            f"{parallel_state.get_tp_rank()} of {parallel_state.get_tp_world_size()}); shut it "
-            "down first (engine.runner.shutdown())"
-        )
-    size = config.parallel.tensor_parallel_size
-    if size == 1:
-        from aieng.runner import ModelRunner
-
-        return ModelRunner(config)
-    place = launched_place(config.args)
-    if place is not None and place.rank > 0:
-        from aieng.distributed.worker import run_launched
-
-        raise SystemExit(run_launched(config, place))
-    return TensorParallelRunner(config, on_failure, launched=place is not None)
 
 
 def launched_place(args: EngineArgs) -> RankPlace | None:
@@ -228,7 +198,7 @@ class _Workers:
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TensorParallelError(
+                raise WorkerFailedError(
                     f"{FAILURE}: worker rank {min(pending) + 1} not {kind} within {limit}"
                 )
             objects = [self.conns[i] for i in pending] + [self.procs[i].sentinel for i in pending]
@@ -253,7 +223,7 @@ class _Workers:
 
     def start_error(self, index: int, before: str = "") -> Exception:
         """A worker's start-up failure as the driver's one line: its own exception's type when
-        that is a plain input error (ValueError), else a TensorParallelError."""
+        that is a plain input error (ValueError), else a WorkerFailedError."""
         self.collect_reports()
         error = self.errors.get(index, "")
         name, _, text = error.partition(": ")
@@ -265,7 +235,7 @@ class _Workers:
                 " before it could start; a script that starts a tensor-parallel engine must "
                 "guard its top level with `if __name__ == '__main__':` (spawned ranks import it)"
             )
-        return TensorParallelError(message)
+        return WorkerFailedError(message)
 
     def watch(self) -> None:
         import multiprocessing as mp
@@ -329,9 +299,9 @@ class _Workers:
         self.stop()
 
 
-class TensorParallelRunner:
-    """Rank 0 of a tensor-parallel group, shaped like a ModelRunner for the engine: the
-    attributes are rank 0's runner's, and every forward first goes to the other ranks."""
+class MultiprocExecutor(Executor):
+    """Rank 0 of a tensor-parallel group: its worker in this process, and every call first
+    broadcast to the other ranks."""
 
     def __init__(
         self,
@@ -339,19 +309,17 @@ class TensorParallelRunner:
         on_failure: Callable[[str], None] | None = None,
         launched: bool = False,
     ):
+        """on_failure(reason): called from a watcher thread when a worker dies between steps
+        (held weakly, so the executor never keeps its engine alive). launched: a launcher
+        started the ranks; else this spawns ranks 1..N-1."""
         import torch
 
         from aieng.distributed import parallel_state
-        from aieng.distributed.rank import (
-            RankPlace,
-            RankRunner,
-            cpu_threads,
-            join_group,
-            rank_config,
-        )
+        from aieng.distributed.rank import RankPlace, cpu_threads, join_group, rank_config
+        from aieng.worker import Worker
 
         check_size(config)
-        self.engine_config = config
+        self.config = config
         self.world_size = config.parallel.tensor_parallel_size
         self._threads = cpu_threads(config, self.world_size)
         threads_before = torch.get_num_threads()
@@ -359,14 +327,14 @@ class TensorParallelRunner:
             torch.set_num_threads(self._threads)
             logger.info("tensor-parallel rank 0: %d CPU threads", self._threads)
         self._workers = _Workers()
-        self._workers.on_failure = on_failure
+        self._workers.on_failure = _weak_callback(on_failure)
         place = RankPlace(0, self.world_size, 0)
         try:
             if launched:
                 self._group = join_group(config, place)
             else:
                 self._group = self._start_workers(config, place)
-            self._local = RankRunner(rank_config(config, place), samples=True)
+            self.driver = Worker(rank_config(config, place), samples=True)
             if not launched:
                 timeout = config.parallel.distributed_timeout_s
                 self._workers.wait_for("ready", timeout, f"distributed_timeout_s ({timeout:g} s)")
@@ -406,25 +374,24 @@ class TensorParallelRunner:
                 return self._workers.start_error(index)
         return None
 
-    # ------------------------------------------------------------------ like a ModelRunner
-
-    def __getattr__(self, name: str) -> Any:
-        """num_blocks, max_num_batched_tokens, config, device, kv_spec, load_times, ...: rank
-        0's runner's."""
-        if name.startswith("__") or name == "_local":
-            raise AttributeError(name)
-        return getattr(self._local, name)
+    # ------------------------------------------------------------------ the executor
 
     def execute(self, step: RunnerStep) -> ModelRunnerOutput:
         from aieng.distributed.messages import Execute
 
-        return self._on_every_rank(Execute.of(step), lambda: self._local.execute(step))
+        return self._on_every_rank(Execute.of(step), lambda: self.driver.execute(step))
 
-    def prompt_logprobs(self, *args: Any, **kwargs: Any):
-        from aieng.distributed.messages import Call
+    def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        reduce: str | None = None,
+    ) -> Any:
+        from aieng.distributed.messages import Call, run_call
 
-        message = Call("prompt_logprobs", args, kwargs)
-        return self._on_every_rank(message, lambda: self._local.prompt_logprobs(*args, **kwargs))
+        message = Call(method, tuple(args), dict(kwargs or {}), reduce)
+        return self._on_every_rank(message, lambda: run_call(self.driver, message))
 
     def _on_every_rank(self, message, run_local: Callable[[], Any]) -> Any:
         import torch
@@ -432,9 +399,9 @@ class TensorParallelRunner:
         from aieng.distributed.messages import broadcast_message
 
         if self._workers.failure is not None:
-            raise TensorParallelError(self._workers.failure)
+            raise WorkerFailedError(self._workers.failure)
         if self._workers.closing:
-            raise TensorParallelError(f"{FAILURE}: the runner was shut down")
+            raise WorkerFailedError(f"{FAILURE}: the executor was shut down")
         if self._threads is not None and torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)  # the engine's loop may run in its own thread
         try:
@@ -448,7 +415,7 @@ class TensorParallelRunner:
             self._workers.fail(f"{FAILURE}: interrupted mid-step ({type(interrupt).__name__})")
             raise
 
-    def _fail(self, error: Exception) -> TensorParallelError:
+    def _fail(self, error: Exception) -> WorkerFailedError:
         """The step raised: a worker died (its connection closed: wait a moment for its exit to
         say how), hung (the collective timed out) or this rank failed."""
         text = f"{type(error).__name__}: {error}"
@@ -466,10 +433,10 @@ class TensorParallelRunner:
             if closed:
                 cause = "a rank's connection closed: it died or left"
             else:
-                limit = self.engine_config.parallel.distributed_timeout_s
+                limit = self.config.parallel.distributed_timeout_s
                 cause = f"a rank hung past distributed_timeout_s = {limit:g} s, or this one failed"
             self._workers.fail(f"{FAILURE}: {text} ({cause})")
-        return TensorParallelError(self._workers.failure)
+        return WorkerFailedError(self._workers.failure)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -498,7 +465,22 @@ def _check_port_free(addr: str, port: int) -> None:
         try:
             sock.bind((addr, port))
         except OSError as error:
-            raise TensorParallelError(
+            raise ExecutorError(
                 f"tensor-parallel rendezvous port {addr}:{port} (MASTER_ADDR:MASTER_PORT) cannot "
                 f"be used: {error.strerror or error}"
             ) from None
+
+
+def _weak_callback(callback: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """callback, held without keeping its object alive: a bound method (the engine's) must not
+    be kept by the workers' finalizer, or the engine could never be collected."""
+    if callback is None or not hasattr(callback, "__self__"):
+        return callback
+    method = weakref.WeakMethod(callback)  # type: ignore[arg-type]
+
+    def call(reason: str) -> None:
+        target = method()
+        if target is not None:
+            target(reason)
+
+    return call
