@@ -32,6 +32,8 @@ cargo test --quiet
 echo "== ruff"
 "$venv/ruff" check python tests benches scripts
 "$venv/ruff" format --check python tests benches scripts
+echo "== lint-imports (the layers of docs/design.md, no import cycles)"
+"$venv/lint-imports"
 echo "== mkdocs build --strict"
 "$venv/mkdocs" build --strict --site-dir "$(mktemp -d)"
 echo "== pytest"

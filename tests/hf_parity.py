@@ -2,7 +2,7 @@
 chunked, and after a prefix-cache hit — shared by the model-family test files."""
 
 import torch
-from fake_scheduler import FakeScheduler
+from core_driver import CoreDriver
 from tiny_models import VOCAB_SIZE, hf_greedy, load_hf
 
 from aieng.engine_args import EngineArgs
@@ -44,7 +44,7 @@ def check_matches(requests, expected):
 
 
 def check_batched(reference: HFReference, chunk_size: int | None) -> None:
-    scheduler = FakeScheduler(reference.runner, chunk_size=chunk_size)
+    scheduler = CoreDriver(reference.runner, chunk_size=chunk_size)
     requests = [scheduler.add(p, GREEDY) for p in reference.prompts]
     scheduler.run()
     check_matches(requests, reference.expected)
@@ -52,12 +52,14 @@ def check_batched(reference: HFReference, chunk_size: int | None) -> None:
 
 def check_prefix_hit(reference: HFReference, shared_blocks: int, tail: list[int]) -> None:
     """The longest prompt runs; then its first `shared_blocks` blocks + `tail` run as a hit."""
-    scheduler = FakeScheduler(reference.runner)
+    scheduler = CoreDriver(reference.runner)
     first = scheduler.add(reference.prompts[-1], GREEDY)
     scheduler.run()
     prompt = reference.prompts[-1][: shared_blocks * BLOCK_SIZE] + tail
-    request = scheduler.add(prompt, GREEDY, cached_blocks=first.blocks[:shared_blocks])
+    request = scheduler.add(prompt, GREEDY)  # the core's prefix cache holds the shared blocks
     scheduler.run()
+    assert first.num_cached_tokens == 0
+    assert request.num_cached_tokens >= shared_blocks * BLOCK_SIZE
     check_matches([request], [hf_greedy(reference.hf, prompt, MAX_TOKENS)])
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_scheduler import FakeScheduler
+from core_driver import CoreDriver
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
 from aieng.attention.backend import QuantizedKVCache
@@ -26,10 +26,10 @@ from aieng.attention.cuda_self_check import (
     random_step,
     reference_attention,
 )
+from aieng.attention.layer import Attention
 from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.engine_args import EngineArgs
 from aieng.engine_config import create_engine_config
-from aieng.layers.attention import Attention
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
 
@@ -217,7 +217,7 @@ def run_engine(folder: Path, dtype: str, backend: str, kv_cache_dtype: str) -> l
     )  # fmt: skip
     runner = ModelRunner(create_engine_config(args))
     assert runner.attention.name == backend
-    scheduler = FakeScheduler(runner)
+    scheduler = CoreDriver(runner)
     generator = torch.Generator().manual_seed(3)
     for n in PROMPT_LENS:
         prompt = torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist()

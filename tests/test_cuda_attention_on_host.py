@@ -24,9 +24,9 @@ from aieng.attention.cuda_self_check import (
     random_step,
     reference_attention,
 )
+from aieng.attention.layer import Attention
 from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.kernels.paged_attention import Launch, decode_launches, prefill_launch
-from aieng.layers.attention import Attention
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler (g++ or clang++)")

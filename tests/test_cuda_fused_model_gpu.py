@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_scheduler import FakeScheduler
+from core_driver import CoreDriver
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
 import aieng.kernels.fused as fused
@@ -69,7 +69,7 @@ def run_engine(folder: Path, dtype: str, backend: str, kv_cache_dtype: str) -> l
     )  # fmt: skip
     runner = ModelRunner(create_engine_config(args))
     assert runner.attention.name == backend
-    scheduler = FakeScheduler(runner)
+    scheduler = CoreDriver(runner)
     generator = torch.Generator().manual_seed(3)
     for n in PROMPT_LENS:
         prompt = torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fake_scheduler import FakeScheduler
+from core_driver import CoreDriver
 from test_fused_dispatch import tiny_config
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
@@ -213,7 +213,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 def greedy(folder: Path) -> list:
     args = EngineArgs(model=str(folder), device="cpu", block_size=4, kv_cache_memory=1 << 20)
-    scheduler = FakeScheduler(ModelRunner(create_engine_config(args)))
+    scheduler = CoreDriver(ModelRunner(create_engine_config(args)))
     generator = torch.Generator().manual_seed(3)
     for n in (1, 6, 13):
         prompt = torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_scheduler import FakeScheduler
+from core_driver import CoreDriver
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
 from aieng.engine_args import EngineArgs
@@ -59,7 +59,7 @@ def generate(folder, enforce_eager: bool, **options) -> tuple[list, int]:
         runner.graphs.run = counted
     else:
         assert runner.graphs is None
-    scheduler = FakeScheduler(runner)
+    scheduler = CoreDriver(runner)
     generator = torch.Generator().manual_seed(7)
     for n in PROMPT_LENS:
         prompt = torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist()

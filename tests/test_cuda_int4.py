@@ -18,7 +18,8 @@ import torch
 from quantized_checkpoints import min_max_quantize
 
 from aieng.attention.backend import AttentionInputs, QuantizedKVCache
-from aieng.attention.torch_paged import TorchPagedAttention, quantize_int8
+from aieng.attention.layer import Attention
+from aieng.attention.torch_paged import TorchPagedAttention
 from aieng.cuda_graphs import (
     GRAPH_PAD_BLOCKS,
     DecodeGraphs,
@@ -63,8 +64,8 @@ from aieng.kernels.int4 import (
     repack,
     unpack,
 )
+from aieng.kernels.reference import quantize_int8
 from aieng.kernels.self_check import passes_check
-from aieng.layers.attention import Attention
 from aieng.layers.linear import Linear
 from aieng.models.default import default_model_path
 from aieng.quantization import cuda_int4, methods
@@ -622,7 +623,7 @@ def test_engine_with_the_cuda_int4_method_follows_the_reference(tmp_path, monkey
     """Every 4-bit layer of a loaded checkpoint (fused q/k/v and gate/up included) taken over by
     the CUDA method — its kernels' math run on the CPU — gives the dequantize reference's
     greedy tokens (float32: the float16 scales are the only difference)."""
-    from fake_scheduler import FakeScheduler
+    from core_driver import CoreDriver
     from quantized_checkpoints import write_compressed_tensors
     from tiny_models import VOCAB_SIZE, build_checkpoint
 
@@ -649,7 +650,7 @@ def test_engine_with_the_cuda_int4_method_follows_the_reference(tmp_path, monkey
         kinds = methods.describe_linear_kernels(runner.model)
         taken, other = ("cuda_int4", "dequant") if cuda else ("dequant", "cuda_int4")
         assert taken in kinds and other not in kinds, kinds
-        scheduler = FakeScheduler(runner)
+        scheduler = CoreDriver(runner)
         generator = torch.Generator().manual_seed(5)
         for n in (1, 6, 19):
             prompt = torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist()

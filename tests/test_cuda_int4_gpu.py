@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_scheduler import FakeScheduler
+from core_driver import CoreDriver
 from test_cuda_int4 import quantized_layer_from, random_int4, scheme
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
@@ -132,7 +132,7 @@ def run_engine(folder, dtype: str, kernels: bool, monkeypatch) -> list:
         runner = ModelRunner(create_engine_config(args))
     kinds = methods.describe_linear_kernels(runner.model)
     assert ("cuda_int4" in kinds) == kernels, kinds
-    scheduler = FakeScheduler(runner)
+    scheduler = CoreDriver(runner)
     generator = torch.Generator().manual_seed(3)
     for n in PROMPT_LENS:
         prompt = torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from fake_scheduler import FakeScheduler
+from core_driver import CoreDriver
 from hf_parity import (
     GREEDY,
     HFReference,
@@ -176,7 +176,7 @@ def test_gemma_with_an_int8_kv_cache_runs(tmp_path, monkeypatch):
     )
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 19, 30)]
-    scheduler = FakeScheduler(runner, chunk_size=6)
+    scheduler = CoreDriver(runner, chunk_size=6)
     requests = [scheduler.add(p, GREEDY) for p in prompts]
     steps = 0
     while scheduler.step():
@@ -218,7 +218,7 @@ def test_gemma_int4_checkpoint_matches_hf_on_the_dequantized_weights(tmp_path, m
                     weight.copy_(block)
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (2, 11, 26)]
-    scheduler = FakeScheduler(runner, chunk_size=5)
+    scheduler = CoreDriver(runner, chunk_size=5)
     requests = [scheduler.add(p, GREEDY) for p in prompts]
     scheduler.run()
     check_matches(requests, [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts])

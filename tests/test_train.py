@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from fake_scheduler import FakeScheduler
+from core_driver import CoreDriver
 from tiny_models import ARCHITECTURES, build_checkpoint, hf_greedy, load_hf
 from tokenizers import Tokenizer
 from train_fixtures import tiny_config, train_tiny, write_corpus
@@ -142,7 +142,7 @@ def test_training_forward_matches_serving_forward(trained):
             scored, runner.prompt_logprobs(row.tolist()), atol=1e-5, rtol=1e-5
         )
 
-    scheduler = FakeScheduler(runner, chunk_size=8)
+    scheduler = CoreDriver(runner, chunk_size=8)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     for length in (5, 13, 30):
         scheduler.add(ids[0, :length].tolist(), greedy)

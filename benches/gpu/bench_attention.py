@@ -31,8 +31,8 @@ from aieng.attention.cuda_paged import (
     split_plan,
 )
 from aieng.attention.cuda_self_check import RequestSpec, random_cache, random_step
+from aieng.attention.layer import Attention
 from aieng.attention.torch_paged import TorchPagedAttention
-from aieng.layers.attention import Attention
 
 SHAPES = [(64, 1024), (16, 4096), (1, 32768)]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aieng.architectures import check_supported
 from aieng.quantization.config import QuantizationConfig, parse_quantization_config
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
@@ -153,9 +154,7 @@ class ModelConfig:
             raise ValueError(f"{source}: field 'architectures' must name the model class")
         architecture = architectures[0]
         # The architecture first: an unsupported model is named as such, not by a missing field.
-        from aieng.models.registry import model_class
-
-        model_class(architecture, source)
+        check_supported(architecture, source)
         if architecture in GEMMA_DEFAULTS:  # absent fields take transformers' Gemma defaults
             raw = {**GEMMA_DEFAULTS[architecture], **raw}
             fields = _Fields(raw, source)

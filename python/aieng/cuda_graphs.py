@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -29,6 +28,7 @@ import torch
 
 from aieng.attention import ForwardContext
 from aieng.kernels.self_check import relative_error
+from aieng.step_plan import ForwardArrays, ForwardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,12 @@ class PaddedDecode:
 
 
 def pad_decode(
-    plan: Any, block_tables: np.ndarray, size: int, width: int, pad_block: int, block_size: int
+    plan: ForwardPlan,
+    block_tables: np.ndarray,
+    size: int,
+    width: int,
+    pad_block: int,
+    block_size: int,
 ) -> PaddedDecode:
     """R decode rows of `plan` (its input_ids, positions, slot_mapping, seq_lens) and their
     block tables (R, w <= width) -> `size` rows of `width` blocks. Padding rows read and write
@@ -193,7 +198,7 @@ class DecodeGraphs:
 
     def _empty_step(self, size: int) -> PaddedDecode:
         empty = np.zeros(0, np.int64)
-        plan = _Rows(empty, empty, empty, np.zeros(0, np.int32))
+        plan = ForwardArrays(empty, empty, empty, np.zeros(1, np.int64), empty, empty)
         tables = np.zeros((0, self.width), np.int32)
         return pad_decode(plan, tables, size, self.width, self.pad_block, self.block_size)
 
@@ -269,14 +274,14 @@ class DecodeGraphs:
         padded = self.run(plan, tables) if replay else self.forward_padded(plan, tables)
         return relative_error(padded.float(), eager)
 
-    def check_step(self) -> tuple[Any, np.ndarray]:
+    def check_step(self) -> tuple[ForwardArrays, np.ndarray]:
         block = self.pad_block + 1
         size = max(s for s in self.sizes if s <= self.block_size)
         rows = max(1, size - 1)
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self.runner.config.vocab_size, (rows,), generator=generator)
         positions = np.arange(rows, dtype=np.int64)
-        plan = SimpleNamespace(
+        plan = ForwardArrays(
             input_ids=ids.numpy(),
             positions=positions,
             slot_mapping=block * self.block_size + positions,
@@ -285,16 +290,6 @@ class DecodeGraphs:
             seq_lens=(positions + 1).astype(np.int32),
         )
         return plan, np.full((rows, 1), block, np.int32)
-
-
-@dataclass
-class _Rows:
-    """The arrays of decode rows `pad_decode` reads (a StepPlan has them too)."""
-
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    seq_lens: np.ndarray
 
 
 def capture_decode_graphs(runner: Any, max_num_seqs: int, pad_block: int) -> DecodeGraphs | None:

@@ -396,3 +396,10 @@ def _refusal(f: dataclasses.Field, value: Any) -> str | None:
         return f"must be one of {', '.join(choices)}"
     check = f.metadata["check"]
     return check(value) if check else None
+
+
+# Number types of command-line flags (argparse `type=`), with the checks' messages.
+positive_int = cli_type(int, at_least(1))
+non_negative_float = cli_type(float, at_least(0))
+probability = cli_type(float, fraction)
+port_number = cli_type(int, in_range(1, 65535))

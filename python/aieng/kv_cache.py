@@ -19,8 +19,8 @@ import torch
 
 from aieng.attention.backend import AttentionBackend, KVCache, QuantizedKVCache
 from aieng.config import ModelConfig
+from aieng.distributed.parallel_state import kv_heads_per_rank
 from aieng.engine_args import KV_CACHE_DTYPES
-from aieng.layers.parallel import kv_heads_per_rank
 
 
 @dataclass(frozen=True)

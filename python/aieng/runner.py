@@ -11,11 +11,11 @@ logits only for the rows that sample, sample, and read the sampled ids back in o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ from aieng.models.loader import LoadTimes, load_model
 from aieng.prompt_logprobs import PromptScorer
 from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, RunnerStep, SampledLogprobs
 from aieng.sampler import Sampler, SamplerOutput, SamplingTable
+from aieng.step_plan import ForwardArrays, ForwardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -226,9 +227,9 @@ class ModelRunner:
         )
 
     def _forward(
-        self, plan, block_tables: np.ndarray, kv_caches: list[KVCache] | None
+        self, plan: ForwardPlan, block_tables: np.ndarray, kv_caches: list[KVCache] | None
     ) -> torch.Tensor:
-        """plan: the StepPlan's (or a one-off plan's) arrays; block_tables (R, W)."""
+        """plan: a step's plan or a one-off forward's arrays; block_tables (R, W)."""
         input_ids, positions, slot_mapping = self.inputs.write(
             plan.input_ids, plan.positions, plan.slot_mapping
         )
@@ -279,15 +280,13 @@ class ModelRunner:
             raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
         num_blocks = math.ceil(n / self.block_size)
         ids = np.asarray(token_ids, dtype=np.int32)
-        plan = _single_prompt_plan(n, num_blocks, self.block_size)
-        plan.input_ids = ids
+        plan, block_tables = _single_prompt_plan(n, num_blocks, self.block_size)
+        plan = dataclasses.replace(plan, input_ids=ids)
         scratch = self.kv_spec.allocate(num_blocks, self.device, self.attention)
         chunk = chunk_size or n
         hidden = torch.cat(
             [
-                self._forward(
-                    _chunk_of(plan, start, min(start + chunk, n)), plan.block_tables, scratch
-                )
+                self._forward(_chunk_of(plan, start, min(start + chunk, n)), block_tables, scratch)
                 for start in range(0, n, chunk)
             ]
         )
@@ -305,8 +304,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        plan = _single_prompt_plan(num_tokens, num_blocks, self.block_size)
-        self._forward(plan, plan.block_tables, kv_caches)
+        plan, block_tables = _single_prompt_plan(num_tokens, num_blocks, self.block_size)
+        self._forward(plan, block_tables, kv_caches)
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - before
         del kv_caches
@@ -315,42 +314,32 @@ class ModelRunner:
         return int(total * utilization - (total - free) - activation_peak)
 
 
-@dataclass
-class _OneOffPlan:
-    """A plan of one prompt over its own blocks (scoring, profiling)."""
-
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    num_computed_tokens: np.ndarray
-    seq_lens: np.ndarray
-    block_tables: np.ndarray
-
-
-def _single_prompt_plan(num_tokens: int, num_blocks: int, block_size: int) -> _OneOffPlan:
+def _single_prompt_plan(
+    num_tokens: int, num_blocks: int, block_size: int
+) -> tuple[ForwardArrays, np.ndarray]:
+    """A forward of one prompt over blocks 0..num_blocks-1 (scoring, profiling), and its block
+    table (1, num_blocks)."""
     positions = np.arange(num_tokens, dtype=np.int32)
-    return _OneOffPlan(
+    plan = ForwardArrays(
         input_ids=np.zeros(num_tokens, np.int32),
         positions=positions,
         slot_mapping=positions,
         query_start_loc=np.array([0, num_tokens], np.int32),
         num_computed_tokens=np.zeros(1, np.int32),
         seq_lens=np.array([num_tokens], np.int32),
-        block_tables=np.arange(num_blocks, dtype=np.int32)[None],
     )
+    return plan, np.arange(num_blocks, dtype=np.int32)[None]
 
 
-def _chunk_of(plan: _OneOffPlan, start: int, end: int) -> _OneOffPlan:
+def _chunk_of(plan: ForwardArrays, start: int, end: int) -> ForwardArrays:
     """Tokens [start, end) of a one-prompt plan, the ones before them already in the cache."""
     if start == 0 and end == len(plan.input_ids):
         return plan
-    return _OneOffPlan(
+    return ForwardArrays(
         input_ids=plan.input_ids[start:end],
         positions=plan.positions[start:end],
         slot_mapping=plan.slot_mapping[start:end],
         query_start_loc=np.array([0, end - start], np.int32),
         num_computed_tokens=np.array([start], np.int32),
         seq_lens=np.array([end], np.int32),
-        block_tables=plan.block_tables,
     )

@@ -11,7 +11,7 @@ import numpy as np
 from aieng.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from aieng._core import StepPlan
+    from aieng.step_plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class NewSamplingRow:
 
 @dataclass
 class RunnerStep:
-    """One step for the runner: the core's plan, plus the sampling rows that changed."""
+    """One step for the runner: the core's plan (anything that meets the plan contract,
+    `aieng.step_plan.StepPlan`), plus the sampling rows that changed."""
 
     plan: StepPlan
     added: list[NewSamplingRow] = field(default_factory=list)

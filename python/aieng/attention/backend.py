@@ -2,7 +2,7 @@
 
 A backend turns a step's scheduling arrays into its own metadata once per step
 (`build_metadata`), then every attention layer of the model calls `forward` with that metadata
-and its layer's KV cache. Model files only hold an `aieng.layers.attention.Attention` layer;
+and its layer's KV cache. Model files only hold an `aieng.attention.layer.Attention` layer;
 which backend runs is decided in one place, `aieng.attention.selector`.
 """
 
@@ -10,30 +10,33 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from aieng.layers.attention import Attention
+from aieng.kernels.reference import KVCache, QuantizedKVCache
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionInputs",
+    "AttentionLayer",
+    "ForwardContext",
+    "KVCache",
+    "QuantizedKVCache",
+]
 
 
-class QuantizedKVCache(NamedTuple):
-    """One layer's INT8 cache (`kv_cache_dtype="int8"`): K and V as int8 in the backend's layout
-    (`kv_cache_shape`), and one scale per token per KV head for each, in the model's dtype, laid
-    out as the cache with head_dim 1 (so `k.to(dtype) * k_scale` dequantizes). A slot's value is
-    `q * scale` with q in [-127, 127]."""
+class AttentionLayer(Protocol):
+    """What a backend reads of the layer it computes (`aieng.attention.layer.Attention`)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor
-    v_scale: torch.Tensor
-
-
-# One layer's cache: K and V in the model's dtype, or a QuantizedKVCache (whose first two
-# fields are still K and V).
-KVCache = tuple[torch.Tensor, torch.Tensor] | QuantizedKVCache
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_index: int
+    scale: float
+    sliding_window: int | None
+    logit_softcap: float | None
 
 
 @dataclass
@@ -79,7 +82,7 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,

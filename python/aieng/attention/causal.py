@@ -19,7 +19,7 @@ from aieng.attention.backend import AttentionBackend, KVCache
 from aieng.attention.sdpa import attend
 
 if TYPE_CHECKING:
-    from aieng.layers.attention import Attention
+    from aieng.attention.layer import Attention
 
 
 @dataclass

@@ -50,7 +50,7 @@ from aieng.kernels.paged_attention import (
 )
 
 if TYPE_CHECKING:
-    from aieng.layers.attention import Attention
+    from aieng.attention.layer import Attention
 
 
 @dataclass

@@ -23,6 +23,7 @@ from aieng.attention.backend import AttentionBackend, AttentionInputs, KVCache, 
 from aieng.attention.cuda_paged import CudaPagedAttention
 from aieng.attention.torch_paged import TorchPagedAttention
 from aieng.config import ModelConfig
+from aieng.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
 from aieng.kernels.paged_attention import (
     DTYPE_NAMES,
     HEAD_DIMS,
@@ -30,10 +31,9 @@ from aieng.kernels.paged_attention import (
     prefill_kernel_name,
 )
 from aieng.kernels.self_check import passes_check
-from aieng.layers.parallel import heads_per_rank, kv_heads_per_rank
 
 if TYPE_CHECKING:
-    from aieng.layers.attention import Attention
+    from aieng.attention.layer import Attention
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def self_check(
 ) -> bool:  # fmt: skip
     """Every kernel the model will use, once per block size and window, against the reference
     in float32; False (after a warning naming the kernel) at the first failure."""
-    from aieng.layers.attention import Attention
+    from aieng.attention.layer import Attention
 
     supported = dtype in DTYPE_NAMES and head_dim in HEAD_DIMS
     kernels = {

@@ -41,11 +41,16 @@ import torch
 
 from aieng.attention.backend import AttentionBackend, AttentionInputs, KVCache, QuantizedKVCache
 from aieng.attention.sdpa import attend
+from aieng.kernels.reference import (
+    dequantize_int8,
+    write_kv_cache,
+    write_quantized_kv_cache,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from aieng.layers.attention import Attention
+    from aieng.attention.layer import Attention
 
 # A layer's sliding window (None: the whole context) -> a mask built for it this step.
 Window = int | None
@@ -166,50 +171,6 @@ def build_attention_metadata(
         prefills=prefills,
         fresh_prefills=any(span.blocks is None for span in prefills),
     )
-
-
-def write_kv_cache(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """k, v (T, H_kv, D) -> their slots of the caches."""
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
-def quantize_int8(x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., D) -> (q int8 (..., D), scale (..., 1) in scale_dtype), x ~ q * scale: symmetric,
-    one scale per vector, max|x| / 127, never below scale_dtype's smallest normal. q is computed
-    with the scale as stored, so the scale's own rounding adds no error."""
-    xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp_min_(torch.finfo(scale_dtype).tiny)
-    scale = scale.to(scale_dtype)
-    q = (xf / scale.float()).round_().clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q (..., D) int8, scale (..., 1) -> (..., D) in dtype."""
-    return q.to(dtype).mul_(scale)
-
-
-def write_quantized_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, cache: QuantizedKVCache, slot_mapping: torch.Tensor
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """k, v (T, H_kv, D) -> quantized into their slots of an INT8 cache; returns (q, scale) of
-    each, as written."""
-    _, _, num_kv_heads, head_dim = cache.k.shape
-    written = []
-    for x, values, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
-        q, scale = quantize_int8(x, scales.dtype)
-        values.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, q)
-        scales.view(-1, num_kv_heads, 1).index_copy_(0, slot_mapping, scale)
-        written.append((q, scale))
-    return written[0], written[1]
 
 
 def _gather_context(

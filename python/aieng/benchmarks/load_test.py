@@ -36,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -44,6 +44,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from aieng.benchmarks.load_timeline import (
+    Outcome,
     Timeline,
     sample_server,
     switch_phases,
@@ -75,20 +76,6 @@ CANARY_PROMPTS = [
 ]
 MIX = (("short/short", 6), ("short/long", 3), ("long/short", 1))
 PERCENTILES = (50, 90, 99)
-
-
-@dataclass
-class Outcome:
-    kind: str
-    sent_at: float  # seconds since the load started
-    status: int | None = None
-    category: str = "failed"  # completed, refused_<status>, aborted_client, aborted_server
-    finish_reason: str | None = None
-    ttft: float | None = None
-    tpot: float | None = None
-    itl: list[float] = field(default_factory=list)
-    tokens: int = 0
-    detail: str | None = None
 
 
 @dataclass

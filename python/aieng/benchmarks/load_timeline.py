@@ -17,19 +17,30 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import numpy as np
-
-if TYPE_CHECKING:
-    from aieng.benchmarks.load_test import Outcome
 
 
 @dataclass
 class Timeline:
     samples: list[dict[str, float]] = field(default_factory=list)
     switch: dict[str, Any] | None = None
+
+
+@dataclass
+class Outcome:
+    kind: str
+    sent_at: float  # seconds since the load started
+    status: int | None = None
+    category: str = "failed"  # completed, refused_<status>, aborted_client, aborted_server
+    finish_reason: str | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    detail: str | None = None
 
 
 def _quantiles(values: list[float]) -> dict[str, float | None]:

@@ -3,8 +3,9 @@
 A message is pickled once and broadcast over the gloo group of host messages: a fixed-size first
 part that holds the length and, for most steps, the whole message (one broadcast), and the rest
 in a second broadcast only when it does not fit. The step message carries the `RunnerStep`'s
-dataclasses as they are and a plain copy of the core's `StepPlan` (a Rust object), so fields
-added to either travel without this module changing.
+dataclasses as they are and a plain copy of the core's `StepPlan` (a Rust object): the arrays
+the plan contract (`aieng.step_plan`) names, so a field added to the contract travels without
+this module changing.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import torch
 import torch.distributed as dist
 
 from aieng.runner_io import RunnerStep
+from aieng.step_plan import STEP_ARRAYS, StepPlan
 
 HEAD_BYTES = 16 << 10  # the first broadcast's size: a decode step of a few hundred rows fits
 _LENGTH = np.dtype("<i8")
 
 
 class PlanSnapshot:
-    """A picklable copy of a StepPlan: every array the core stores on it, by the same names.
+    """A picklable copy of a StepPlan (`aieng.step_plan.StepPlan`): every array of the
+    contract, by the same names.
 
     The sampling-only part of the plan (`grammar_bitmask`, computed by the driver's core) is
     not copied: the ranks that receive a snapshot do not sample."""
@@ -33,15 +36,8 @@ class PlanSnapshot:
         self.__dict__.update(arrays)
 
     @classmethod
-    def of(cls, plan: Any) -> PlanSnapshot:
-        """The plan's stored arrays (its member fields; the computed properties the runner
-        does not read, `block_tables` and `request_ids`, are left behind)."""
-        stored = [
-            name
-            for name, attr in vars(type(plan)).items()
-            if type(attr).__name__ == "member_descriptor" and not name.startswith("_")
-        ]
-        return cls({name: getattr(plan, name) for name in stored})
+    def of(cls, plan: StepPlan) -> PlanSnapshot:
+        return cls({name: getattr(plan, name) for name in STEP_ARRAYS})
 
     @property
     def num_tokens(self) -> int:

@@ -102,3 +102,31 @@ def shard_range(size: int, what: str) -> tuple[int, int]:
         raise ValueError(f"{what}: {size} is not divisible by tensor_parallel_size {n}")
     per = size // n
     return _state.rank * per, (_state.rank + 1) * per
+
+
+# Attention heads per rank (Megatron-LM's split; vLLM's rule for fewer KV heads than ranks): read
+# by the layers that shard q/k/v and by the KV cache and backends that size per-rank heads.
+
+
+def heads_per_rank(num_heads: int) -> int:
+    start, end = shard_range(num_heads, "num_attention_heads")
+    return end - start
+
+
+def kv_heads_per_rank(num_kv_heads: int) -> int:
+    """KV heads split evenly, or (fewer heads than ranks) one replicated head per rank."""
+    return kv_head_range(num_kv_heads)[1]
+
+
+def kv_head_range(num_kv_heads: int) -> tuple[int, int]:
+    """(first KV head, count) this rank holds."""
+    n = get_tp_world_size()
+    if num_kv_heads >= n:
+        start, end = shard_range(num_kv_heads, "num_key_value_heads")
+        return start, end - start
+    if n % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads: {num_kv_heads} KV heads cannot be replicated evenly over "
+            f"tensor_parallel_size {n} (it must be a multiple of them)"
+        )
+    return get_tp_rank() // (n // num_kv_heads), 1

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from aieng.distributed import parallel_state
+from aieng.engine_args import EngineArgs
 from aieng.engine_config import EngineConfig
 
 # Workers wait for the next step message as long as the engine stays idle; a dead driver still
@@ -61,3 +62,21 @@ def join_group(config: EngineConfig, place: RankPlace) -> dist.ProcessGroup:
     group = dist.new_group(backend="gloo", timeout=timeout)
     assert isinstance(group, dist.ProcessGroup)  # every rank is a member
     return group
+
+
+def launched_place(args: EngineArgs) -> RankPlace | None:
+    """This process's RankPlace when a launcher set RANK and WORLD_SIZE for a group of
+    tensor_parallel_size processes; None when nothing launched it so."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if world == 1 and args.tensor_parallel_size == 1:
+        return None
+    if world != args.tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size {args.tensor_parallel_size} but the launcher started "
+            f"WORLD_SIZE={world} processes: one process per rank"
+        )
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return RankPlace(rank, world, local_rank)

@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher started: rank 0 serves as `aieng serve` does, the others run here."""
     import argparse
 
-    from aieng.executor.multiproc import launched_place
+    from aieng.distributed.rank import launched_place
     from aieng.models.default import default_model_path
 
     parser = argparse.ArgumentParser(prog="python -m aieng.distributed.worker")

@@ -38,7 +38,8 @@ def make_executor(
         from aieng.executor.uniproc import UniprocExecutor
 
         return UniprocExecutor(config)
-    from aieng.executor.multiproc import MultiprocExecutor, launched_place
+    from aieng.distributed.rank import launched_place
+    from aieng.executor.multiproc import MultiprocExecutor
 
     place = launched_place(config.args)
     if place is not None and place.rank > 0:

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
+from aieng.distributed.rank import launched_place
 from aieng.engine_args import EngineArgs
 from aieng.engine_config import EngineConfig
 from aieng.executor.base import Executor, ExecutorError, WorkerFailedError
@@ -49,26 +50,6 @@ JOIN_S = 5.0  # how long a worker gets to leave after the shutdown message
 TERM_S = 1.0  # how long a worker gets after SIGTERM before SIGKILL (a stopped one never exits)
 START_S = 300.0  # how long spawned workers may take to import torch and aieng
 REPORT_WAIT_S = 2.0  # after a collective fails: how long to wait for the worker's exit
-
-
-def launched_place(args: EngineArgs) -> RankPlace | None:
-    """This process's RankPlace when a launcher set RANK and WORLD_SIZE for a group of
-    tensor_parallel_size processes; None when nothing launched it so."""
-    from aieng.distributed.rank import RankPlace
-
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    world = int(os.environ["WORLD_SIZE"])
-    if world == 1 and args.tensor_parallel_size == 1:
-        return None
-    if world != args.tensor_parallel_size:
-        raise ValueError(
-            f"tensor_parallel_size {args.tensor_parallel_size} but the launcher started "
-            f"WORLD_SIZE={world} processes: one process per rank"
-        )
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    return RankPlace(rank, world, local_rank)
 
 
 def run_as_launched_worker(args: EngineArgs) -> int | None:

@@ -18,14 +18,18 @@ from collections.abc import Callable
 
 import torch
 
-from aieng.attention.backend import KVCache, QuantizedKVCache
-from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.kernels.errors import KernelError
 from aieng.kernels.int4 import DTYPE_NAMES
+from aieng.kernels.reference import (
+    KVCache,
+    QuantizedKVCache,
+    apply_rotary,
+    rms_norm,
+    write_kv_cache,
+    write_quantized_kv_cache,
+)
+from aieng.kernels.reference import silu_and_mul_torch as silu_and_mul_reference
 from aieng.kernels.self_check import passes_check
-from aieng.layers.activation import silu_and_mul_torch as silu_and_mul_reference
-from aieng.layers.norm import rms_norm
-from aieng.layers.rotary import apply_rotary
 
 SOURCE = "fused_ops"
 NORM_THREADS = 256  # most threads of an add_rms_norm block (fused_ops.cu's kNormThreads)

@@ -26,7 +26,7 @@ import torch
 from aieng.kernels.int4 import DTYPE_NAMES
 
 if TYPE_CHECKING:
-    from aieng.attention.backend import KVCache
+    from aieng.kernels.reference import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def fused_kv_write(
     """k, v (T, H_kv, D) into their slots of the cache (quantized for an INT8 cache) by one
     rope_kv_write launch without rotation -> True; False (nothing written) where it does not
     apply."""
-    from aieng.attention.backend import QuantizedKVCache
+    from aieng.kernels.reference import QuantizedKVCache
 
     if not FUSED.usable("rope_kv_write", k, v):
         return False

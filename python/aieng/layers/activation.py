@@ -9,16 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from aieng.kernels.fused_dispatch import fused_silu_and_mul
+from aieng.kernels.reference import silu_and_mul_torch
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     fused = fused_silu_and_mul(x)
     return silu_and_mul_torch(x) if fused is None else fused
-
-
-def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)  # (..., 2 * I) -> 2 x (..., I)
-    return F.silu(gate) * up
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -15,34 +15,8 @@ from torch import nn
 
 from aieng.distributed.parallel_state import get_tp_world_size, tp_all_reduce
 from aieng.kernels.fused_dispatch import fused_add_rms_norm
+from aieng.kernels.reference import rms_norm, weighted_norm
 from aieng.layers.linear import WeightLoadError, copy_into
-
-
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_in_float32: bool = False,
-    unit_offset: bool = False,
-) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return _weighted(x32, x.dtype, weight, weight_in_float32, unit_offset)
-
-
-def _weighted(
-    x32: torch.Tensor,
-    dtype: torch.dtype,
-    weight: torch.Tensor,
-    weight_in_float32: bool,
-    unit_offset: bool,
-) -> torch.Tensor:
-    """The normalised float32 x times the weight, cast back to `dtype` as each family does."""
-    if unit_offset:
-        return (x32 * (1.0 + weight.float())).to(dtype)
-    if weight_in_float32:
-        return (weight * x32).to(dtype)
-    return weight * x32.to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -114,4 +88,4 @@ class SplitRMSNorm(nn.Module):
         squares = tp_all_reduce(x32.pow(2).sum(-1, keepdim=True), self.tp_size)
         mean = squares / (x.shape[-1] * self.tp_size)
         x32 = x32 * torch.rsqrt(mean + self.eps)
-        return _weighted(x32, x.dtype, self.weight, self.weight_in_float32, False)
+        return weighted_norm(x32, x.dtype, self.weight, self.weight_in_float32, False)

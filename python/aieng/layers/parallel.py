@@ -24,7 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aieng.distributed.parallel_state import get_tp_rank, get_tp_world_size, shard_range
+from aieng.distributed.parallel_state import (
+    get_tp_rank,
+    get_tp_world_size,
+    heads_per_rank,
+    kv_head_range,
+    shard_range,
+)
 
 Slice = tuple[int, int]  # (start, size)
 
@@ -68,34 +74,11 @@ def row_parallel(
     return LinearShard(tuple((0, size) for size in output_sizes), (start, end - start), reduce)
 
 
-def heads_per_rank(num_heads: int) -> int:
-    start, end = shard_range(num_heads, "num_attention_heads")
-    return end - start
-
-
-def kv_heads_per_rank(num_kv_heads: int) -> int:
-    """KV heads split evenly, or (fewer heads than ranks) one replicated head per rank."""
-    return _kv_head_range(num_kv_heads)[1]
-
-
-def _kv_head_range(num_kv_heads: int) -> Slice:
-    n = get_tp_world_size()
-    if num_kv_heads >= n:
-        start, end = shard_range(num_kv_heads, "num_key_value_heads")
-        return start, end - start
-    if n % num_kv_heads:
-        raise ValueError(
-            f"num_key_value_heads: {num_kv_heads} KV heads cannot be replicated evenly over "
-            f"tensor_parallel_size {n} (it must be a multiple of them)"
-        )
-    return get_tp_rank() // (n // num_kv_heads), 1
-
-
 def qkv_parallel(input_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> LinearShard:
     """The fused q|k|v projection: this rank's query heads, and the KV heads they read."""
     q_start, _ = shard_range(num_heads, "num_attention_heads")
     q_count = heads_per_rank(num_heads)
-    kv_start, kv_count = _kv_head_range(num_kv_heads)
+    kv_start, kv_count = kv_head_range(num_kv_heads)
     q = (q_start * head_dim, q_count * head_dim)
     kv = (kv_start * head_dim, kv_count * head_dim)
     return LinearShard((q, kv, kv), (0, input_size))

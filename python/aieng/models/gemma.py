@@ -24,18 +24,13 @@ import torch
 from torch import nn
 
 from aieng.attention.backend import ForwardContext
+from aieng.attention.layer import Attention
 from aieng.config import ModelConfig
+from aieng.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
 from aieng.layers.activation import gelu_tanh_and_mul
-from aieng.layers.attention import Attention
 from aieng.layers.linear import Linear, LinearMethodChooser, dense_everywhere
 from aieng.layers.norm import RMSNorm
-from aieng.layers.parallel import (
-    column_parallel,
-    heads_per_rank,
-    kv_heads_per_rank,
-    qkv_parallel,
-    row_parallel,
-)
+from aieng.layers.parallel import column_parallel, qkv_parallel, row_parallel
 from aieng.layers.rotary import RotaryEmbedding
 from aieng.layers.vocab_parallel import (
     VocabParallelEmbedding,

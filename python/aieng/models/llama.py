@@ -20,20 +20,14 @@ import torch
 from torch import nn
 
 from aieng.attention.backend import ForwardContext
+from aieng.attention.layer import Attention
 from aieng.config import ModelConfig
-from aieng.distributed.parallel_state import get_tp_world_size
+from aieng.distributed.parallel_state import get_tp_world_size, heads_per_rank, kv_heads_per_rank
 from aieng.layers.activation import silu_and_mul
-from aieng.layers.attention import Attention
 from aieng.layers.linear import Linear, LinearMethodChooser, dense_everywhere
 from aieng.layers.moe import MIXTRAL_EXPERT_NAMES, ExpertNames, SparseMoE
 from aieng.layers.norm import RMSNorm, SplitRMSNorm
-from aieng.layers.parallel import (
-    column_parallel,
-    heads_per_rank,
-    kv_heads_per_rank,
-    qkv_parallel,
-    row_parallel,
-)
+from aieng.layers.parallel import column_parallel, qkv_parallel, row_parallel
 from aieng.layers.rotary import RotaryEmbedding
 from aieng.layers.vocab_parallel import (
     VocabParallelEmbedding,

@@ -9,14 +9,16 @@ import logging
 import os
 from pathlib import Path
 
-from aieng.cli.common import (
-    engine_args,
+from aieng.cli_args import engine_args
+from aieng.engine_args import (
+    EngineArgs,
+    at_least,
+    cli_type,
     non_negative_float,
     port_number,
     positive_int,
     probability,
 )
-from aieng.engine_args import EngineArgs, at_least, cli_type
 from aieng.server.config import MIB, ServerConfig
 from aieng.server.tool_parsers import TOOL_PARSERS
 

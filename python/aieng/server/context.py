@@ -21,8 +21,7 @@ from aieng.server.request_log import RequestRecord, log_request
 from aieng.server.traffic_split import mirror
 
 if TYPE_CHECKING:
-    from aieng.server.generation import Generation
-    from aieng.server.model_versions import ModelVersions
+    from aieng.server.views import AdmittedGeneration, ModelVersionsView
 
 
 class ServerContext:
@@ -44,8 +43,8 @@ class ServerContext:
         self._token_text: dict[int, str] = {}
         self.warned_fields: set[str] = set()  # unknown request fields already logged
         # `--model-dir`: the versions of the served model (None: one model, no versions)
-        self.versions: ModelVersions | None = None  # the server's own model's
-        self.catalog: dict[str, ModelVersions] = {}  # every model of --model-dir, by name
+        self.versions: ModelVersionsView | None = None  # the server's own model's
+        self.catalog: dict[str, ModelVersionsView] = {}  # every model of --model-dir, by name
         self.catalog_loading: asyncio.Task | None = None
         # generation requests admitted to each engine (by id) and not yet answered in full:
         # an engine switched out is freed only once its count is 0
@@ -127,7 +126,7 @@ class ServerContext:
         """The engine loop died of a failure: the server should exit non-zero and be restarted."""
         return self.engine is not None and self.engine.failure is not None
 
-    def versions_of(self, model: str | None) -> ModelVersions | None:
+    def versions_of(self, model: str | None) -> ModelVersionsView | None:
         """The versions of the model a request names (the server's own without a name)."""
         if model is not None and self.catalog:
             found = self.catalog.get(model.partition("@")[0])
@@ -135,7 +134,7 @@ class ServerContext:
                 return found
         return self.versions
 
-    def after_admitted(self, generation: Generation) -> None:
+    def after_admitted(self, generation: AdmittedGeneration) -> None:
         """A generation request was admitted: mirror it to a shadow candidate if one runs."""
         for versions in self.catalog.values():
             split = versions.split

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aieng.engine_client import EngineClient
-    from aieng.server.context import ServerContext
-    from aieng.server.generation import Generation
+    from aieng.server.views import AdmittedGeneration, ShadowHost
 
 shadow_log = logging.getLogger("aieng.shadow")
 SHADOW_PRIORITY = 10  # below canary and ordinary traffic (lower classes run first)
@@ -55,7 +54,7 @@ class TrafficSplit:
         return body
 
 
-def mirror(ctx: ServerContext, split: TrafficSplit, primary: Generation) -> None:
+def mirror(ctx: ShadowHost, split: TrafficSplit, primary: AdmittedGeneration) -> None:
     """After the primary request is admitted: mirror it to the shadow candidate, or count why
     not."""
     metrics = ctx.metrics
@@ -64,7 +63,7 @@ def mirror(ctx: ServerContext, split: TrafficSplit, primary: Generation) -> None
         return
     stats, candidate = ctx.stats(), split.engine
     if (stats is not None and stats.num_waiting > 0) or (
-        candidate.stats.num_requests >= candidate.engine.model_info.max_num_seqs
+        candidate.stats.num_requests >= candidate.model_info.max_num_seqs
     ):
         metrics.shadow_outcome("dropped")  # under load the mirror goes first
         return
@@ -73,7 +72,7 @@ def mirror(ctx: ServerContext, split: TrafficSplit, primary: Generation) -> None
     task.add_done_callback(split.tasks.discard)
 
 
-async def _shadow(ctx: ServerContext, split: TrafficSplit, primary: Generation) -> None:
+async def _shadow(ctx: ShadowHost, split: TrafficSplit, primary: AdmittedGeneration) -> None:
     params = primary.params[0]
     start = time.monotonic()
     tokens: list[int] = []

@@ -1,4 +1,5 @@
-"""The attention layer of a model: its shape, and a call into the step's attention backend."""
+"""The attention layer of a model: its shape, and a call into the step's attention backend. It
+lives beside the backends it calls; model files import it from here."""
 
 from __future__ import annotations
 
