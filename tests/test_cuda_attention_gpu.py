@@ -27,9 +27,9 @@ from aieng.attention.cuda_self_check import (
     reference_attention,
 )
 from aieng.attention.layer import Attention
-from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.engine_args import EngineArgs
 from aieng.engine_config import create_engine_config
+from aieng.kernels.reference import write_kv_cache, write_quantized_kv_cache
 from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
 

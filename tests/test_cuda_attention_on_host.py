@@ -25,8 +25,8 @@ from aieng.attention.cuda_self_check import (
     reference_attention,
 )
 from aieng.attention.layer import Attention
-from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.kernels.paged_attention import Launch, decode_launches, prefill_launch
+from aieng.kernels.reference import write_kv_cache, write_quantized_kv_cache
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler (g++ or clang++)")

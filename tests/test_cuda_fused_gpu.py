@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from aieng.attention.backend import QuantizedKVCache
-from aieng.attention.torch_paged import dequantize_int8
 from aieng.kernels.fused import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -18,7 +17,8 @@ from aieng.kernels.fused import (
     rope_kv_write_reference,
     silu_and_mul,
 )
-from aieng.layers.activation import silu_and_mul_torch as silu_and_mul_reference
+from aieng.kernels.reference import dequantize_int8
+from aieng.kernels.reference import silu_and_mul_torch as silu_and_mul_reference
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.version.cuda is None,

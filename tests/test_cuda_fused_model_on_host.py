@@ -24,14 +24,19 @@ import aieng.kernels.fused as fused
 from aieng.attention.backend import ForwardContext, QuantizedKVCache
 from aieng.attention.causal import CausalAttention, DenseBatch
 from aieng.attention.cuda_paged import write_step_kv
-from aieng.attention.torch_paged import write_kv_cache, write_quantized_kv_cache
 from aieng.engine_args import EngineArgs
 from aieng.engine_config import create_engine_config
 from aieng.kernels import fused_dispatch
 from aieng.kernels.fused_dispatch import FusedKernels
-from aieng.layers.activation import silu_and_mul, silu_and_mul_torch
+from aieng.kernels.reference import (
+    rms_norm,
+    silu_and_mul_torch,
+    write_kv_cache,
+    write_quantized_kv_cache,
+)
+from aieng.layers.activation import silu_and_mul
 from aieng.layers.linear import dense_everywhere
-from aieng.layers.norm import RMSNorm, rms_norm
+from aieng.layers.norm import RMSNorm
 from aieng.layers.rotary import RotaryEmbedding
 from aieng.models.llama import LlamaDecoderLayer
 from aieng.runner import ModelRunner

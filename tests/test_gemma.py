@@ -29,14 +29,11 @@ from aieng.attention.backend import AttentionInputs
 from aieng.attention.causal import CausalAttention, DenseBatch
 from aieng.attention.sdpa import attend
 from aieng.attention.selector import select_attention_backend
-from aieng.attention.torch_paged import (
-    TorchPagedAttention,
-    build_attention_metadata,
-    write_kv_cache,
-)
+from aieng.attention.torch_paged import TorchPagedAttention, build_attention_metadata
 from aieng.config import ModelConfig
 from aieng.engine_args import EngineArgs
 from aieng.engine_config import create_engine_config
+from aieng.kernels.reference import write_kv_cache
 from aieng.layers.activation import gelu_tanh_and_mul
 from aieng.layers.linear import DenseLinearMethod, Linear, dense_everywhere
 from aieng.layers.norm import RMSNorm

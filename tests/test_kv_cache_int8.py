@@ -17,18 +17,18 @@ from tiny_models import ARCHITECTURES, build_checkpoint
 import aieng.runner
 from aieng import LLM, SamplingParams
 from aieng.attention import AttentionInputs, QuantizedKVCache
-from aieng.attention.torch_paged import (
-    TorchPagedAttention,
-    dequantize_int8,
-    quantize_int8,
-    write_kv_cache,
-    write_quantized_kv_cache,
-)
+from aieng.attention.torch_paged import TorchPagedAttention
 from aieng.cli import build_parser
 from aieng.config import ModelConfig
 from aieng.engine_args import EngineArgs
 from aieng.engine_config import create_engine_config
 from aieng.evaluate import perplexity
+from aieng.kernels.reference import (
+    dequantize_int8,
+    quantize_int8,
+    write_kv_cache,
+    write_quantized_kv_cache,
+)
 from aieng.kv_cache import KVCacheSpec
 from aieng.models.default import default_model_path
 
