@@ -5,7 +5,6 @@
 //! bindings live in `py` behind the `python` cargo feature.
 
 pub mod block_pool;
-pub mod block_tables;
 pub mod error;
 mod free_list;
 mod prefix_hash;
@@ -19,7 +18,6 @@ pub mod text;
 mod py;
 
 pub use block_pool::{BlockPool, BlockTable, PoolStats};
-pub use block_tables::BlockTables;
 pub use error::{CoreError, Result};
 pub use request::{FinishReason, RequestParams, StopReason};
 pub use scheduler::{EngineCore, SchedulerConfig, StepUpdate};

@@ -8,7 +8,6 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 use crate::block_pool::{BlockPool, BlockTable, PoolStats};
-use crate::block_tables::BlockTables;
 use crate::error::CoreError;
 use crate::request::{RequestParams, StopReason};
 use crate::scheduler::{EngineCore, FinishedRequest, SchedulerConfig, StepUpdate};
@@ -357,7 +356,7 @@ impl PyBlockTable {
 // ---------------------------------------------------------------- EngineCore
 
 /// The arrays of one engine step (see `_core.pyi` for their meaning). The
-/// dense `block_tables` and the `request_ids` list are built when first read.
+/// `request_ids` list is built when first read.
 #[pyclass(name = "StepPlan", module = "aieng._core", frozen)]
 struct PyStepPlan {
     #[pyo3(get)]
@@ -388,26 +387,28 @@ struct PyStepPlan {
     new_block_indices: Py<PyArray1<i32>>,
     #[pyo3(get)]
     new_block_ids: Py<PyArray1<i32>>,
-    /// What `block_tables` and `request_ids` are built from: the core's tables as
-    /// of plan `number`.
-    tables: Arc<parking_lot::Mutex<BlockTables>>,
-    number: u64,
-    row_slots: Vec<i32>,
-    row_seq_lens: Vec<i32>,
-    dense_tables: PyOnceLock<Py<PyArray2<i32>>>,
+    #[pyo3(get)]
+    banned_rows: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    banned_ids: Py<PyArray1<i32>>,
+    /// Each row's request id, as the core held them when it planned the step.
+    row_ids: Vec<String>,
     id_list: PyOnceLock<Py<PyList>>,
     grammar_masks: Option<PendingMasks>,
 }
 
 impl PyStepPlan {
     fn new(py: Python<'_>, plan: StepPlan, core: &PyEngineCore) -> Self {
-        let tables = &core.tables;
-        let number = tables.lock().apply(&plan, |slot| {
-            core.core
-                .request_id(slot)
-                .expect("a scheduled slot holds a request")
-                .to_string()
-        });
+        let row_ids = plan
+            .slots
+            .iter()
+            .map(|&slot| {
+                core.core
+                    .request_id(slot as u32)
+                    .expect("a scheduled slot holds a request")
+                    .to_string()
+            })
+            .collect();
         PyStepPlan {
             num_requests: plan.seq_lens.len(),
             num_tokens: plan.input_ids.len(),
@@ -423,45 +424,20 @@ impl PyStepPlan {
             new_block_slots: array(py, &plan.new_block_slots),
             new_block_indices: array(py, &plan.new_block_indices),
             new_block_ids: array(py, &plan.new_block_ids),
-            tables: Arc::clone(tables),
-            number,
-            row_slots: plan.slots,
-            row_seq_lens: plan.seq_lens,
-            dense_tables: PyOnceLock::new(),
+            banned_rows: array(py, &plan.banned_rows),
+            banned_ids: array(py, &plan.banned_ids),
+            row_ids,
             id_list: PyOnceLock::new(),
             grammar_masks: plan.grammar_masks,
         }
     }
 }
 
-impl Drop for PyStepPlan {
-    fn drop(&mut self) {
-        self.tables.lock().release(self.number);
-    }
-}
-
 #[pymethods]
 impl PyStepPlan {
-    /// Block ids of each row, (R, most blocks of a row), padded with 0.
-    #[getter]
-    fn block_tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        once(py, &self.dense_tables, || {
-            let (tables, width) =
-                self.tables
-                    .lock()
-                    .dense(self.number, &self.row_slots, &self.row_seq_lens);
-            PyArray1::from_vec(py, tables).reshape([self.num_requests, width])
-        })
-    }
-
     #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        once(py, &self.id_list, || {
-            PyList::new(
-                py,
-                self.tables.lock().request_ids(self.number, &self.row_slots),
-            )
-        })
+        once(py, &self.id_list, || PyList::new(py, &self.row_ids))
     }
 
     /// The token masks of the constrained sampling rows, waited for (without the GIL):
@@ -623,8 +599,6 @@ impl PyStepOutputs {
 #[pyclass(name = "EngineCore", module = "aieng._core")]
 struct PyEngineCore {
     core: EngineCore,
-    /// A runner's view of the block tables, for the plans' dense block_tables.
-    tables: Arc<parking_lot::Mutex<BlockTables>>,
 }
 
 #[pymethods]
@@ -658,7 +632,6 @@ impl PyEngineCore {
         let tokenizer = tokenizer.map(|t| Arc::clone(&t.inner));
         Ok(PyEngineCore {
             core: EngineCore::with_tokenizer(config, tokenizer)?,
-            tables: Arc::new(parking_lot::Mutex::new(BlockTables::new(block_size))),
         })
     }
 

@@ -578,6 +578,8 @@ impl EngineCore {
             new_block_slots: Vec::new(),
             new_block_indices: Vec::new(),
             new_block_ids: Vec::new(),
+            banned_rows: Vec::new(),
+            banned_ids: Vec::new(),
             grammar_masks: None,
         };
         plan.query_start_loc.push(0);
@@ -600,6 +602,14 @@ impl EngineCore {
             plan.num_computed_tokens.push(start as i32);
             plan.seq_lens.push(end as i32);
             if e.samples {
+                // The token drawn now may not end the request while min_tokens are not out.
+                if !r.may_stop() {
+                    let sample = plan.logits_indices.len() as i32;
+                    for &id in r.stop_ids() {
+                        plan.banned_rows.push(sample);
+                        plan.banned_ids.push(id as i32);
+                    }
+                }
                 plan.logits_indices.push(plan.input_ids.len() as i32 - 1);
                 plan.sample_request_rows.push(row as i32);
             }

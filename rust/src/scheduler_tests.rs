@@ -1,7 +1,6 @@
 use super::*;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
-use crate::block_tables::BlockTables;
 use std::sync::Arc;
 
 fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfig {
@@ -50,37 +49,21 @@ fn ids(core: &EngineCore, plan: &StepPlan) -> Vec<String> {
 }
 
 /// A model runner's persistent block tables, one row per slot, kept only by
-/// applying each plan's new blocks. Rows of slots not running are poisoned, so a
-/// table reopened in a slot must be reported again from its first block. Beside
-/// them, `BlockTables` rebuilds each plan's dense tables, checked again while the
-/// next two plans are made.
+/// applying each plan's new blocks (the one copy a real runner keeps). Rows of
+/// slots not running are poisoned, so a table reopened in a slot must be reported
+/// again from its first block.
 struct Runner {
     tables: Vec<Vec<i32>>,
-    history: BlockTables,
-    held: VecDeque<HeldPlan>,
-}
-
-/// A plan still held by the runner, with the dense tables it had when made.
-struct HeldPlan {
-    number: u64,
-    slots: Vec<i32>,
-    seq_lens: Vec<i32>,
-    dense: Vec<i32>,
-    ids: Vec<String>,
 }
 
 impl Runner {
-    fn new(core: &EngineCore) -> Self {
-        Runner {
-            tables: Vec::new(),
-            history: BlockTables::new(core.config.block_size),
-            held: VecDeque::new(),
-        }
+    fn new() -> Self {
+        Runner { tables: Vec::new() }
     }
 
     /// The runner after the plans `core` has made so far.
     fn after(core: &EngineCore) -> Self {
-        let mut runner = Runner::new(core);
+        let mut runner = Runner::new();
         let mut so_far = StepPlan::default();
         let pool = core.pool.lock();
         for &slot in &core.running {
@@ -93,10 +76,6 @@ impl Runner {
             }
         }
         runner.take(&so_far);
-        let number = runner
-            .history
-            .apply(&so_far, |slot| core.req(slot).id.clone());
-        runner.history.release(number);
         runner
     }
 
@@ -145,28 +124,6 @@ impl Runner {
                 expected[r * width..r * width + used],
                 "row {r}"
             );
-        }
-        let number = self.history.apply(plan, |slot| core.req(slot).id.clone());
-        let dense = self.history.dense(number, &plan.slots, &plan.seq_lens);
-        assert_eq!(dense, (expected.clone(), width));
-        assert_eq!(
-            self.history.request_ids(number, &plan.slots),
-            ids(core, plan)
-        );
-        self.held.push_back(HeldPlan {
-            number,
-            slots: plan.slots.clone(),
-            seq_lens: plan.seq_lens.clone(),
-            dense: expected,
-            ids: ids(core, plan),
-        });
-        while self.held.len() > 2 {
-            let old = self.held.pop_front().unwrap();
-            let dense = self.history.dense(old.number, &old.slots, &old.seq_lens).0;
-            assert_eq!(dense, old.dense, "plan {}, read later", old.number);
-            let old_ids = self.history.request_ids(old.number, &old.slots);
-            assert_eq!(old_ids, old.ids, "plan {}, read later", old.number);
-            self.history.release(old.number);
         }
     }
 
@@ -670,7 +627,7 @@ fn new_blocks(plan: &StepPlan, slot: i32) -> Vec<(i32, i32)> {
 fn a_growing_table_reports_each_new_block_once() {
     let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
     let a = core.add_request("a", &prompt(1, 9), params(8)).unwrap() as i32;
-    let mut runner = Runner::new(&core);
+    let mut runner = Runner::new();
     let plan = core.schedule().unwrap();
     runner.apply(&core, &plan);
     assert_eq!(new_blocks(&plan, a).len(), 3, "9 tokens of 4 per block");
@@ -706,7 +663,7 @@ fn a_reused_slot_reports_its_new_table_from_the_first_block() {
     let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
     let a = core.add_request("a", &prompt(1, 6), params(1)).unwrap();
     core.add_request("b", &prompt(2, 6), params(4)).unwrap();
-    let mut runner = Runner::new(&core);
+    let mut runner = Runner::new();
     let plan = core.schedule().unwrap();
     runner.apply(&core, &plan);
     let u = core.update(&[5, 6]).unwrap();
@@ -728,7 +685,7 @@ fn several_tokens_per_row_are_scheduled_in_the_next_step() {
     let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
     let a = core.add_request("a", &[1, 2, 3], params(10)).unwrap();
     let b = core.add_request("b", &[4, 5, 6, 7, 8], params(10)).unwrap();
-    let mut runner = Runner::new(&core);
+    let mut runner = Runner::new();
     let plan = core.schedule().unwrap();
     runner.apply(&core, &plan);
     let u = core
@@ -898,4 +855,51 @@ fn bad_token_counts_are_refused_and_the_step_stays_in_flight() {
     let u = core.update_with_counts(&[5, 6, 7], &[1, 2]).unwrap();
     assert_eq!(u.rows, vec![0, 1, 1]);
     run(&mut core);
+}
+
+#[test]
+fn min_tokens_bans_eos_and_stop_ids_in_the_plan() {
+    let mut core = EngineCore::new(config(32, 4, 64)).unwrap();
+    let early = RequestParams {
+        max_tokens: 4,
+        min_tokens: 2,
+        eos_token_ids: vec![7],
+        stop_token_ids: vec![9],
+        ..RequestParams::default()
+    };
+    let no_eos = RequestParams {
+        ignore_eos: true,
+        ..early.clone()
+    };
+    core.add_request("free", &prompt(1, 5), params(4)).unwrap();
+    core.add_request("early", &prompt(2, 5), early).unwrap();
+    core.add_request("no_eos", &prompt(3, 5), no_eos).unwrap();
+    let mut bans = Vec::new();
+    for _ in 0..3 {
+        let plan = core.schedule().unwrap();
+        let rows: Vec<String> = ids(&core, &plan);
+        let named: Vec<(String, i32)> = plan
+            .banned_rows
+            .iter()
+            .zip(&plan.banned_ids)
+            .map(|(&s, &id)| {
+                let row = plan.sample_request_rows[s as usize] as usize;
+                (rows[row].clone(), id)
+            })
+            .collect();
+        bans.push(named);
+        core.update(&vec![3; plan.logits_indices.len()]).unwrap();
+    }
+    let both = |id: &str| [(id.to_string(), 7), (id.to_string(), 9)];
+    // Outputs 1 and 2 may not stop the requests with min_tokens 2 (EOS too unless
+    // ignore_eos); from output 3 on nothing is banned.
+    let early_bans = both("early");
+    let step = |no_eos_too: bool| {
+        let mut want = early_bans.to_vec();
+        if no_eos_too {
+            want.push(("no_eos".to_string(), 9));
+        }
+        want
+    };
+    assert_eq!(bans, vec![step(true), step(true), Vec::new()]);
 }

@@ -6,8 +6,13 @@
 //! block of a freshly opened table (admission, readmission after preemption,
 //! prefix-cache hits included) is reported from index 0; a block added as a
 //! request grows is reported once. Row r's first ceil(seq_lens[r] / block_size)
-//! entries of `table[slots[r]]` are then its block ids. [`crate::block_tables`]
-//! keeps such tables and rebuilds a plan's dense block tables from them.
+//! entries of `table[slots[r]]` are then its block ids. The runner's tables are
+//! the one copy: the core keeps only the block lists it reports from.
+//!
+//! End-of-sequence rules are decided here too, once: a sampling row whose request
+//! has not produced `min_tokens` yet may not draw its EOS (unless `ignore_eos`) or
+//! stop ids, and the plan lists those bans for the sampler (`banned_rows`,
+//! `banned_ids`) instead of the sampler tracking output counts of its own.
 
 use crate::structured::PendingMasks;
 
@@ -39,6 +44,12 @@ pub struct StepPlan {
     pub new_block_indices: Vec<i32>,
     /// Its block id. (N,)
     pub new_block_ids: Vec<i32>,
+    /// Token bans of this step's sampling rows: sampling row `banned_rows[i]` (an
+    /// index into `logits_indices`) may not draw `banned_ids[i]` — the EOS and stop
+    /// ids of a request that has not produced `min_tokens` yet. (K,)
+    pub banned_rows: Vec<i32>,
+    /// (K,)
+    pub banned_ids: Vec<i32>,
     /// The token masks of the sampling rows with a structured-output grammar, computed
     /// while the model runs; None when no row has one.
     pub grammar_masks: Option<PendingMasks>,
