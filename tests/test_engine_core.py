@@ -2,9 +2,11 @@
 
 import numpy as np
 import pytest
+import torch
 
 import aieng
 from aieng.core import EngineCore
+from aieng.input_buffers import InputBuffers
 
 
 def test_plan_arrays_are_int32_numpy_and_consistent():
@@ -15,12 +17,14 @@ def test_plan_arrays_are_int32_numpy_and_consistent():
     assert plan.request_ids == ["a", "b"]
     for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
         assert getattr(plan, name).dtype == np.int32
-    assert plan.block_tables.shape == (2, 2)
     np.testing.assert_array_equal(plan.input_ids, [5, 6, 7, 8, 9, 1, 2])
     np.testing.assert_array_equal(plan.query_start_loc, [0, 5, 7])
     np.testing.assert_array_equal(plan.logits_indices, [4, 6])
     np.testing.assert_array_equal(plan.sample_request_rows, [0, 1])
-    tables = plan.block_tables
+    # The runner's block tables (the one copy), kept from the plan's new blocks.
+    inputs = InputBuffers(64, 8, torch.device("cpu"))
+    inputs.apply_new_blocks(plan.new_block_slots, plan.new_block_indices, plan.new_block_ids)
+    tables = inputs.block_tables(np.asarray(plan.slots, np.int64), 2)
     for tok, (pos, slot) in enumerate(zip(plan.positions, plan.slot_mapping, strict=True)):
         row = 0 if tok < 5 else 1
         assert slot == tables[row, pos // 4] * 4 + pos % 4
@@ -159,9 +163,6 @@ def test_new_blocks_keep_a_runner_table_equal_to_block_tables():
 
 
 def check_plan(plan, rows, ids, block_size):
-    dense = plan.block_tables
-    assert dense.shape == (plan.num_requests, max((len(r) for r in rows), default=0))
-    for r, blocks in enumerate(rows):
-        np.testing.assert_array_equal(dense[r, : len(blocks)], blocks)
-        assert (dense[r, len(blocks) :] == 0).all()
+    """The plan's rows, read now or after the next step, still name their requests."""
+    assert plan.num_requests == len(rows)
     assert plan.request_ids == ids

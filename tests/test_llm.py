@@ -232,3 +232,27 @@ def test_invalid_sampling_params_and_missing_models():
         SamplingParams(max_tokens=-1)
     with pytest.raises(FileNotFoundError, match="model folder not found"):
         LLM("/nonexistent/model")
+
+
+def test_min_tokens_is_decided_by_the_core_and_banned_in_the_sampler(llm):
+    """EOS (or a stop id) made the likeliest token by logit_bias is not drawn before min_tokens
+    outputs (the core lists the bans in the plan; the sampler applies them), and ends the
+    request as soon as it may; with ignore_eos, EOS is not banned and does not end it."""
+    eos = llm.engine.eos_token_ids[0]
+    prompt = [[5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, logit_bias={eos: 100})
+    [out] = llm.generate(prompt, params, use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    assert eos not in tokens[:3] and tokens[3:] == [eos], tokens
+    assert out.outputs[0].finish_reason == "stop"
+    stop = SamplingParams(
+        temperature=0, max_tokens=8, min_tokens=2, stop_token_ids=[9], logit_bias={9: 100}
+    )
+    [out] = llm.generate(prompt, stop, use_tqdm=False)
+    assert out.outputs[0].token_ids[2:] == [9] and 9 not in out.outputs[0].token_ids[:2]
+    assert out.outputs[0].stop_reason == 9
+    free = SamplingParams(
+        temperature=0, max_tokens=4, min_tokens=2, ignore_eos=True, logit_bias={eos: 100}
+    )
+    [out] = llm.generate(prompt, free, use_tqdm=False)
+    assert out.outputs[0].token_ids == [eos] * 4 and out.outputs[0].finish_reason == "length"

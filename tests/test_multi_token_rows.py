@@ -74,8 +74,8 @@ def test_a_stop_inside_an_injected_row_drops_the_rest(llm, monkeypatch):
 def test_the_sampling_table_takes_a_rows_tokens_at_once():
     """A slot repeated in one `append_tokens` call (what a runner accepting several tokens per
     row will hand its table) leaves the state of one token per step, and of a request resumed
-    with those outputs: output counts (penalties), the output index (min_tokens, seeded draws)
-    and the bad-words history."""
+    with those outputs: output counts (penalties), the output index (seeded draws) and the
+    bad-words history. (min_tokens is the core's: its bans come with the plan.)"""
     params = SamplingParams(
         temperature=1.0, seed=7, repetition_penalty=1.3, frequency_penalty=0.5,
         min_tokens=5, stop_token_ids=[2],
@@ -83,10 +83,8 @@ def test_the_sampling_table_takes_a_rows_tokens_at_once():
     outputs = [4, 30, 4]
     at_once, one_by_one, resumed = (SamplingTable(VOCAB) for _ in range(3))
     for table in (at_once, one_by_one):
-        table.add_request(3, params, [10, 11], eos_token_ids=[1], bad_words_ids=[[4, 5]])
-    resumed.add_request(
-        3, params, [10, 11], eos_token_ids=[1], bad_words_ids=[[4, 5]], output_token_ids=outputs
-    )
+        table.add_request(3, params, [10, 11], bad_words_ids=[[4, 5]])
+    resumed.add_request(3, params, [10, 11], bad_words_ids=[[4, 5]], output_token_ids=outputs)
     at_once.append_tokens(np.array([3, 3, 3]), np.array(outputs))
     for token in outputs:
         one_by_one.append_tokens(np.array([3]), np.array([token]))
@@ -94,8 +92,8 @@ def test_the_sampling_table_takes_a_rows_tokens_at_once():
     batches = [table.batch(np.array([3])) for table in (at_once, one_by_one, resumed)]
     first = batches[0]
     assert first.penalties.output_counts[0, 4] == 2 and first.penalties.output_counts[0, 30] == 1
-    # min_tokens (3 of 5 out) bans the stop id and EOS; the bad word [4, 5] bans 5 after a 4
-    assert sorted(first.blocked_ids.tolist()) == [1, 2, 5]
+    # the bad word [4, 5] bans 5 after a 4
+    assert sorted(first.blocked_ids.tolist()) == [5]
     for batch in batches[1:]:
         assert torch.equal(batch.penalties.output_counts, first.penalties.output_counts)
         assert sorted(batch.blocked_ids.tolist()) == sorted(first.blocked_ids.tolist())

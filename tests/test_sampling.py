@@ -63,16 +63,17 @@ def test_valid_params():
     assert SamplingParams(top_k=-1, seed=-5, logprobs=0).top_k == -1
 
 
-def run(rows, logits, sampler=None, steps=1, prompts=None, eos=()):
-    """Sample `steps` times from fixed logits; rows: SamplingParams per row. -> (steps, S) ids."""
+def run(rows, logits, sampler=None, steps=1, prompts=None, banned=None):
+    """Sample `steps` times from fixed logits; rows: SamplingParams per row; banned(step) ->
+    the plan's (rows, ids) bans of that step, or None. -> (steps, S) ids."""
     table = SamplingTable(VOCAB, capacity=2)
     slots = [10 + 7 * i for i in range(len(rows))]
     for i, (slot, params) in enumerate(zip(slots, rows, strict=True)):
-        table.add_request(slot, params, prompts[i] if prompts else [], eos_token_ids=eos)
+        table.add_request(slot, params, prompts[i] if prompts else [])
     sampler = sampler or Sampler(seed=0)
     out = []
-    for _ in range(steps):
-        batch = table.batch(np.array(slots))
+    for step in range(steps):
+        batch = table.batch(np.array(slots), banned(step) if banned else None)
         sampled = sampler(logits.clone(), batch)
         tokens = sampled.tokens.numpy()
         table.append_tokens(batch.slots, tokens)
@@ -154,16 +155,21 @@ def test_frequency_penalty_accumulates_over_outputs():
     assert tokens[:, 0].tolist() == [0, 1, 0, 1]
 
 
-def test_min_tokens_blocks_eos_and_stop_ids():
+def test_the_plans_bans_are_applied_to_their_rows():
+    """The core decides min_tokens (which rows may not draw which EOS and stop ids); the sampler
+    applies the bans the plan lists, row by row (tests/test_llm.py holds the two together)."""
     logits = torch.tensor([[0.0, 0.0, 9.0, 8.0] + [0.0] * (VOCAB - 4)]).expand(3, VOCAB)
-    rows = [
-        SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3]),
-        SamplingParams(temperature=0, min_tokens=2, ignore_eos=True),
-        SamplingParams(temperature=0),
-    ]
-    tokens, _ = run(rows, logits, steps=3, eos=[2])
+    rows = [SamplingParams(temperature=0)] * 3
+
+    def banned(step):  # row 0: EOS 2 and stop id 3 for two steps; row 1: only 2, first step
+        if step >= 2:
+            return None
+        plan_rows, ids = [0, 0] + ([1] if step == 0 else []), [2, 3] + ([2] if step == 0 else [])
+        return np.array(plan_rows, np.int32), np.array(ids, np.int32)
+
+    tokens, _ = run(rows, logits, steps=3, banned=banned)
     assert tokens[:, 0].tolist() == [0, 0, 2]
-    assert tokens[:, 1].tolist() == [2, 2, 2]
+    assert tokens[:, 1].tolist() == [3, 2, 2]
     assert tokens[:, 2].tolist() == [2, 2, 2]
 
 

@@ -25,7 +25,7 @@ from aieng.step_plan import (
 )
 
 # Read on demand from the core's own tables, not part of a step's contract.
-RUST_EXTRAS = {"block_tables", "request_ids"}
+RUST_EXTRAS = {"request_ids"}
 
 
 def rust_plan():

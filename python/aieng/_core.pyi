@@ -154,8 +154,12 @@ class StepPlan:
     def new_block_ids(self) -> _I32:
         """(N,) its block id."""
     @property
-    def block_tables(self) -> _I32:
-        """(R, most blocks of a row) each row's block ids, padded with 0; built when read."""
+    def banned_rows(self) -> _I32:
+        """(K,) sampling row i (an index into logits_indices) may not draw banned_ids[i]: the
+        EOS (unless ignore_eos) and stop ids of a request that has not produced min_tokens."""
+    @property
+    def banned_ids(self) -> _I32:
+        """(K,) the banned token of each entry of banned_rows."""
     @property
     def request_ids(self) -> list[str]:
         """(R,) each row's request id; built when read."""

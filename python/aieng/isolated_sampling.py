@@ -10,6 +10,7 @@ whatever slipped past validation — fails one request, never its neighbours in 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,18 +23,31 @@ Bitmask = tuple[np.ndarray, np.ndarray] | None
 ToHost = Callable[[SamplerOutput], tuple[np.ndarray, SampledLogprobs]]
 
 
+@dataclass(frozen=True)
+class RowRules:
+    """What the core decided for a step's sampling rows: the grammar masks (rows, bitmask) and
+    the token bans (rows, ids) of min_tokens; row numbers index the step's sampled rows."""
+
+    grammar: Bitmask = None
+    banned: Bitmask = None
+
+    def of_rows(self, keep: np.ndarray) -> RowRules:
+        """The rules of rows `keep` only, renumbered 0..len(keep)-1."""
+        return RowRules(_rows_of(self.grammar, keep), _rows_of(self.banned, keep))
+
+
 def sample_rows(
     sampler: Sampler,
     table: SamplingTable,
     logits: torch.Tensor,
     slots: np.ndarray,
-    bitmask: Bitmask,
+    rules: RowRules,
     to_host: ToHost,
 ) -> tuple[np.ndarray, SampledLogprobs, dict[int, str]]:
     """logits (S, V), slots (S,) -> tokens (S,) with -1 on failed rows, their logprobs, and
     {slot: cause} of the rows whose sampling raised."""
     try:
-        return (*_sample(sampler, table, logits, slots, bitmask, to_host), {})
+        return (*_sample(sampler, table, logits, slots, rules, to_host), {})
     except Exception as error:
         if is_fatal(error):
             raise
@@ -43,7 +57,7 @@ def sample_rows(
     for row in range(len(slots)):
         keep = np.array([row])
         try:
-            _sample(sampler, table, logits[keep], slots[keep], _rows_of(bitmask, keep), to_host)
+            _sample(sampler, table, logits[keep], slots[keep], rules.of_rows(keep), to_host)
         except Exception as error:
             failed[int(slots[row])] = _cause(error)
     ok = np.array([r for r in range(len(slots)) if int(slots[r]) not in failed], np.int64)
@@ -52,7 +66,7 @@ def sample_rows(
         return tokens, SampledLogprobs.empty(), failed
     try:
         ok_tokens, logprobs = _sample(
-            sampler, table, logits[torch.from_numpy(ok)], slots[ok], _rows_of(bitmask, ok), to_host
+            sampler, table, logits[torch.from_numpy(ok)], slots[ok], rules.of_rows(ok), to_host
         )
     except Exception as error:  # only together do the rows fail: the step's requests end
         return _all_failed(slots, error)
@@ -66,16 +80,16 @@ def _sample(
     table: SamplingTable,
     logits: torch.Tensor,
     slots: np.ndarray,
-    bitmask: Bitmask,
+    rules: RowRules,
     to_host: ToHost,
 ) -> tuple[np.ndarray, SampledLogprobs]:
-    batch = table.batch(slots)
-    batch.grammar_bitmask = bitmask
+    batch = table.batch(slots, rules.banned)
+    batch.grammar_bitmask = rules.grammar
     return to_host(sampler(logits, batch))
 
 
 def _rows_of(bitmask: Bitmask, keep: np.ndarray) -> Bitmask:
-    """The grammar bitmask of rows `keep` only, renumbered 0..len(keep)-1."""
+    """(rows, values) of rows `keep` only, renumbered 0..len(keep)-1."""
     if bitmask is None:
         return None
     rows, words = bitmask

@@ -28,7 +28,7 @@ from aieng.errors import is_fatal
 from aieng.gpu_memory import log_gpu_memory
 from aieng.host_memory import available_ram
 from aieng.input_buffers import InputBuffers
-from aieng.isolated_sampling import sample_rows
+from aieng.isolated_sampling import RowRules, sample_rows
 from aieng.kv_cache import KVCacheSpec
 from aieng.models.loader import LoadTimes, load_model
 from aieng.prompt_logprobs import PromptScorer
@@ -47,8 +47,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, allocate_cache: bool = True):
         """Loads the model. With `allocate_cache` (a runner on its own: tests, tools) it also
         sizes and allocates its KV cache; a Worker leaves that to its executor, which asks every
-        rank `available_kv_cache_memory()` and then calls `initialize_cache(num_blocks)`.
-        config.eos_token_ids: banned from rows below min_tokens."""
+        rank `available_kv_cache_memory()` and then calls `initialize_cache(num_blocks)`."""
         self.engine_config = config
         args = config.args
         self.device = config.torch_device
@@ -59,7 +58,6 @@ class ModelRunner:
             config.model_path, self.dtype, self.device, config.model, times=self.load_times
         )
         self.block_size = config.cache.block_size
-        self.eos_token_ids = list(config.eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         kv_cache_dtype = config.cache.kv_cache_dtype
@@ -184,9 +182,10 @@ class ModelRunner:
         if not self.samples:
             return ModelRunnerOutput.empty()
         slots = np.asarray(plan.slots[plan.sample_request_rows], np.int64)
-        bitmask = plan.grammar_bitmask()  # computed while the model ran
+        banned = (plan.banned_rows, plan.banned_ids) if len(plan.banned_rows) else None
+        rules = RowRules(plan.grammar_bitmask(), banned)  # masks computed while the model ran
         tokens, logprobs, sampling_failed = sample_rows(
-            self.sampler, self.sampling, logits, slots, bitmask, self._to_host
+            self.sampler, self.sampling, logits, slots, rules, self._to_host
         )
         failed.update(sampling_failed)
         if failed:
@@ -222,7 +221,6 @@ class ModelRunner:
             row.slot,
             row.params,
             row.prompt_token_ids,
-            eos_token_ids=self.eos_token_ids,
             bad_words_ids=row.bad_words_ids,
         )
 

@@ -50,7 +50,9 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     penalties: Penalties | None  # None when no row has one
-    blocked_rows: torch.Tensor | None  # (B,) with blocked_ids: tokens banned until min_tokens
+    # (B,) with blocked_ids: tokens banned on a row — the plan's (EOS and stop ids before
+    # min_tokens, decided by the core) and the bad words'.
+    blocked_rows: torch.Tensor | None
     blocked_ids: torch.Tensor | None  # (B,)
     seeded_rows: torch.Tensor | None  # (K,) rows with their own seed
     seeded_keys: torch.Tensor | None  # (K, 2) int64: 32-bit hash keys of (seed, output index)
@@ -106,8 +108,6 @@ class SamplingTable:
         self.has_token_rules = np.zeros(0, bool)
         self.num_logprobs = np.zeros(0, np.int32)  # -1: no logprobs
         self.num_output = np.zeros(0, np.int64)
-        self.min_tokens = np.zeros(0, np.int64)
-        self.min_tokens_ids: dict[int, list[int]] = {}
         self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}  # slot -> (ids, biases)
         self.allowed_ids: dict[int, list[int]] = {}  # slot -> allowed_token_ids
         self.bad_words: dict[int, list[list[int]]] = {}  # slot -> bad words' token ids
@@ -125,7 +125,6 @@ class SamplingTable:
         slot: int,
         params: SamplingParams,
         prompt_token_ids: Sequence[int],
-        eos_token_ids: Sequence[int] = (),
         output_token_ids: Sequence[int] = (),
         bad_words_ids: Sequence[Sequence[int]] = (),
     ) -> None:
@@ -149,15 +148,6 @@ class SamplingTable:
         self.seed[slot] = np.uint64((params.seed or 0) & UINT64).astype(np.int64)
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self.num_output[slot] = len(output_token_ids)
-        self.min_tokens[slot] = params.min_tokens
-        banned = list(params.stop_token_ids or ()) + (
-            [] if params.ignore_eos else list(eos_token_ids)
-        )
-        banned = [t for t in banned if 0 <= t < self.vocab_size]  # checked at the door too
-        if params.min_tokens > 0 and banned:
-            self.min_tokens_ids[slot] = banned
-        else:
-            self.min_tokens_ids.pop(slot, None)
         if params.logit_bias:
             self.logit_bias[slot] = (list(params.logit_bias), list(params.logit_bias.values()))
         else:
@@ -195,7 +185,6 @@ class SamplingTable:
             self.output_counts[slot] = counts.to(self.device)
 
     def remove_request(self, slot: int) -> None:
-        self.min_tokens_ids.pop(slot, None)
         self.logit_bias.pop(slot, None)
         self.allowed_ids.pop(slot, None)
         self.bad_words.pop(slot, None)
@@ -204,8 +193,12 @@ class SamplingTable:
             self.has_penalty[slot] = False
             self.has_token_rules[slot] = False
 
-    def batch(self, slots: np.ndarray) -> SamplingBatch:
-        """slots (S,): the slot of each sampled row, in the plan's sampling order."""
+    def batch(
+        self, slots: np.ndarray, banned: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> SamplingBatch:
+        """slots (S,): the slot of each sampled row, in the plan's sampling order. banned:
+        the plan's token bans (rows into `slots`, token ids): the EOS and stop ids of rows
+        whose request has not produced min_tokens yet, decided by the core."""
         slots = np.asarray(slots, dtype=np.int64)
         device = self.device
         floats = self.floats[slots]  # (S, len(FLOAT_FIELDS))
@@ -228,19 +221,17 @@ class SamplingTable:
                     prompt_mask=self.prompt_mask[index],
                 )
         blocked_rows = blocked_ids = None
-        rows, ids = [], []
-        if self.min_tokens_ids:
-            for r in np.flatnonzero(self.num_output[slots] < self.min_tokens[slots]).tolist():
-                banned = self.min_tokens_ids.get(int(slots[r]))
-                if banned:
-                    rows += [r] * len(banned)
-                    ids += banned
+        rows: list[int] = []
+        ids: list[int] = []
+        if banned is not None and len(banned[0]):
+            rows += np.asarray(banned[0], np.int64).tolist()
+            ids += np.asarray(banned[1], np.int64).tolist()
         ruled = np.flatnonzero(self.has_token_rules[slots]).tolist()  # rows with token rules
         for r in ruled:
             if int(slots[r]) in self.bad_words:
-                banned = self._bad_word_bans(int(slots[r]))
-                rows += [r] * len(banned)
-                ids += banned
+                bad = self._bad_word_bans(int(slots[r]))
+                rows += [r] * len(bad)
+                ids += bad
         if rows:
             blocked_rows = torch.tensor(rows, dtype=torch.long).to(device)
             blocked_ids = torch.tensor(ids, dtype=torch.long).to(device)
@@ -345,7 +336,6 @@ class SamplingTable:
             "has_token_rules",
             "num_logprobs",
             "num_output",
-            "min_tokens",
         ):
             old = getattr(self, name)
             setattr(self, name, np.concatenate([old, np.zeros(extra, old.dtype)]))

@@ -43,6 +43,8 @@ class StepPlan(ForwardPlan, Protocol):
     new_block_slots: np.ndarray  # (B,) int32: table[new_block_slots, new_block_indices]
     new_block_indices: np.ndarray  # (B,) int32:   = new_block_ids, applied each step
     new_block_ids: np.ndarray  # (B,) int32
+    banned_rows: np.ndarray  # (K,) int32: sampling row i (into logits_indices) may not draw
+    banned_ids: np.ndarray  # (K,) int32:   banned_ids[i]: EOS and stop ids before min_tokens
 
     def grammar_bitmask(self) -> Any:
         """The constrained rows' token masks (rows, bitmask), or None when no row has one."""
