@@ -173,7 +173,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp_name = "mlp"
         mlp: nn.Module
         if layer_index in config.moe_layers:
-            mixtral = config.architecture == "MixtralForCausalLM"
+            mixtral = config.moe_checkpoint_names == "mixtral"
             self.mlp_name = "block_sparse_moe" if mixtral else "mlp"
             mlp = SparseMoE(
                 size,

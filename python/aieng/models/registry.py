@@ -1,9 +1,9 @@
-"""Architecture name (config.json `architectures[0]`) -> model class, by the family
-`aieng.architectures` names for it."""
+"""Architecture name (config.json `architectures[0]`) -> model class, by the family its spec
+names (`aieng.model_configs`)."""
 
 from torch import nn
 
-from aieng.architectures import ARCHITECTURE_FAMILIES, check_supported
+from aieng.model_configs import ARCHITECTURES, spec_of
 from aieng.models.gemma import GemmaForCausalLM
 from aieng.models.llama import LlamaForCausalLM
 
@@ -12,9 +12,9 @@ FAMILY_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
 }
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    architecture: FAMILY_CLASSES[family] for architecture, family in ARCHITECTURE_FAMILIES.items()
+    architecture: FAMILY_CLASSES[spec.family] for architecture, spec in ARCHITECTURES.items()
 }
 
 
 def model_class(architecture: str, source: str = "config.json") -> type[nn.Module]:
-    return FAMILY_CLASSES[check_supported(architecture, source)]
+    return FAMILY_CLASSES[spec_of(architecture, source).family]

@@ -1,0 +1,20 @@
+"""The architecture registry: every family's `ArchitectureSpec`s, by architecture name. A new
+family adds its module here; `ModelConfig` and the model registry read nothing else."""
+
+from __future__ import annotations
+
+from aieng.architectures import ArchitectureSpec
+from aieng.model_configs import gemma_family, llama_family
+
+ARCHITECTURES: dict[str, ArchitectureSpec] = {**llama_family.SPECS, **gemma_family.SPECS}
+
+
+def spec_of(architecture: str, source: str = "config.json") -> ArchitectureSpec:
+    """The spec of `architecture`; ValueError naming the supported ones otherwise."""
+    try:
+        return ARCHITECTURES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"{source}: architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+        ) from None
