@@ -28,23 +28,19 @@ from aieng.attention.layer import Attention
 from aieng.config import ModelConfig
 from aieng.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
 from aieng.layers.activation import gelu_tanh_and_mul
+from aieng.layers.blocks import GatedMLP, causal_lm_logits
 from aieng.layers.linear import Linear, LinearMethodChooser, dense_everywhere
 from aieng.layers.norm import RMSNorm
-from aieng.layers.parallel import column_parallel, qkv_parallel, row_parallel
+from aieng.layers.parallel import qkv_parallel, row_parallel
 from aieng.layers.rotary import RotaryEmbedding
 from aieng.layers.vocab_parallel import (
     VocabParallelEmbedding,
-    lm_logits,
     vocab_parallel_lm_head,
 )
 
 
 def _norm(config: ModelConfig, size: int, dtype: torch.dtype) -> RMSNorm:
     return RMSNorm(size, config.rms_norm_eps, dtype, unit_offset=True)
-
-
-def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
-    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 class GemmaAttention(nn.Module):
@@ -113,35 +109,6 @@ class GemmaAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class GemmaMLP(nn.Module):
-    def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, methods: LinearMethodChooser, prefix: str
-    ):
-        super().__init__()
-        size, hidden = config.intermediate_size, config.hidden_size
-        self.gate_up_proj = Linear(
-            hidden,
-            [size, size],
-            False,
-            dtype,
-            methods,
-            f"{prefix}.gate_up_proj",
-            column_parallel(hidden, [size, size], "intermediate_size"),
-        )
-        self.down_proj = Linear(
-            size,
-            hidden,
-            False,
-            dtype,
-            methods,
-            f"{prefix}.down_proj",
-            row_parallel(size, [hidden], "intermediate_size"),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
-
-
 class GemmaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -157,7 +124,7 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = GemmaAttention(
             config, rotary, dtype, methods, layer_index, f"{prefix}.self_attn"
         )
-        self.mlp = GemmaMLP(config, dtype, methods, f"{prefix}.mlp")
+        self.mlp = GatedMLP(config, dtype, methods, f"{prefix}.mlp", gelu_tanh_and_mul)
         self.input_layernorm = _norm(config, size, dtype)
         self.post_attention_layernorm = _norm(config, size, dtype)
         self.pre_feedforward_layernorm = _norm(config, size, dtype)
@@ -250,5 +217,4 @@ class GemmaForCausalLM(nn.Module):
         """hidden (S, hidden) -> logits (S, vocab), soft-capped where the config says (gathered
         from the tensor-parallel ranks: every rank must call it)."""
         lm_head = None if self.tie_word_embeddings else self.lm_head
-        logits = lm_logits(hidden, self.model.embed_tokens, lm_head, self.config.vocab_size)
-        return _softcap(logits, self.config.final_logit_softcapping)
+        return causal_lm_logits(self.config, hidden, self.model.embed_tokens, lm_head)

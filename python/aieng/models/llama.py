@@ -24,14 +24,14 @@ from aieng.attention.layer import Attention
 from aieng.config import ModelConfig
 from aieng.distributed.parallel_state import get_tp_world_size, heads_per_rank, kv_heads_per_rank
 from aieng.layers.activation import silu_and_mul
+from aieng.layers.blocks import GatedMLP, causal_lm_logits
 from aieng.layers.linear import Linear, LinearMethodChooser, dense_everywhere
 from aieng.layers.moe import MIXTRAL_EXPERT_NAMES, ExpertNames, SparseMoE
 from aieng.layers.norm import RMSNorm, SplitRMSNorm
-from aieng.layers.parallel import column_parallel, qkv_parallel, row_parallel
+from aieng.layers.parallel import qkv_parallel, row_parallel
 from aieng.layers.rotary import RotaryEmbedding
 from aieng.layers.vocab_parallel import (
     VocabParallelEmbedding,
-    lm_logits,
     vocab_parallel_lm_head,
 )
 
@@ -123,35 +123,6 @@ def _norm_across_heads(
     return SplitRMSNorm(size, part, eps, dtype, in_float32)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, methods: LinearMethodChooser, prefix: str
-    ):
-        super().__init__()
-        size, hidden = config.intermediate_size, config.hidden_size
-        self.gate_up_proj = Linear(
-            hidden,
-            [size, size],
-            config.mlp_bias,
-            dtype,
-            methods,
-            f"{prefix}.gate_up_proj",
-            column_parallel(hidden, [size, size], "intermediate_size"),
-        )
-        self.down_proj = Linear(
-            size,
-            hidden,
-            config.mlp_bias,
-            dtype,
-            methods,
-            f"{prefix}.down_proj",
-            row_parallel(size, [hidden], "intermediate_size"),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -188,7 +159,7 @@ class LlamaDecoderLayer(nn.Module):
                 weights_in_model_dtype=not mixtral,
             )
         else:
-            mlp = LlamaMLP(config, dtype, methods, f"{prefix}.mlp")
+            mlp = GatedMLP(config, dtype, methods, f"{prefix}.mlp", silu_and_mul, config.mlp_bias)
         self.add_module(self.mlp_name, mlp)
         # HF's names: pre-norm layers norm the attention input with `input_layernorm` and the MLP
         # input with `post_attention_layernorm`; OLMo 2 norms the attention output with
@@ -278,6 +249,4 @@ class LlamaForCausalLM(nn.Module):
         """hidden (S, hidden) -> logits (S, vocab) (gathered from the tensor-parallel ranks:
         every rank must call it)."""
         lm_head = None if self.tie_word_embeddings else self.lm_head
-        logits = lm_logits(hidden, self.model.embed_tokens, lm_head, self.config.vocab_size)
-        scaling = self.config.logits_scaling
-        return logits if scaling == 1.0 else logits / scaling
+        return causal_lm_logits(self.config, hidden, self.model.embed_tokens, lm_head)
