@@ -1,0 +1,186 @@
+//! The x86 tile kernels of the int8 matmul: 16 output rows (one tile of `PackedWeights`) for
+//! MR rows of quantized activations, walking K block by block. Each block's int32 sums are
+//! turned to float and combined with the tile's (s, s·z) vectors and the activations' (d, Σxq):
+//!
+//!   y += f32(Σ xq·q) · (s·d) − (s·z) · (d·Σxq)
+//!
+//! AVX-512 VNNI does a whole tile with one `vpdpbusd` per 4 columns; the 256-bit paths do it in
+//! two halves of 8 rows. AVX2 has no dot-product instruction: `vpmaddubsw` (u8 × s8 pairs into
+//! saturating i16) then `vpmaddwd` by ones gives the same sums, exact for 4-bit weights
+//! (2·15·127 fits i16). For 8-bit weights a pair could reach 2·255·127 and saturate, so they go
+//! in as q − 128 (signed) with the sign moved onto the activation (|q − 128| ≤ 128: 2·128·127
+//! fits), and the block pays the 128·Σxq back through s·z − 128·s.
+
+use std::arch::x86_64::*;
+
+use super::packed::{PackedWeights, CHUNK_BYTES, TILE};
+use super::quantize::{QuantizedRows, BLOCK};
+
+/// Stores lanes [0, valid) of `values` at `out`.
+unsafe fn store_lanes(out: *mut f32, values: &[f32], valid: usize) {
+    std::ptr::copy_nonoverlapping(values.as_ptr(), out, valid);
+}
+
+/// The activations' 4 bytes j (columns 4j..4j+4 of the block) of each row, broadcast.
+#[inline(always)]
+unsafe fn x_dword(x: &QuantizedRows, row: usize, block: usize, j: usize) -> i32 {
+    (x.value_ptr(row, block) as *const i32)
+        .add(j)
+        .read_unaligned()
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn tile_avx512<const MR: usize, const BITS: u8>(
+    w: &PackedWeights,
+    tile: usize,
+    x: &QuantizedRows,
+    m0: usize,
+    out: *mut f32,
+    n: usize,
+) {
+    let per = w.tile_block_bytes();
+    let data = w.tile_data(tile).as_ptr();
+    let low = _mm512_set1_epi8(0x0F);
+    let mut y = [_mm512_setzero_ps(); MR];
+    for b in 0..w.blocks {
+        let tb = data.add(b * per);
+        let mut acc = [_mm512_setzero_si512(); MR];
+        if BITS == 8 {
+            for j in 0..8 {
+                let wv = _mm512_loadu_si512(tb.add(j * CHUNK_BYTES) as *const _);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let xv = _mm512_set1_epi32(x_dword(x, m0 + r, b, j));
+                    *a = _mm512_dpbusd_epi32(*a, wv, xv);
+                }
+            }
+        } else {
+            for j in 0..4 {
+                let raw = _mm512_loadu_si512(tb.add(j * CHUNK_BYTES) as *const _);
+                let lo = _mm512_and_si512(raw, low);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let x_lo = _mm512_set1_epi32(x_dword(x, m0 + r, b, j));
+                    let x_hi = _mm512_set1_epi32(x_dword(x, m0 + r, b, j + 4));
+                    *a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*a, lo, x_lo), hi, x_hi);
+                }
+            }
+        }
+        let sc = w.tile_scales(tile, w.group_of(b)).as_ptr();
+        let (s, sz) = (_mm512_loadu_ps(sc), _mm512_loadu_ps(sc.add(TILE)));
+        for (r, (yr, a)) in y.iter_mut().zip(acc).enumerate() {
+            let i = (m0 + r) * x.blocks + b;
+            let (d, sum) = (*x.scales.get_unchecked(i), *x.sums.get_unchecked(i));
+            let sd = _mm512_mul_ps(s, _mm512_set1_ps(d));
+            *yr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sd, *yr);
+            *yr = _mm512_fnmadd_ps(sz, _mm512_set1_ps(d * sum), *yr);
+        }
+    }
+    let valid = (n - tile * TILE).min(TILE);
+    let mask = ((1u32 << valid) - 1) as u16;
+    for (r, yr) in y.iter().enumerate() {
+        _mm512_mask_storeu_ps(out.add((m0 + r) * n + tile * TILE), mask, *yr);
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_avx2(acc: __m256i, unsigned: __m256i, signed: __m256i) -> __m256i {
+    let pairs = _mm256_maddubs_epi16(unsigned, signed);
+    _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+}
+
+/// Σ (q − 128)·x for unsigned q, without `vpmaddubsw` saturating (see the module note).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_avx2_offset(acc: __m256i, unsigned: __m256i, signed: __m256i) -> __m256i {
+    let centred = _mm256_xor_si256(unsigned, _mm256_set1_epi8(-128));
+    let magnitude = _mm256_abs_epi8(centred);
+    dot_avx2(acc, magnitude, _mm256_sign_epi8(signed, centred))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,avxvnni")]
+unsafe fn dot_avxvnni(acc: __m256i, unsigned: __m256i, signed: __m256i) -> __m256i {
+    _mm256_dpbusd_avx_epi32(acc, unsigned, signed)
+}
+
+/// A 256-bit tile kernel: `$dot8` multiplies 8-bit weights (offset by 128 when `$offset8`),
+/// `$dot4` 4-bit ones.
+macro_rules! tile_256 {
+    ($name:ident, $features:literal, $dot4:ident, $dot8:ident, $offset8:expr) => {
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $name<const MR: usize, const BITS: u8>(
+            w: &PackedWeights,
+            tile: usize,
+            x: &QuantizedRows,
+            m0: usize,
+            out: *mut f32,
+            n: usize,
+        ) {
+            let per = w.tile_block_bytes();
+            let data = w.tile_data(tile).as_ptr();
+            let low = _mm256_set1_epi8(0x0F);
+            for half in 0..2 {
+                let first = tile * TILE + half * 8;
+                if first >= n {
+                    break;
+                }
+                let mut y = [_mm256_setzero_ps(); MR];
+                for b in 0..w.blocks {
+                    let tb = data.add(b * per + half * 32);
+                    let mut acc = [_mm256_setzero_si256(); MR];
+                    if BITS == 8 {
+                        for j in 0..8 {
+                            let wv = _mm256_loadu_si256(tb.add(j * CHUNK_BYTES) as *const _);
+                            for (r, a) in acc.iter_mut().enumerate() {
+                                let xv = _mm256_set1_epi32(x_dword(x, m0 + r, b, j));
+                                *a = $dot8(*a, wv, xv);
+                            }
+                        }
+                    } else {
+                        for j in 0..4 {
+                            let raw = _mm256_loadu_si256(tb.add(j * CHUNK_BYTES) as *const _);
+                            let lo = _mm256_and_si256(raw, low);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                            for (r, a) in acc.iter_mut().enumerate() {
+                                let x_lo = _mm256_set1_epi32(x_dword(x, m0 + r, b, j));
+                                let x_hi = _mm256_set1_epi32(x_dword(x, m0 + r, b, j + 4));
+                                *a = $dot4($dot4(*a, lo, x_lo), hi, x_hi);
+                            }
+                        }
+                    }
+                    let sc = w.tile_scales(tile, w.group_of(b)).as_ptr().add(half * 8);
+                    let s = _mm256_loadu_ps(sc);
+                    let mut sz = _mm256_loadu_ps(sc.add(TILE));
+                    if BITS == 8 && $offset8 {
+                        sz = _mm256_fnmadd_ps(_mm256_set1_ps(128.0), s, sz);
+                    }
+                    for (r, (yr, a)) in y.iter_mut().zip(acc).enumerate() {
+                        let i = (m0 + r) * x.blocks + b;
+                        let (d, sum) = (*x.scales.get_unchecked(i), *x.sums.get_unchecked(i));
+                        let sd = _mm256_mul_ps(s, _mm256_set1_ps(d));
+                        *yr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), sd, *yr);
+                        *yr = _mm256_fnmadd_ps(sz, _mm256_set1_ps(d * sum), *yr);
+                    }
+                }
+                let valid = (n - first).min(8);
+                let mut lanes = [0f32; 8];
+                for (r, yr) in y.iter().enumerate() {
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), *yr);
+                    store_lanes(out.add((m0 + r) * n + first), &lanes, valid);
+                }
+            }
+        }
+    };
+}
+
+tile_256!(tile_avx2, "avx2,fma", dot_avx2, dot_avx2_offset, true);
+tile_256!(
+    tile_avxvnni,
+    "avx2,fma,avxvnni",
+    dot_avxvnni,
+    dot_avxvnni,
+    false
+);
+
+const _: () = assert!(BLOCK == 32 && TILE == 16 && CHUNK_BYTES == 64);
