@@ -274,3 +274,32 @@ class Grammar:
 
     @property
     def kind(self) -> str: ...
+
+_U8 = npt.NDArray[np.uint8]
+_F32 = npt.NDArray[np.float32]
+
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels use (detected, or lowered by AIENG_CPU_ISA)."""
+
+def cpu_isa_paths() -> list[str]:
+    """Every instruction-set path this CPU can run, lowest first."""
+
+@final
+class Int8Weights:
+    """A 4- or 8-bit weight repacked for the int8 dot-product kernels."""
+
+    def __new__(cls, q: _U8, scales: _F32, zeros: _F32, bits: int) -> Int8Weights: ...
+    @property
+    def out_features(self) -> int: ...
+    @property
+    def in_features(self) -> int: ...
+    @property
+    def bits(self) -> int: ...
+    @property
+    def group_size(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def matmul(
+        self, x: _F32, out: _F32, threads: int, isa: str | None = None, split: bool = False
+    ) -> None: ...
+    def dequantize(self) -> _F32: ...

@@ -33,6 +33,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_BLOCK_SIZE = 1 << 16  # the Rust core's limit (BlockPool::new)
 ATTENTION_BACKENDS = ("auto", "torch", "cuda")
 KV_CACHE_DTYPES = ("auto", "int8")
+CPU_QUANT_KERNELS = ("auto", "int8", "int8x2", "int4pack", "dequant")
 
 Check = Callable[[Any], str | None]  # -> why the value is refused, or None
 
@@ -205,6 +206,16 @@ class EngineArgs:
         "GPU in float16/bfloat16 once they pass their start-up check); cuda: the kernels; torch: "
         "the paged reference, on any device",
         choices=ATTENTION_BACKENDS,
+    )
+    cpu_quant_kernel: str = option(
+        "auto",
+        "kernel of INT4/INT8-quantized layers on the CPU; int8: activations quantized to int8 per "
+        "block of 32 and multiplied on the CPU's int8 dot-product instructions (W4A8, W8A8); "
+        "int8x2: the same with a second int8 term per activation (about 15 bits: bfloat16's "
+        "accuracy or better, two dot products per weight); int4pack: torch's INT4 kernel with "
+        "bfloat16 activations (W4A16, 4-bit layers); dequant: the float32 reference; auto: the "
+        "first of int8x2, int4pack that passes its check at load",
+        choices=CPU_QUANT_KERNELS,
     )
     enforce_eager: bool = option(
         False,

@@ -56,7 +56,13 @@ class ModelRunner:
             dtype = torch.float32
         self.model: Any
         self.load_times = LoadTimes()
-        self.model, self.config = load_model(args.model, dtype, self.device, times=self.load_times)
+        self.model, self.config = load_model(
+            args.model,
+            dtype,
+            self.device,
+            times=self.load_times,
+            cpu_quant_kernel=args.cpu_quant_kernel,
+        )
         self.dtype = dtype or resolve_dtype(self.config.dtype)
         self.block_size = args.block_size
         self.eos_token_ids = list(eos_token_ids)

@@ -83,17 +83,20 @@ def load_model(
     config: ModelConfig | None = None,
     linear_methods: LinearMethodChooser | None = None,
     times: LoadTimes | None = None,
+    cpu_quant_kernel: str = "auto",
 ) -> tuple[nn.Module, ModelConfig]:
     """-> (model in eval mode on `device`, its config). dtype defaults to the checkpoint's.
     linear_methods defaults to what the checkpoint's `quantization_config` calls for. `times`,
-    if given, receives where the load went."""
+    if given, receives where the load went. `cpu_quant_kernel`: EngineArgs.cpu_quant_kernel."""
     folder = Path(path)
     config = config or ModelConfig.from_pretrained(folder)
     cls = model_class(config.architecture, str(folder / "config.json"))
     dtype = dtype or resolve_dtype(config.dtype, str(folder / "config.json"))
     if linear_methods is None:
         packed = getattr(cls, "packed_modules", {})
-        linear_methods = quantized_linear_methods(config.quantization, packed)
+        linear_methods = quantized_linear_methods(
+            config.quantization, packed, cpu_kernel=cpu_quant_kernel
+        )
     times = times if times is not None else LoadTimes()
     start = time.perf_counter()
     with torch.device(device):

@@ -12,7 +12,9 @@ use std::cell::RefCell;
 use super::isa::Isa;
 use super::packed::{PackedWeights, TILE};
 use super::pool::{split, ThreadCount};
-use super::quantize::{quantize_rows, QuantizedRows, SharedMut, BLOCK};
+use super::quantize::{
+    quantize_rows, Activations, QuantizedRows, SharedMut, BLOCK, RESIDUAL_STEPS,
+};
 use super::KernelError;
 
 /// Rows of activations per GEMM panel (64 rows x K bytes of int8: L2-resident).
@@ -31,7 +33,7 @@ pub fn max_rows(isa: Isa) -> usize {
 
 /// The portable tile kernel: the same layout and arithmetic as the SIMD ones, one lane at a
 /// time.
-unsafe fn tile_scalar<const MR: usize, const BITS: u8>(
+unsafe fn tile_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
     w: &PackedWeights,
     tile: usize,
     x: &QuantizedRows,
@@ -46,9 +48,15 @@ unsafe fn tile_scalar<const MR: usize, const BITS: u8>(
         let mut y = [0f32; TILE];
         for b in 0..w.blocks {
             let tb = &data[b * per..(b + 1) * per];
-            let xs = &x.values[((m0 + r) * x.blocks + b) * BLOCK..][..BLOCK];
-            let mut acc = [0i32; TILE];
-            for (c, &xv) in xs.iter().enumerate() {
+            let at = ((m0 + r) * x.blocks + b) * BLOCK;
+            let xs = &x.values[at..at + BLOCK];
+            let rs = if SPLIT {
+                &x.residuals[at..at + BLOCK]
+            } else {
+                xs
+            };
+            let (mut acc, mut rest) = ([0i32; TILE], [0i32; TILE]);
+            for (c, (&xv, &rv)) in xs.iter().zip(rs).enumerate() {
                 let (j, i) = (c / 4, c % 4);
                 for (lane, a) in acc.iter_mut().enumerate() {
                     let q = if BITS == 8 {
@@ -62,6 +70,7 @@ unsafe fn tile_scalar<const MR: usize, const BITS: u8>(
                         }
                     };
                     *a += q as i32 * xv as i32;
+                    rest[lane] += q as i32 * rv as i32;
                 }
             }
             let sc = w.tile_scales(tile, w.group_of(b));
@@ -69,56 +78,65 @@ unsafe fn tile_scalar<const MR: usize, const BITS: u8>(
             let (d, sum) = (x.scales[i], x.sums[i]);
             for lane in 0..TILE {
                 y[lane] = (acc[lane] as f32).mul_add(sc[lane] * d, y[lane]);
-                y[lane] -= sc[TILE + lane] * (d * sum);
+                if SPLIT {
+                    let sd_rest = sc[lane] * (d / RESIDUAL_STEPS);
+                    y[lane] = (rest[lane] as f32).mul_add(sd_rest, y[lane]);
+                }
+                y[lane] -= (sc[lane] * sc[TILE + lane]) * (d * sum);
             }
         }
         std::ptr::copy_nonoverlapping(y.as_ptr(), out.add((m0 + r) * n + tile * TILE), valid);
     }
 }
 
-macro_rules! pick {
-    ($f:ident, $rows:expr, $bits:expr) => {
-        match ($rows, $bits) {
-            (1, 4) => $f::<1, 4> as TileFn,
-            (2, 4) => $f::<2, 4>,
-            (3, 4) => $f::<3, 4>,
-            (4, 4) => $f::<4, 4>,
-            (5, 4) => $f::<5, 4>,
-            (6, 4) => $f::<6, 4>,
-            (7, 4) => $f::<7, 4>,
-            (8, 4) => $f::<8, 4>,
-            (1, _) => $f::<1, 8>,
-            (2, _) => $f::<2, 8>,
-            (3, _) => $f::<3, 8>,
-            (4, _) => $f::<4, 8>,
-            (5, _) => $f::<5, 8>,
-            (6, _) => $f::<6, 8>,
-            (7, _) => $f::<7, 8>,
-            _ => $f::<8, 8>,
+macro_rules! by_rows {
+    ($f:ident, $rows:expr, $bits:literal, $split:literal) => {
+        match $rows {
+            1 => $f::<1, $bits, $split> as TileFn,
+            2 => $f::<2, $bits, $split>,
+            3 => $f::<3, $bits, $split>,
+            4 => $f::<4, $bits, $split>,
+            5 => $f::<5, $bits, $split>,
+            6 => $f::<6, $bits, $split>,
+            7 => $f::<7, $bits, $split>,
+            _ => $f::<8, $bits, $split>,
         }
     };
 }
 
-fn tile_fn(isa: Isa, rows: usize, bits: u8) -> TileFn {
+macro_rules! pick {
+    ($f:ident, $rows:expr, $bits:expr, $split:expr) => {
+        match ($bits, $split) {
+            (4, false) => by_rows!($f, $rows, 4, false),
+            (4, true) => by_rows!($f, $rows, 4, true),
+            (_, false) => by_rows!($f, $rows, 8, false),
+            (_, true) => by_rows!($f, $rows, 8, true),
+        }
+    };
+}
+
+fn tile_fn(isa: Isa, rows: usize, bits: u8, split: bool) -> TileFn {
     #[cfg(target_arch = "x86_64")]
     {
         use super::int8_x86::{tile_avx2, tile_avx512, tile_avxvnni};
         match isa {
-            Isa::Avx512Vnni => return pick!(tile_avx512, rows, bits),
-            Isa::AvxVnni => return pick!(tile_avxvnni, rows, bits),
-            Isa::Avx2 => return pick!(tile_avx2, rows, bits),
+            Isa::Avx512Vnni => return pick!(tile_avx512, rows, bits, split),
+            Isa::AvxVnni => return pick!(tile_avxvnni, rows, bits, split),
+            Isa::Avx2 => return pick!(tile_avx2, rows, bits, split),
             Isa::Scalar => {}
         }
     }
-    pick!(tile_scalar, rows, bits)
+    pick!(tile_scalar, rows, bits, split)
 }
 
-/// out (m, n) = x (m, k) · Wᵀ, on `isa` (which must be supported: `Isa::supported`).
+/// out (m, n) = x (m, k) · Wᵀ, on `isa` (which must be supported: `Isa::supported`), the
+/// activations quantized as `activations` says.
 pub fn int8_matmul(
     x: &[f32],
     m: usize,
     w: &PackedWeights,
     out: &mut [f32],
+    activations: Activations,
     isa: Isa,
     threads: ThreadCount,
 ) -> Result<(), KernelError> {
@@ -141,7 +159,7 @@ pub fn int8_matmul(
         return Ok(());
     }
     SCRATCH.with_borrow_mut(|xq| {
-        quantize_rows(x, m, w.k, threads, xq)?;
+        quantize_rows(x, m, w.k, activations, threads, xq)?;
         matmul_quantized(xq, w, out, isa, threads);
         Ok(())
     })
@@ -164,7 +182,7 @@ pub fn matmul_quantized(
             for tile in tiles.clone() {
                 for m0 in (panel..panel_end).step_by(mr) {
                     let rows = mr.min(panel_end - m0);
-                    let kernel = tile_fn(isa, rows, w.bits);
+                    let kernel = tile_fn(isa, rows, w.bits, x.split());
                     // SAFETY: `isa` is supported; the tile kernel writes rows m0..m0+rows of
                     // columns tile*16.. (< n) of `out`, a part no other thread writes.
                     unsafe { kernel(w, tile, x, m0, out.get(), n) };
@@ -243,7 +261,11 @@ mod tests {
             for o in 0..n {
                 for c in 0..k {
                     let (b, g) = (c / BLOCK, c / group);
-                    let xv = x.values[(m * x.blocks + b) * BLOCK + c % BLOCK] as f64;
+                    let at = (m * x.blocks + b) * BLOCK + c % BLOCK;
+                    let mut xv = x.values[at] as f64;
+                    if x.split() {
+                        xv += x.residuals[at] as f64 / RESIDUAL_STEPS as f64;
+                    }
                     let d = x.scales[m * x.blocks + b] as f64;
                     let (s, z) = (
                         w.s[o * case.groups + g] as f64,
@@ -263,17 +285,19 @@ mod tests {
         let packed = PackedWeights::pack(&w.q, &w.s, &w.z, case.n, case.k, case.bits).unwrap();
         let x = x.unwrap_or_else(|| (0..m * case.k).map(|_| rng.normal()).collect());
         let mut xq = QuantizedRows::default();
-        quantize_rows(&x, m, case.k, ThreadCount::new(1), &mut xq).unwrap();
-        let (want, magnitude) = reference(&xq, &w, &case);
-        for isa in Isa::supported_paths() {
-            for threads in [1, 2, 3] {
-                let mut got = vec![f32::NAN; m * case.n];
-                int8_matmul(&x, m, &packed, &mut got, isa, ThreadCount::new(threads)).unwrap();
-                for i in 0..m * case.n {
-                    let bound = 1e-5 * magnitude[i] + 1e-6;
-                    assert!(
+        for activations in [Activations::Int8, Activations::Int8x2] {
+            quantize_rows(&x, m, case.k, activations, ThreadCount::new(1), &mut xq).unwrap();
+            let (want, magnitude) = reference(&xq, &w, &case);
+            for isa in Isa::supported_paths() {
+                for threads in [1, 2, 3] {
+                    let mut got = vec![f32::NAN; m * case.n];
+                    let t = ThreadCount::new(threads);
+                    int8_matmul(&x, m, &packed, &mut got, activations, isa, t).unwrap();
+                    for i in 0..m * case.n {
+                        let bound = 1e-5 * magnitude[i] + 1e-6;
+                        assert!(
                         (got[i] as f64 - want[i]).abs() <= bound,
-                        "{isa} n={} k={} bits={} groups={} sym={} m={m} threads={threads}: \
+                        "{isa} {activations:?} n={} k={} bits={} groups={} sym={} m={m} threads={threads}: \
                          y[{}, {}] = {} want {}",
                         case.n,
                         case.k,
@@ -285,6 +309,7 @@ mod tests {
                         got[i],
                         want[i]
                     );
+                    }
                 }
             }
         }
@@ -382,7 +407,16 @@ mod tests {
         let x = vec![-1.0f32; k];
         for isa in Isa::supported_paths() {
             let mut y = vec![0f32; n];
-            int8_matmul(&x, 1, &packed, &mut y, isa, ThreadCount::new(1)).unwrap();
+            int8_matmul(
+                &x,
+                1,
+                &packed,
+                &mut y,
+                Activations::Int8,
+                isa,
+                ThreadCount::new(1),
+            )
+            .unwrap();
             // Σ over 48 columns of 255 · (−127 · d), d = 1/127.
             assert!(
                 y.iter().all(|&v| (v + 48.0 * 255.0).abs() < 1e-2),
@@ -406,9 +440,26 @@ mod tests {
         let packed = PackedWeights::pack(&w.q, &w.s, &w.z, case.n, case.k, 4).unwrap();
         let x: Vec<f32> = (0..3 * case.k).map(|_| rng.normal()).collect();
         let mut xq = QuantizedRows::default();
-        quantize_rows(&x, 3, case.k, ThreadCount::new(1), &mut xq).unwrap();
+        quantize_rows(
+            &x,
+            3,
+            case.k,
+            Activations::Int8,
+            ThreadCount::new(1),
+            &mut xq,
+        )
+        .unwrap();
         let mut y = vec![0f32; 3 * case.n];
-        int8_matmul(&x, 3, &packed, &mut y, Isa::best(), ThreadCount::new(2)).unwrap();
+        int8_matmul(
+            &x,
+            3,
+            &packed,
+            &mut y,
+            Activations::Int8,
+            Isa::best(),
+            ThreadCount::new(2),
+        )
+        .unwrap();
         for m in 0..3 {
             for o in 0..case.n {
                 let (mut exact, mut bound) = (0f64, 1e-4);
@@ -430,16 +481,34 @@ mod tests {
         let mut x = vec![0.5f32; 32];
         x[7] = f32::INFINITY;
         let mut y = vec![0f32; 2];
-        let err = int8_matmul(&x, 1, &packed, &mut y, Isa::Scalar, ThreadCount::new(1));
+        let err = int8_matmul(
+            &x,
+            1,
+            &packed,
+            &mut y,
+            Activations::Int8,
+            Isa::Scalar,
+            ThreadCount::new(1),
+        );
         assert!(matches!(err, Err(KernelError::NotFinite(_))));
         x[7] = 0.5;
         let mut short = vec![0f32; 1];
-        assert!(int8_matmul(&x, 1, &packed, &mut short, Isa::Scalar, ThreadCount::new(1)).is_err());
+        assert!(int8_matmul(
+            &x,
+            1,
+            &packed,
+            &mut short,
+            Activations::Int8,
+            Isa::Scalar,
+            ThreadCount::new(1)
+        )
+        .is_err());
         assert!(int8_matmul(
             &x[..31],
             1,
             &packed,
             &mut y,
+            Activations::Int8,
             Isa::Scalar,
             ThreadCount::new(1)
         )

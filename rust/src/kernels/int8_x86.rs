@@ -1,6 +1,6 @@
 //! The x86 tile kernels of the int8 matmul: 16 output rows (one tile of `PackedWeights`) for
 //! MR rows of quantized activations, walking K block by block. Each block's int32 sums are
-//! turned to float and combined with the tile's (s, s·z) vectors and the activations' (d, Σxq):
+//! turned to float and combined with the tile's scales s and s·z and the activations' (d, Σxq):
 //!
 //!   y += f32(Σ xq·q) · (s·d) − (s·z) · (d·Σxq)
 //!
@@ -9,19 +9,22 @@
 //! saturating i16) then `vpmaddwd` by ones gives the same sums, exact for 4-bit weights
 //! (2·15·127 fits i16). For 8-bit weights a pair could reach 2·255·127 and saturate, so they go
 //! in as q − 128 (signed) with the sign moved onto the activation (|q − 128| ≤ 128: 2·128·127
-//! fits), and the block pays the 128·Σxq back through s·z − 128·s.
+//! fits), and the block pays the 128·Σxq back through s·(z − 128) in place of s·z.
+//!
+//! With `Activations::Int8x2` (SPLIT) every weight register is multiplied by both int8 terms of
+//! the activations, the second sum scaled by 1/254; the sums of both are in Σxq.
 
 use std::arch::x86_64::*;
 
 use super::packed::{PackedWeights, CHUNK_BYTES, TILE};
-use super::quantize::{QuantizedRows, BLOCK};
+use super::quantize::{QuantizedRows, BLOCK, RESIDUAL_STEPS};
 
 /// Stores lanes [0, valid) of `values` at `out`.
 unsafe fn store_lanes(out: *mut f32, values: &[f32], valid: usize) {
     std::ptr::copy_nonoverlapping(values.as_ptr(), out, valid);
 }
 
-/// The activations' 4 bytes j (columns 4j..4j+4 of the block) of each row, broadcast.
+/// The activations' 4 bytes j (columns 4j..4j+4 of the block) of a row, to broadcast.
 #[inline(always)]
 unsafe fn x_dword(x: &QuantizedRows, row: usize, block: usize, j: usize) -> i32 {
     (x.value_ptr(row, block) as *const i32)
@@ -29,8 +32,23 @@ unsafe fn x_dword(x: &QuantizedRows, row: usize, block: usize, j: usize) -> i32 
         .read_unaligned()
 }
 
+/// The same 4 bytes of the second terms (`Activations::Int8x2`).
+#[inline(always)]
+unsafe fn r_dword(x: &QuantizedRows, row: usize, block: usize, j: usize) -> i32 {
+    (x.residual_ptr(row, block) as *const i32)
+        .add(j)
+        .read_unaligned()
+}
+
+/// acc + Σ₄ w · broadcast(4 activation bytes), per int32 lane.
+macro_rules! dot512 {
+    ($acc:expr, $w:expr, $x:expr) => {
+        _mm512_dpbusd_epi32($acc, $w, _mm512_set1_epi32($x))
+    };
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn tile_avx512<const MR: usize, const BITS: u8>(
+pub(super) unsafe fn tile_avx512<const MR: usize, const BITS: u8, const SPLIT: bool>(
     w: &PackedWeights,
     tile: usize,
     x: &QuantizedRows,
@@ -45,12 +63,15 @@ pub(super) unsafe fn tile_avx512<const MR: usize, const BITS: u8>(
     for b in 0..w.blocks {
         let tb = data.add(b * per);
         let mut acc = [_mm512_setzero_si512(); MR];
+        let mut rest = [_mm512_setzero_si512(); MR];
         if BITS == 8 {
             for j in 0..8 {
                 let wv = _mm512_loadu_si512(tb.add(j * CHUNK_BYTES) as *const _);
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let xv = _mm512_set1_epi32(x_dword(x, m0 + r, b, j));
-                    *a = _mm512_dpbusd_epi32(*a, wv, xv);
+                for r in 0..MR {
+                    acc[r] = dot512!(acc[r], wv, x_dword(x, m0 + r, b, j));
+                    if SPLIT {
+                        rest[r] = dot512!(rest[r], wv, r_dword(x, m0 + r, b, j));
+                    }
                 }
             }
         } else {
@@ -58,21 +79,29 @@ pub(super) unsafe fn tile_avx512<const MR: usize, const BITS: u8>(
                 let raw = _mm512_loadu_si512(tb.add(j * CHUNK_BYTES) as *const _);
                 let lo = _mm512_and_si512(raw, low);
                 let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let x_lo = _mm512_set1_epi32(x_dword(x, m0 + r, b, j));
-                    let x_hi = _mm512_set1_epi32(x_dword(x, m0 + r, b, j + 4));
-                    *a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*a, lo, x_lo), hi, x_hi);
+                for r in 0..MR {
+                    acc[r] = dot512!(acc[r], lo, x_dword(x, m0 + r, b, j));
+                    acc[r] = dot512!(acc[r], hi, x_dword(x, m0 + r, b, j + 4));
+                    if SPLIT {
+                        rest[r] = dot512!(rest[r], lo, r_dword(x, m0 + r, b, j));
+                        rest[r] = dot512!(rest[r], hi, r_dword(x, m0 + r, b, j + 4));
+                    }
                 }
             }
         }
         let sc = w.tile_scales(tile, w.group_of(b)).as_ptr();
-        let (s, sz) = (_mm512_loadu_ps(sc), _mm512_loadu_ps(sc.add(TILE)));
-        for (r, (yr, a)) in y.iter_mut().zip(acc).enumerate() {
+        let s = _mm512_loadu_ps(sc);
+        let sz = _mm512_mul_ps(s, _mm512_loadu_ps(sc.add(TILE)));
+        for r in 0..MR {
             let i = (m0 + r) * x.blocks + b;
             let (d, sum) = (*x.scales.get_unchecked(i), *x.sums.get_unchecked(i));
             let sd = _mm512_mul_ps(s, _mm512_set1_ps(d));
-            *yr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sd, *yr);
-            *yr = _mm512_fnmadd_ps(sz, _mm512_set1_ps(d * sum), *yr);
+            y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), sd, y[r]);
+            if SPLIT {
+                let sd_rest = _mm512_mul_ps(s, _mm512_set1_ps(d / RESIDUAL_STEPS));
+                y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest[r]), sd_rest, y[r]);
+            }
+            y[r] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(d * sum), y[r]);
         }
     }
     let valid = (n - tile * TILE).min(TILE);
@@ -109,7 +138,7 @@ unsafe fn dot_avxvnni(acc: __m256i, unsigned: __m256i, signed: __m256i) -> __m25
 macro_rules! tile_256 {
     ($name:ident, $features:literal, $dot4:ident, $dot8:ident, $offset8:expr) => {
         #[target_feature(enable = $features)]
-        pub(super) unsafe fn $name<const MR: usize, const BITS: u8>(
+        pub(super) unsafe fn $name<const MR: usize, const BITS: u8, const SPLIT: bool>(
             w: &PackedWeights,
             tile: usize,
             x: &QuantizedRows,
@@ -129,12 +158,17 @@ macro_rules! tile_256 {
                 for b in 0..w.blocks {
                     let tb = data.add(b * per + half * 32);
                     let mut acc = [_mm256_setzero_si256(); MR];
+                    let mut rest = [_mm256_setzero_si256(); MR];
+                    let bcast = _mm256_set1_epi32;
                     if BITS == 8 {
                         for j in 0..8 {
                             let wv = _mm256_loadu_si256(tb.add(j * CHUNK_BYTES) as *const _);
-                            for (r, a) in acc.iter_mut().enumerate() {
-                                let xv = _mm256_set1_epi32(x_dword(x, m0 + r, b, j));
-                                *a = $dot8(*a, wv, xv);
+                            for r in 0..MR {
+                                acc[r] = $dot8(acc[r], wv, bcast(x_dword(x, m0 + r, b, j)));
+                                if SPLIT {
+                                    let xr = bcast(r_dword(x, m0 + r, b, j));
+                                    rest[r] = $dot8(rest[r], wv, xr);
+                                }
                             }
                         }
                     } else {
@@ -142,25 +176,35 @@ macro_rules! tile_256 {
                             let raw = _mm256_loadu_si256(tb.add(j * CHUNK_BYTES) as *const _);
                             let lo = _mm256_and_si256(raw, low);
                             let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                            for (r, a) in acc.iter_mut().enumerate() {
-                                let x_lo = _mm256_set1_epi32(x_dword(x, m0 + r, b, j));
-                                let x_hi = _mm256_set1_epi32(x_dword(x, m0 + r, b, j + 4));
-                                *a = $dot4($dot4(*a, lo, x_lo), hi, x_hi);
+                            for r in 0..MR {
+                                acc[r] = $dot4(acc[r], lo, bcast(x_dword(x, m0 + r, b, j)));
+                                acc[r] = $dot4(acc[r], hi, bcast(x_dword(x, m0 + r, b, j + 4)));
+                                if SPLIT {
+                                    let (r_lo, r_hi) =
+                                        (r_dword(x, m0 + r, b, j), r_dword(x, m0 + r, b, j + 4));
+                                    rest[r] = $dot4(rest[r], lo, bcast(r_lo));
+                                    rest[r] = $dot4(rest[r], hi, bcast(r_hi));
+                                }
                             }
                         }
                     }
                     let sc = w.tile_scales(tile, w.group_of(b)).as_ptr().add(half * 8);
                     let s = _mm256_loadu_ps(sc);
-                    let mut sz = _mm256_loadu_ps(sc.add(TILE));
+                    let mut z = _mm256_loadu_ps(sc.add(TILE));
                     if BITS == 8 && $offset8 {
-                        sz = _mm256_fnmadd_ps(_mm256_set1_ps(128.0), s, sz);
+                        z = _mm256_sub_ps(z, _mm256_set1_ps(128.0));
                     }
-                    for (r, (yr, a)) in y.iter_mut().zip(acc).enumerate() {
+                    let sz = _mm256_mul_ps(s, z);
+                    for r in 0..MR {
                         let i = (m0 + r) * x.blocks + b;
                         let (d, sum) = (*x.scales.get_unchecked(i), *x.sums.get_unchecked(i));
                         let sd = _mm256_mul_ps(s, _mm256_set1_ps(d));
-                        *yr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), sd, *yr);
-                        *yr = _mm256_fnmadd_ps(sz, _mm256_set1_ps(d * sum), *yr);
+                        y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), sd, y[r]);
+                        if SPLIT {
+                            let sd_rest = _mm256_mul_ps(s, _mm256_set1_ps(d / RESIDUAL_STEPS));
+                            y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rest[r]), sd_rest, y[r]);
+                        }
+                        y[r] = _mm256_fnmadd_ps(sz, _mm256_set1_ps(d * sum), y[r]);
                     }
                 }
                 let valid = (n - first).min(8);

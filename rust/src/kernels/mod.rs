@@ -19,11 +19,13 @@ mod quantize;
 pub mod int8_matmul;
 #[cfg(target_arch = "x86_64")]
 mod int8_x86;
+#[cfg(feature = "python")]
+pub(crate) mod py;
 
 pub use isa::{Isa, ISA_ENV};
 pub use packed::PackedWeights;
 pub use pool::ThreadCount;
-pub use quantize::{quantize_rows, QuantizedRows, BLOCK};
+pub use quantize::{quantize_rows, Activations, QuantizedRows, BLOCK};
 
 use thiserror::Error;
 

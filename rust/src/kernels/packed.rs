@@ -10,8 +10,10 @@
 //! weight), so one `and` and one shift unpack two registers. The walk over K is one contiguous
 //! stream per tile.
 //!
-//! Per (tile, group) the float side is 16 scales s and 16 products s·z, the two vectors the
-//! kernel combines each block's int32 sums with. Rows past N and columns past K hold zeros.
+//! Per (tile, group) the float side is 16 scales s and 16 zero points z, from which the kernel
+//! makes the two vectors s and s·z it combines each block's int32 sums with (z is kept rather
+//! than s·z so that the weight reads back exactly as (q − z)·s). Rows past N and columns past K
+//! hold zeros.
 
 use super::quantize::BLOCK;
 use super::KernelError;
@@ -33,7 +35,7 @@ pub struct PackedWeights {
     pub tiles: usize,
     /// (tiles, blocks, bytes per tile-block) as described above.
     pub data: Vec<u8>,
-    /// (tiles, groups, 2, 16): s, then s·z.
+    /// (tiles, groups, 2, 16): s, then z.
     pub scales: Vec<f32>,
 }
 
@@ -55,7 +57,7 @@ impl PackedWeights {
         &self.data[tile * per_tile..(tile + 1) * per_tile]
     }
 
-    /// The (s, s·z) vectors of one tile and group: 32 floats.
+    /// The (s, z) vectors of one tile and group: 32 floats.
     pub fn tile_scales(&self, tile: usize, group: usize) -> &[f32] {
         let at = (tile * self.groups + group) * 2 * TILE;
         &self.scales[at..at + 2 * TILE]
@@ -146,7 +148,7 @@ impl PackedWeights {
                 let at = (t * groups + g) * 2 * TILE;
                 let (s, z) = (scales[row * groups + g], zeros[row * groups + g]);
                 packed_scales[at + r] = s;
-                packed_scales[at + TILE + r] = s * z;
+                packed_scales[at + TILE + r] = z;
             }
         }
         Ok(PackedWeights {
@@ -177,6 +179,19 @@ impl PackedWeights {
                 byte >> 4
             }
         }
+    }
+
+    /// The weight (n, k) as the kernels multiply by it: (q − z)·s, read back from the layout.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.n * self.k];
+        for (row, values) in out.chunks_mut(self.k).enumerate() {
+            let (t, r) = (row / TILE, row % TILE);
+            for (col, v) in values.iter_mut().enumerate() {
+                let sc = self.tile_scales(t, self.group_of(col / BLOCK));
+                *v = (self.q(row, col) as f32 - sc[TILE + r]) * sc[r];
+            }
+        }
+        out
     }
 
     /// The bytes the layout holds: what one pass over the weights reads.
@@ -210,8 +225,10 @@ mod tests {
                 }
             }
             assert_eq!(p.q(n, 0), 0);
+            let w = p.dequantize();
+            assert_eq!(w[20 * k + 3], (q[20 * k + 3] as f32 - 3.0) * 0.5);
             assert_eq!(p.tile_scales(1, 0)[4], 0.5); // row 20
-            assert_eq!(p.tile_scales(1, 0)[TILE + 4], 1.5);
+            assert_eq!(p.tile_scales(1, 0)[TILE + 4], 3.0);
             assert_eq!(p.tile_scales(1, 0)[5], 0.0); // row 21 is padding
         }
     }

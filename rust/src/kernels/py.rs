@@ -1,0 +1,180 @@
+//! The CPU kernels' Python bindings, registered by `crate::py`: numpy views of torch tensors in
+//! (`tensor.numpy()` shares the buffer), checked for dtype, shape and contiguity, the output
+//! written in place, the GIL released while the kernel runs.
+
+use numpy::{
+    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods,
+};
+use pyo3::prelude::*;
+
+use super::int8_matmul::int8_matmul;
+use super::{Activations, Isa, KernelError, PackedWeights, ThreadCount};
+use crate::error::CoreError;
+
+fn invalid(message: String) -> PyErr {
+    CoreError::InvalidArgument(message).into()
+}
+
+fn kernel_error(err: KernelError) -> PyErr {
+    CoreError::from(err).into()
+}
+
+/// numpy's `as_slice` also takes Fortran order: only C order is the (rows, columns) layout.
+fn c_order(is_c_contiguous: bool, what: &str) -> PyResult<()> {
+    if is_c_contiguous {
+        Ok(())
+    } else {
+        Err(invalid(format!("{what} must be C-contiguous")))
+    }
+}
+
+fn contiguous<S>(slice: Result<S, numpy::AsSliceError>, what: &str) -> PyResult<S> {
+    slice.map_err(|_| invalid(format!("{what} must be C-contiguous")))
+}
+
+fn isa_or_active(isa: Option<&str>) -> PyResult<Isa> {
+    match isa {
+        None => Isa::active().map_err(kernel_error),
+        Some(name) => Isa::choose(Some(name)).map_err(kernel_error),
+    }
+}
+
+/// The instruction set the CPU kernels use (detected, or lowered by AIENG_CPU_ISA).
+#[pyfunction]
+fn cpu_isa() -> PyResult<&'static str> {
+    Ok(Isa::active().map_err(kernel_error)?.name())
+}
+
+/// Every instruction-set path this CPU can run, lowest first.
+#[pyfunction]
+fn cpu_isa_paths() -> Vec<&'static str> {
+    Isa::supported_paths().into_iter().map(Isa::name).collect()
+}
+
+/// A 4- or 8-bit weight repacked for the int8 dot-product kernels, from the integers q (N, K)
+/// uint8 in [0, 2^bits), scales and zero points (N, G) float32: w = (q - z) * s per group.
+#[pyclass(name = "Int8Weights", module = "aieng._core", frozen)]
+struct PyInt8Weights {
+    inner: PackedWeights,
+}
+
+#[pymethods]
+impl PyInt8Weights {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        q: PyReadonlyArray2<'_, u8>,
+        scales: PyReadonlyArray2<'_, f32>,
+        zeros: PyReadonlyArray2<'_, f32>,
+        bits: u8,
+    ) -> PyResult<Self> {
+        let (n, k) = (q.shape()[0], q.shape()[1]);
+        if scales.shape() != zeros.shape() || scales.shape()[0] != n {
+            return Err(invalid(format!(
+                "scales {:?} and zeros {:?} must both be (N = {n}, groups)",
+                scales.shape(),
+                zeros.shape()
+            )));
+        }
+        c_order(q.is_c_contiguous(), "q")?;
+        c_order(scales.is_c_contiguous(), "scales")?;
+        c_order(zeros.is_c_contiguous(), "zeros")?;
+        let q = contiguous(q.as_slice(), "q")?;
+        let s = contiguous(scales.as_slice(), "scales")?;
+        let z = contiguous(zeros.as_slice(), "zeros")?;
+        let inner = py
+            .detach(|| PackedWeights::pack(q, s, z, n, k, bits))
+            .map_err(kernel_error)?;
+        Ok(PyInt8Weights { inner })
+    }
+
+    #[getter]
+    fn out_features(&self) -> usize {
+        self.inner.n
+    }
+
+    #[getter]
+    fn in_features(&self) -> usize {
+        self.inner.k
+    }
+
+    #[getter]
+    fn bits(&self) -> u8 {
+        self.inner.bits
+    }
+
+    #[getter]
+    fn group_size(&self) -> usize {
+        self.inner.group_size
+    }
+
+    /// Bytes of the packed weight and its scales.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.size_bytes()
+    }
+
+    /// out (M, N) float32 = x (M, K) float32 @ W^T, x quantized to int8 per block of 32 (with
+    /// `split`, to two int8 terms: about 15 bits); on `threads` threads and the active
+    /// instruction set (or `isa`, a lower one).
+    #[pyo3(signature = (x, out, threads, isa = None, split = false))]
+    fn matmul(
+        &self,
+        py: Python<'_>,
+        x: PyReadonlyArray2<'_, f32>,
+        mut out: PyReadwriteArray2<'_, f32>,
+        threads: usize,
+        isa: Option<&str>,
+        split: bool,
+    ) -> PyResult<()> {
+        let w = &self.inner;
+        let m = x.shape()[0];
+        if x.shape()[1] != w.k || out.shape() != [m, w.n] {
+            return Err(invalid(format!(
+                "int8 matmul: x {:?} and out {:?} do not fit a ({}, {}) weight (x (M, {}), out \
+                 (M, {}))",
+                x.shape(),
+                out.shape(),
+                w.n,
+                w.k,
+                w.k,
+                w.n
+            )));
+        }
+        let isa = isa_or_active(isa)?;
+        c_order(x.is_c_contiguous(), "x")?;
+        c_order(out.is_c_contiguous(), "out")?;
+        let x = contiguous(x.as_slice(), "x")?;
+        let out = contiguous(out.as_slice_mut(), "out")?;
+        let activations = if split {
+            Activations::Int8x2
+        } else {
+            Activations::Int8
+        };
+        py.detach(|| int8_matmul(x, m, w, out, activations, isa, ThreadCount::new(threads)))
+            .map_err(kernel_error)
+    }
+
+    /// The weight (N, K) float32 as the kernels multiply by it: q * s - s * z (the reference
+    /// of a layer whose only copy is this one).
+    fn dequantize<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let w = &self.inner;
+        let values = py.detach(|| w.dequantize());
+        PyArray1::from_vec(py, values).reshape([w.n, w.k])
+    }
+
+    fn __repr__(&self) -> String {
+        let w = &self.inner;
+        format!(
+            "Int8Weights(out_features={}, in_features={}, bits={}, group_size={})",
+            w.n, w.k, w.bits, w.group_size
+        )
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(cpu_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_isa_paths, m)?)?;
+    m.add_class::<PyInt8Weights>()?;
+    Ok(())
+}
