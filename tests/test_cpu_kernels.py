@@ -11,7 +11,9 @@ from quantized_checkpoints import min_max_quantize
 from test_quantized_checkpoints import CASES, Quantized
 
 from aieng import _core
+from aieng.kernels.cpu_dense import DENSE_MAX_M, dense_gemv
 from aieng.kernels.cpu_int8 import int8_matmul, pack_int8_weights
+from aieng.layers import linear as linear_module
 from aieng.layers.linear import Linear
 from aieng.quantization import cpu_int8 as method_module
 from aieng.quantization import linear_method
@@ -210,3 +212,113 @@ def test_the_auto_kernel_follows_transformers(quantized, caplog):
                 break
             assert abs(request.logprobs[i] - logprobs[i]) < 0.05
     assert differences <= 1
+
+
+# --- the dense GEMV --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_gemv_matches_float64_on_every_path(isa, dtype):
+    generator = torch.Generator().manual_seed(5)
+    for n, k in ((37, 200), (64, 1000), (3, 7)):
+        w = torch.randn(n, k, generator=generator).to(dtype)
+        for m in range(1, DENSE_MAX_M + 1):
+            x = torch.randn(m, k, generator=generator)
+            got = dense_gemv(x, w, isa=isa).double()
+            want = x.double() @ w.double().t()
+            bound = 1e-5 * (x.double().abs() @ w.double().abs().t()) + 1e-6
+            assert bool(((got - want).abs() <= bound).all()), (n, k, m)
+
+
+def test_dense_gemv_errors_are_named():
+    w = torch.randn(16, 32)
+    with pytest.raises(_core.InvalidArgumentError, match="at most 8 rows"):
+        dense_gemv(torch.randn(9, 32), w)
+    x = torch.randn(2, 32)
+    x[1, 3] = float("inf")
+    with pytest.raises(_core.InvalidArgumentError, match="row 1 column 3 is inf"):
+        dense_gemv(x, w)
+    with pytest.raises(_core.InvalidArgumentError, match="does not fit"):
+        _core.dense_gemv(torch.randn(2, 32).numpy(), w.numpy(), torch.empty(2, 15).numpy(), 1)
+    with pytest.raises(_core.InvalidArgumentError, match="float32 array or bfloat16"):
+        _core.dense_gemv(
+            torch.randn(2, 32).numpy(), w.double().numpy(), torch.empty(2, 16).numpy(), 1
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_layers_use_the_gemv_for_small_batches_only(dtype, monkeypatch):
+    layer = Linear(96, 40, bias=True, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    layer.method.process_weights_after_loading(layer)
+    assert layer.method.gemv == (_core.cpu_isa() != "scalar")
+    calls = []
+    monkeypatch.setattr(
+        linear_module, "dense_gemv", lambda x, w: calls.append(len(x)) or F.linear(x, w)
+    )
+    with torch.no_grad():
+        for m in (1, 8, 9):
+            layer(torch.randn(m, 96, dtype=dtype))
+    layer(torch.randn(2, 96, dtype=dtype))  # gradients wanted: torch's matmul
+    assert calls == ([1, 8] if layer.method.gemv else [])
+
+
+# --- the LM head ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory):
+    from tiny_models import build_checkpoint, hf_greedy, load_hf
+
+    folder = build_checkpoint("qwen2", tmp_path_factory.mktemp("tied") / "qwen2")
+    hf = load_hf(folder)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (3, 9, 17)]
+    return folder, prompts, [hf_greedy(hf, p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", ["dense", "int8"])
+def test_the_cpu_lm_head_follows_transformers(tied_checkpoint, mode, caplog):
+    """The tied head through the dense GEMV (float32: HF's tokens, logprobs to float rounding)
+    or its 8-bit copy (the INT4 closeness rule: identical up to the first difference with
+    logprobs within 0.05; at it, transformers' token in our top 2 within 0.1)."""
+    from fake_scheduler import FakeScheduler
+
+    from aieng.engine_args import EngineArgs
+    from aieng.runner import ModelRunner
+    from aieng.sampling import SamplingParams
+
+    folder, prompts, expected = tied_checkpoint
+    args = EngineArgs(model=str(folder), block_size=4, kv_cache_memory=1 << 22, cpu_lm_head=mode)
+    with caplog.at_level(logging.INFO, logger="aieng.models.loader"):
+        scheduler = FakeScheduler(ModelRunner(args))
+    want = {"dense": "LM head: dense_gemv", "int8": "LM head: int8"}[mode]
+    if _core.cpu_isa() != "scalar":
+        assert want in caplog.text
+    for prompt in prompts:
+        scheduler.add(prompt, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2))
+    differences = 0
+    for request, (tokens, logprobs) in zip(scheduler.run(), expected, strict=True):
+        for i, (ours, theirs) in enumerate(zip(request.output, tokens, strict=True)):
+            if ours != theirs:
+                differences += 1
+                top = request.top_logprobs[i]
+                assert mode == "int8" and theirs in top and top[ours] - top[theirs] < 0.1
+                break
+            assert abs(request.logprobs[i] - logprobs[i]) < (0.05 if mode == "int8" else 2e-4)
+    assert differences <= 1
+
+
+def test_the_int8_head_quantization():
+    from aieng.layers.cpu_lm_head import quantize_rows_int8
+
+    w = torch.randn(40, 96)
+    w[3] = 0.0
+    q, s, z = quantize_rows_int8(w, 32)
+    assert q.dtype == torch.uint8 and s.shape == (40, 3) and bool((z == 128).all())
+    back = ((q.float() - 128).view(40, 3, 32) * s[..., None]).view(40, 96)
+    assert bool(((back - w).abs() <= s.repeat_interleave(32, 1) / 2 + 1e-7).all())
+    assert bool((q[3] == 128).all())

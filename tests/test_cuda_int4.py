@@ -68,6 +68,7 @@ from aieng.layers.linear import Linear
 from aieng.models.default import default_model_path
 from aieng.quantization import cuda_int4, methods
 from aieng.quantization.config import QuantizationConfig, WeightScheme
+from aieng.quantization.cpu_int8 import CpuQuantizedLinearMethod
 from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
 from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
 from aieng.quantization.packing import pack_int32
@@ -315,7 +316,7 @@ def test_nan_output_fails_the_check(caplog) -> None:
 
 def test_the_cuda_method_is_chosen_only_where_cuda_is(monkeypatch) -> None:
     config = QuantizationConfig("compressed-tensors", ((("Linear",), scheme(32, True)),))
-    for available, expected in ((True, CudaInt4LinearMethod), (False, QuantizedLinearMethod)):
+    for available, expected in ((True, CudaInt4LinearMethod), (False, CpuQuantizedLinearMethod)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
         method = methods.quantized_linear_methods(config, {})("model.layers.0.mlp.up_proj")
         assert type(method) is expected

@@ -303,3 +303,12 @@ class Int8Weights:
         self, x: _F32, out: _F32, threads: int, isa: str | None = None, split: bool = False
     ) -> None: ...
     def dequantize(self) -> _F32: ...
+
+def dense_gemv(
+    x: _F32,
+    w: _F32 | npt.NDArray[np.int16],
+    out: _F32,
+    threads: int,
+    isa: str | None = None,
+) -> None:
+    """out (M, N) = x (M, K) @ W^T for M <= 8; W float32, or bfloat16 bits as int16."""

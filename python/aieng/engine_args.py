@@ -34,6 +34,7 @@ MAX_BLOCK_SIZE = 1 << 16  # the Rust core's limit (BlockPool::new)
 ATTENTION_BACKENDS = ("auto", "torch", "cuda")
 KV_CACHE_DTYPES = ("auto", "int8")
 CPU_QUANT_KERNELS = ("auto", "int8", "int8x2", "int4pack", "dequant")
+CPU_LM_HEADS = ("dense", "int8")
 
 Check = Callable[[Any], str | None]  # -> why the value is refused, or None
 
@@ -216,6 +217,14 @@ class EngineArgs:
         "bfloat16 activations (W4A16, 4-bit layers); dequant: the float32 reference; auto: the "
         "first of int8x2, int4pack that passes its check at load",
         choices=CPU_QUANT_KERNELS,
+    )
+    cpu_lm_head: str = option(
+        "dense",
+        "how the CPU computes the logits; dense: the float LM head (tied or not), through "
+        "aieng's dense GEMV for decode batches; int8: an 8-bit copy of the head (symmetric, one "
+        "scale per 32 weights: 1.125 bytes a weight, against float32's 4) on the int8 kernels, "
+        "the embedding lookup keeping the float rows",
+        choices=CPU_LM_HEADS,
     )
     enforce_eager: bool = option(
         False,

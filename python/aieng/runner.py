@@ -62,6 +62,7 @@ class ModelRunner:
             self.device,
             times=self.load_times,
             cpu_quant_kernel=args.cpu_quant_kernel,
+            cpu_lm_head=args.cpu_lm_head,
         )
         self.dtype = dtype or resolve_dtype(self.config.dtype)
         self.block_size = args.block_size

@@ -11,6 +11,7 @@
 //! `vpdpbusd` (unsigned × signed bytes summed four at a time into int32): no −128 edge, the zero
 //! point leaves the int8 loop and is paid once per block with the activation sum.
 
+pub mod dense_gemv;
 mod isa;
 mod packed;
 mod pool;

@@ -7,6 +7,7 @@ use numpy::{
 };
 use pyo3::prelude::*;
 
+use super::dense_gemv::{self as dense, DenseWeights};
 use super::int8_matmul::int8_matmul;
 use super::{Activations, Isa, KernelError, PackedWeights, ThreadCount};
 use crate::error::CoreError;
@@ -172,7 +173,54 @@ impl PyInt8Weights {
     }
 }
 
+/// out (M, N) float32 = x (M, K) float32 @ W^T for M <= 8, W (N, K) float32, or bfloat16 as
+/// its int16 bit patterns (`w.view(torch.int16).numpy()`); the weights read once for all rows.
+#[pyfunction]
+#[pyo3(signature = (x, w, out, threads, isa = None))]
+fn dense_gemv(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    w: &Bound<'_, PyAny>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    threads: usize,
+    isa: Option<&str>,
+) -> PyResult<()> {
+    let isa = isa_or_active(isa)?;
+    let (m, k) = (x.shape()[0], x.shape()[1]);
+    c_order(x.is_c_contiguous(), "x")?;
+    c_order(out.is_c_contiguous(), "out")?;
+    let x = contiguous(x.as_slice(), "x")?;
+    let n = out.shape()[1];
+    let out = contiguous(out.as_slice_mut(), "out")?;
+    let threads = ThreadCount::new(threads);
+    let check = |shape: &[usize], c: bool| {
+        if shape != [n, k] {
+            return Err(invalid(format!(
+                "dense GEMV: W {shape:?} does not fit x (M, {k}) and out (M, {n})"
+            )));
+        }
+        c_order(c, "W")
+    };
+    if let Ok(w) = w.extract::<PyReadonlyArray2<'_, f32>>() {
+        check(w.shape(), w.is_c_contiguous())?;
+        let w = contiguous(w.as_slice(), "W")?;
+        return py
+            .detach(|| dense::dense_gemv(x, m, k, DenseWeights::F32(w), n, out, isa, threads))
+            .map_err(kernel_error);
+    }
+    let w = w.extract::<PyReadonlyArray2<'_, i16>>().map_err(|_| {
+        invalid("dense GEMV: W must be a float32 array or bfloat16 bits as int16".into())
+    })?;
+    check(w.shape(), w.is_c_contiguous())?;
+    let bits = contiguous(w.as_slice(), "W")?;
+    // SAFETY: i16 and u16 have one size and alignment; the bits are read as bfloat16.
+    let bits = unsafe { std::slice::from_raw_parts(bits.as_ptr().cast::<u16>(), bits.len()) };
+    py.detach(|| dense::dense_gemv(x, m, k, DenseWeights::Bf16(bits), n, out, isa, threads))
+        .map_err(kernel_error)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(dense_gemv, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_isa, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_isa_paths, m)?)?;
     m.add_class::<PyInt8Weights>()?;
