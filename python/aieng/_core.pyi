@@ -312,3 +312,19 @@ def dense_gemv(
     isa: str | None = None,
 ) -> None:
     """out (M, N) = x (M, K) @ W^T for M <= 8; W float32, or bfloat16 bits as int16."""
+
+def paged_attention(
+    q: _F32,
+    k_cache: _F32,
+    v_cache: _F32,
+    out: _F32,
+    query_start_loc: _I32,
+    seq_lens: _I32,
+    block_tables: _I32,
+    scale: float,
+    window: int,
+    softcap: float,
+    threads: int,
+    isa: str | None = None,
+) -> None:
+    """out (T, H, D) = attention of q over the paged float32 K/V caches, read in place."""

@@ -31,7 +31,7 @@ DTYPES = {
 }
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_BLOCK_SIZE = 1 << 16  # the Rust core's limit (BlockPool::new)
-ATTENTION_BACKENDS = ("auto", "torch", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "cuda", "cpu")
 KV_CACHE_DTYPES = ("auto", "int8")
 CPU_QUANT_KERNELS = ("auto", "int8", "int8x2", "int4pack", "dequant")
 CPU_LM_HEADS = ("dense", "int8")
@@ -204,8 +204,9 @@ class EngineArgs:
     attention_backend: str = option(
         "auto",
         "attention implementation; auto: the best for the device (the CUDA kernels on an NVIDIA "
-        "GPU in float16/bfloat16 once they pass their start-up check); cuda: the kernels; torch: "
-        "the paged reference, on any device",
+        "GPU in float16/bfloat16, the Rust core's kernel on the CPU in float32, each once it "
+        "passes its start-up check); cuda, cpu: those kernels; torch: the paged reference, on "
+        "any device",
         choices=ATTENTION_BACKENDS,
     )
     cpu_quant_kernel: str = option(

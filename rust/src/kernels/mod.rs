@@ -14,6 +14,7 @@
 pub mod dense_gemv;
 mod isa;
 mod packed;
+pub mod paged_attention;
 mod pool;
 mod quantize;
 

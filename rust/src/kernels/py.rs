@@ -3,12 +3,14 @@
 //! written in place, the GIL released while the kernel runs.
 
 use numpy::{
-    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods,
+    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
+    PyReadonlyArray4, PyReadwriteArray2, PyReadwriteArray3, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 
 use super::dense_gemv::{self as dense, DenseWeights};
 use super::int8_matmul::int8_matmul;
+use super::paged_attention as attn;
 use super::{Activations, Isa, KernelError, PackedWeights, ThreadCount};
 use crate::error::CoreError;
 
@@ -219,7 +221,81 @@ fn dense_gemv(
         .map_err(kernel_error)
 }
 
+/// out (T, H, D) = attention of q (T, H, D) float32 over the paged K/V caches (N, B, H_kv, D)
+/// float32, read in place through `block_tables` (R, W) int32, with `query_start_loc` (R + 1)
+/// and `seq_lens` (R) int32 (lengths after the step, whose new K/V are already written).
+/// window 0: the whole context; softcap 0: none.
+#[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window, softcap, threads, isa = None))]
+#[allow(clippy::too_many_arguments)]
+fn paged_attention(
+    py: Python<'_>,
+    q: PyReadonlyArray3<'_, f32>,
+    k_cache: PyReadonlyArray4<'_, f32>,
+    v_cache: PyReadonlyArray4<'_, f32>,
+    mut out: PyReadwriteArray3<'_, f32>,
+    query_start_loc: PyReadonlyArray1<'_, i32>,
+    seq_lens: PyReadonlyArray1<'_, i32>,
+    block_tables: PyReadonlyArray2<'_, i32>,
+    scale: f32,
+    window: usize,
+    softcap: f32,
+    threads: usize,
+    isa: Option<&str>,
+) -> PyResult<()> {
+    let isa = isa_or_active(isa)?;
+    let (heads, cache) = (q.shape()[1], k_cache.shape());
+    if v_cache.shape() != cache || out.shape() != q.shape() || q.shape()[2] != cache[3] {
+        return Err(invalid(format!(
+            "paged attention: q {:?}, out {:?}, K {:?} and V {:?} do not fit together",
+            q.shape(),
+            out.shape(),
+            cache,
+            v_cache.shape()
+        )));
+    }
+    let shape = attn::PagedShape {
+        heads,
+        kv_heads: cache[2],
+        head_dim: cache[3],
+        block_size: cache[1],
+        num_blocks: cache[0],
+    };
+    let width = block_tables.shape()[1];
+    for (c, what) in [
+        (q.is_c_contiguous(), "q"),
+        (k_cache.is_c_contiguous(), "k_cache"),
+        (v_cache.is_c_contiguous(), "v_cache"),
+        (out.is_c_contiguous(), "out"),
+        (block_tables.is_c_contiguous(), "block_tables"),
+    ] {
+        c_order(c, what)?;
+    }
+    let q = contiguous(q.as_slice(), "q")?;
+    let k = contiguous(k_cache.as_slice(), "k_cache")?;
+    let v = contiguous(v_cache.as_slice(), "v_cache")?;
+    let out = contiguous(out.as_slice_mut(), "out")?;
+    let qsl = contiguous(query_start_loc.as_slice(), "query_start_loc")?;
+    let lens = contiguous(seq_lens.as_slice(), "seq_lens")?;
+    let tables = contiguous(block_tables.as_slice(), "block_tables")?;
+    let rows = attn::StepRows {
+        query_start_loc: qsl,
+        seq_lens: lens,
+        block_tables: tables,
+        table_width: width,
+    };
+    let scoring = attn::Scoring {
+        scale,
+        window: (window > 0).then_some(window),
+        softcap: (softcap != 0.0).then_some(softcap),
+    };
+    let threads = ThreadCount::new(threads);
+    py.detach(|| attn::paged_attention(q, k, v, out, shape, rows, scoring, isa, threads))
+        .map_err(kernel_error)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(dense_gemv, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_isa, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_isa_paths, m)?)?;
