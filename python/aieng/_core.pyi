@@ -328,3 +328,6 @@ def paged_attention(
     isa: str | None = None,
 ) -> None:
     """out (T, H, D) = attention of q over the paged float32 K/V caches, read in place."""
+
+def int8_peak_ops(threads: int, iterations: int = 20_000_000) -> float | None:
+    """Int8 operations per second of independent vpdpbusd chains (None without AVX-512 VNNI)."""

@@ -90,29 +90,44 @@ unsafe fn tile_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
 }
 
 macro_rules! by_rows {
-    ($f:ident, $rows:expr, $bits:literal, $split:literal) => {
+    ($f:ident, $rows:expr, $bits:literal, $split:literal $(, $nt:literal)?) => {
         match $rows {
-            1 => $f::<1, $bits, $split> as TileFn,
-            2 => $f::<2, $bits, $split>,
-            3 => $f::<3, $bits, $split>,
-            4 => $f::<4, $bits, $split>,
-            5 => $f::<5, $bits, $split>,
-            6 => $f::<6, $bits, $split>,
-            7 => $f::<7, $bits, $split>,
-            _ => $f::<8, $bits, $split>,
+            1 => $f::<1, $bits, $split $(, $nt)?> as TileFn,
+            2 => $f::<2, $bits, $split $(, $nt)?>,
+            3 => $f::<3, $bits, $split $(, $nt)?>,
+            4 => $f::<4, $bits, $split $(, $nt)?>,
+            5 => $f::<5, $bits, $split $(, $nt)?>,
+            6 => $f::<6, $bits, $split $(, $nt)?>,
+            7 => $f::<7, $bits, $split $(, $nt)?>,
+            _ => $f::<8, $bits, $split $(, $nt)?>,
         }
     };
 }
 
 macro_rules! pick {
-    ($f:ident, $rows:expr, $bits:expr, $split:expr) => {
+    ($f:ident, $rows:expr, $bits:expr, $split:expr $(, $nt:literal)?) => {
         match ($bits, $split) {
-            (4, false) => by_rows!($f, $rows, 4, false),
-            (4, true) => by_rows!($f, $rows, 4, true),
-            (_, false) => by_rows!($f, $rows, 8, false),
-            (_, true) => by_rows!($f, $rows, 8, true),
+            (4, false) => by_rows!($f, $rows, 4, false $(, $nt)?),
+            (4, true) => by_rows!($f, $rows, 4, true $(, $nt)?),
+            (_, false) => by_rows!($f, $rows, 8, false $(, $nt)?),
+            (_, true) => by_rows!($f, $rows, 8, true $(, $nt)?),
         }
     };
+}
+
+/// Rows of a panel the two-tile AVX-512 kernel takes at once (2·MR accumulators, twice that
+/// with the second activation term, and 2·MR outputs in 32 registers).
+const PAIR_ROWS: usize = 4;
+
+/// The two-tile kernel for the GEMM (M past the GEMV's rows), where the ISA has one.
+fn pair_fn(isa: Isa, rows: usize, bits: u8, split: bool) -> Option<TileFn> {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512Vnni {
+        use super::int8_x86::tile_avx512;
+        return Some(pick!(tile_avx512, rows, bits, split, 2));
+    }
+    let _ = (isa, rows, bits, split);
+    None
 }
 
 fn tile_fn(isa: Isa, rows: usize, bits: u8, split: bool) -> TileFn {
@@ -120,7 +135,7 @@ fn tile_fn(isa: Isa, rows: usize, bits: u8, split: bool) -> TileFn {
     {
         use super::int8_x86::{tile_avx2, tile_avx512, tile_avxvnni};
         match isa {
-            Isa::Avx512Vnni => return pick!(tile_avx512, rows, bits, split),
+            Isa::Avx512Vnni => return pick!(tile_avx512, rows, bits, split, 1),
             Isa::AvxVnni => return pick!(tile_avxvnni, rows, bits, split),
             Isa::Avx2 => return pick!(tile_avx2, rows, bits, split),
             Isa::Scalar => {}
@@ -176,15 +191,25 @@ pub fn matmul_quantized(
     assert!(isa.supported() && x.blocks == w.blocks && out.len() == x.rows * w.n);
     let (m, n, mr) = (x.rows, w.n, max_rows(isa));
     let out = SharedMut::new(out.as_mut_ptr());
-    split(threads, w.tiles, |tiles| {
+    let pairs = m > mr && pair_fn(isa, 1, w.bits, x.split()).is_some();
+    // Threads take whole pairs of tiles when the GEMM kernel pairs them.
+    let unit = if pairs { 2 } else { 1 };
+    split(threads, w.tiles.div_ceil(unit), |units| {
+        let tiles = units.start * unit..(units.end * unit).min(w.tiles);
         for panel in (0..m).step_by(PANEL_ROWS) {
             let panel_end = (panel + PANEL_ROWS).min(m);
-            for tile in tiles.clone() {
-                for m0 in (panel..panel_end).step_by(mr) {
-                    let rows = mr.min(panel_end - m0);
-                    let kernel = tile_fn(isa, rows, w.bits, x.split());
-                    // SAFETY: `isa` is supported; the tile kernel writes rows m0..m0+rows of
-                    // columns tile*16.. (< n) of `out`, a part no other thread writes.
+            for tile in tiles.clone().step_by(unit) {
+                let paired = pairs && tile + 1 < tiles.end; // else a last, lone tile
+                let step = if paired { PAIR_ROWS } else { mr };
+                for m0 in (panel..panel_end).step_by(step) {
+                    let rows = step.min(panel_end - m0);
+                    let kernel = match paired {
+                        true => pair_fn(isa, rows, w.bits, x.split()).expect("checked above"),
+                        false => tile_fn(isa, rows, w.bits, x.split()),
+                    };
+                    // SAFETY: `isa` is supported; the kernel writes rows m0..m0+rows of columns
+                    // tile*16.. (< n; a pair only where tile + 1 exists) of `out`, a part no
+                    // other thread writes.
                     unsafe { kernel(w, tile, x, m0, out.get(), n) };
                 }
             }

@@ -47,8 +47,15 @@ macro_rules! dot512 {
     };
 }
 
+/// NT consecutive tiles (16·NT output columns) for MR rows: each broadcast activation feeds NT
+/// dot products and each weight register MR (NT = 2 for the GEMM's panels, 1 for the GEMV).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn tile_avx512<const MR: usize, const BITS: u8, const SPLIT: bool>(
+pub(super) unsafe fn tile_avx512<
+    const MR: usize,
+    const BITS: u8,
+    const SPLIT: bool,
+    const NT: usize,
+>(
     w: &PackedWeights,
     tile: usize,
     x: &QuantizedRows,
@@ -57,57 +64,79 @@ pub(super) unsafe fn tile_avx512<const MR: usize, const BITS: u8, const SPLIT: b
     n: usize,
 ) {
     let per = w.tile_block_bytes();
-    let data = w.tile_data(tile).as_ptr();
+    let data: [*const u8; NT] = std::array::from_fn(|t| w.tile_data(tile + t).as_ptr());
     let low = _mm512_set1_epi8(0x0F);
-    let mut y = [_mm512_setzero_ps(); MR];
+    let mut y = [[_mm512_setzero_ps(); NT]; MR];
     for b in 0..w.blocks {
-        let tb = data.add(b * per);
-        let mut acc = [_mm512_setzero_si512(); MR];
-        let mut rest = [_mm512_setzero_si512(); MR];
+        let mut acc = [[_mm512_setzero_si512(); NT]; MR];
+        let mut rest = [[_mm512_setzero_si512(); NT]; MR];
         if BITS == 8 {
             for j in 0..8 {
-                let wv = _mm512_loadu_si512(tb.add(j * CHUNK_BYTES) as *const _);
+                let wv: [__m512i; NT] = std::array::from_fn(|t| {
+                    _mm512_loadu_si512(data[t].add(b * per + j * CHUNK_BYTES) as *const _)
+                });
                 for r in 0..MR {
-                    acc[r] = dot512!(acc[r], wv, x_dword(x, m0 + r, b, j));
+                    let xv = x_dword(x, m0 + r, b, j);
+                    for t in 0..NT {
+                        acc[r][t] = dot512!(acc[r][t], wv[t], xv);
+                    }
                     if SPLIT {
-                        rest[r] = dot512!(rest[r], wv, r_dword(x, m0 + r, b, j));
+                        let rv = r_dword(x, m0 + r, b, j);
+                        for t in 0..NT {
+                            rest[r][t] = dot512!(rest[r][t], wv[t], rv);
+                        }
                     }
                 }
             }
         } else {
             for j in 0..4 {
-                let raw = _mm512_loadu_si512(tb.add(j * CHUNK_BYTES) as *const _);
-                let lo = _mm512_and_si512(raw, low);
-                let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                let raw: [__m512i; NT] = std::array::from_fn(|t| {
+                    _mm512_loadu_si512(data[t].add(b * per + j * CHUNK_BYTES) as *const _)
+                });
+                let lo: [__m512i; NT] = std::array::from_fn(|t| _mm512_and_si512(raw[t], low));
+                let hi: [__m512i; NT] =
+                    std::array::from_fn(|t| _mm512_and_si512(_mm512_srli_epi16(raw[t], 4), low));
                 for r in 0..MR {
-                    acc[r] = dot512!(acc[r], lo, x_dword(x, m0 + r, b, j));
-                    acc[r] = dot512!(acc[r], hi, x_dword(x, m0 + r, b, j + 4));
+                    let (x_lo, x_hi) = (x_dword(x, m0 + r, b, j), x_dword(x, m0 + r, b, j + 4));
+                    for t in 0..NT {
+                        acc[r][t] = dot512!(acc[r][t], lo[t], x_lo);
+                        acc[r][t] = dot512!(acc[r][t], hi[t], x_hi);
+                    }
                     if SPLIT {
-                        rest[r] = dot512!(rest[r], lo, r_dword(x, m0 + r, b, j));
-                        rest[r] = dot512!(rest[r], hi, r_dword(x, m0 + r, b, j + 4));
+                        let (r_lo, r_hi) = (r_dword(x, m0 + r, b, j), r_dword(x, m0 + r, b, j + 4));
+                        for t in 0..NT {
+                            rest[r][t] = dot512!(rest[r][t], lo[t], r_lo);
+                            rest[r][t] = dot512!(rest[r][t], hi[t], r_hi);
+                        }
                     }
                 }
             }
         }
-        let sc = w.tile_scales(tile, w.group_of(b)).as_ptr();
-        let s = _mm512_loadu_ps(sc);
-        let sz = _mm512_mul_ps(s, _mm512_loadu_ps(sc.add(TILE)));
-        for r in 0..MR {
-            let i = (m0 + r) * x.blocks + b;
-            let (d, sum) = (*x.scales.get_unchecked(i), *x.sums.get_unchecked(i));
-            let sd = _mm512_mul_ps(s, _mm512_set1_ps(d));
-            y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), sd, y[r]);
-            if SPLIT {
-                let sd_rest = _mm512_mul_ps(s, _mm512_set1_ps(d / RESIDUAL_STEPS));
-                y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest[r]), sd_rest, y[r]);
+        let group = w.group_of(b);
+        for t in 0..NT {
+            let sc = w.tile_scales(tile + t, group).as_ptr();
+            let s = _mm512_loadu_ps(sc);
+            let sz = _mm512_mul_ps(s, _mm512_loadu_ps(sc.add(TILE)));
+            for r in 0..MR {
+                let i = (m0 + r) * x.blocks + b;
+                let (d, sum) = (*x.scales.get_unchecked(i), *x.sums.get_unchecked(i));
+                let sd = _mm512_mul_ps(s, _mm512_set1_ps(d));
+                y[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), sd, y[r][t]);
+                if SPLIT {
+                    let sd_rest = _mm512_mul_ps(s, _mm512_set1_ps(d / RESIDUAL_STEPS));
+                    y[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest[r][t]), sd_rest, y[r][t]);
+                }
+                y[r][t] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(d * sum), y[r][t]);
             }
-            y[r] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(d * sum), y[r]);
         }
     }
-    let valid = (n - tile * TILE).min(TILE);
-    let mask = ((1u32 << valid) - 1) as u16;
-    for (r, yr) in y.iter().enumerate() {
-        _mm512_mask_storeu_ps(out.add((m0 + r) * n + tile * TILE), mask, *yr);
+    for t in 0..NT {
+        let first = (tile + t) * TILE;
+        let valid = (n - first).min(TILE);
+        let mask = ((1u32 << valid) - 1) as u16;
+        for (r, yr) in y.iter().enumerate() {
+            _mm512_mask_storeu_ps(out.add((m0 + r) * n + first), mask, yr[t]);
+        }
     }
 }
 

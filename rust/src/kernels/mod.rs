@@ -15,6 +15,7 @@ pub mod dense_gemv;
 mod isa;
 mod packed;
 pub mod paged_attention;
+pub mod peak;
 mod pool;
 mod quantize;
 

@@ -294,7 +294,16 @@ fn paged_attention(
         .map_err(kernel_error)
 }
 
+/// Int8 operations per second of independent `vpdpbusd` chains on `threads` threads (the
+/// int8 GEMM's ceiling); None without AVX-512 VNNI.
+#[pyfunction]
+#[pyo3(signature = (threads, iterations = 20_000_000))]
+fn int8_peak_ops(py: Python<'_>, threads: usize, iterations: usize) -> Option<f64> {
+    py.detach(|| super::peak::int8_peak_ops(ThreadCount::new(threads), iterations))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(int8_peak_ops, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(dense_gemv, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_isa, m)?)?;
