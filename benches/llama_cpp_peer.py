@@ -76,6 +76,7 @@ def load(gguf: Path, threads: int, context: int):
 
 def generate(llm, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
     """Greedy tokens (EOS ignored) -> (tokens, seconds to the first one)."""
+    llm.reset()  # no reuse of the previous request's prefix: every prompt is evaluated whole
     start = time.perf_counter()
     tokens, first = [], 0.0
     for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
