@@ -35,11 +35,12 @@ class CoreDriver:
         """chunk_size: at most this many prompt tokens of a request per step (the core's
         long_prefill_token_threshold); None: whole prompts, within the step's token budget."""
         self.runner = runner
+        budget = runner.max_num_batched_tokens  # what the runner's input buffers hold
         self.core = EngineCore(
             num_blocks=runner.num_blocks,
             block_size=runner.block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max(runner.max_num_batched_tokens, max_num_seqs),
+            max_num_seqs=min(max_num_seqs, budget),
+            max_num_batched_tokens=budget,
             max_model_len=runner.max_model_len,
             enable_prefix_caching=True,
             long_prefill_token_threshold=chunk_size or 0,

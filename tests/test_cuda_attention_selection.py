@@ -127,10 +127,15 @@ def test_unsupported_models_and_devices_are_named() -> None:
     assert "head_dim" in (cuda_unsupported_reason(llama(head_dim=256), gpu, torch.bfloat16) or "")
 
 
-def test_auto_on_the_cpu_is_the_reference_and_cuda_is_refused() -> None:
+def test_auto_on_the_cpu_is_not_cuda_and_cuda_is_refused() -> None:
+    from aieng.attention.cpu_paged import CpuPagedAttention
+
     cpu = torch.device("cpu")
     assert isinstance(
-        select_attention_backend("auto", llama(), cpu, torch.float32), TorchPagedAttention
+        select_attention_backend("auto", llama(), cpu, torch.float32), CpuPagedAttention
+    )
+    assert isinstance(
+        select_attention_backend("auto", llama(), cpu, torch.bfloat16), TorchPagedAttention
     )
     with pytest.raises(ValueError, match=r"'cuda' cannot serve this model: .*NVIDIA"):
         select_attention_backend("cuda", llama(), cpu, torch.float32)

@@ -70,6 +70,7 @@ from aieng.layers.linear import Linear
 from aieng.models.default import default_model_path
 from aieng.quantization import cuda_int4, methods
 from aieng.quantization.config import QuantizationConfig, WeightScheme
+from aieng.quantization.cpu_int8 import CpuQuantizedLinearMethod
 from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
 from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
 from aieng.quantization.packing import pack_int32
@@ -319,7 +320,7 @@ def test_the_cuda_method_is_chosen_only_for_a_cuda_device(monkeypatch) -> None:
     """The target device decides, not whether this machine has a GPU."""
     config = QuantizationConfig("compressed-tensors", ((("Linear",), scheme(32, True)),))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for device, expected in (("cuda:0", CudaInt4LinearMethod), ("cpu", QuantizedLinearMethod)):
+    for device, expected in (("cuda:0", CudaInt4LinearMethod), ("cpu", CpuQuantizedLinearMethod)):
         choose = methods.quantized_linear_methods(config, {}, device=device)
         assert type(choose("model.layers.0.mlp.up_proj")) is expected
     # On a CPU device the CUDA method is the torch one: the CPU INT4 kernel or dequant.
@@ -485,7 +486,12 @@ def test_graph_computation_matches_the_eager_forward(kv_cache_dtype: str) -> Non
     turns graphs off on a GPU compares the replay the same way)."""
     model = str(default_model_path())
     args = EngineArgs(
-        model, device="cpu", kv_cache_memory=1 << 20, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype
+        model,
+        device="cpu",
+        kv_cache_memory=1 << 20,
+        max_num_seqs=8,
+        kv_cache_dtype=kv_cache_dtype,
+        attention_backend="torch",  # the reference backend's graph metadata
     )
     runner = ModelRunner(create_engine_config(args))
     runner.kv_caches = runner.kv_spec.allocate(
@@ -633,7 +639,7 @@ def test_engine_with_the_cuda_int4_method_follows_the_reference(tmp_path, monkey
     write_compressed_tensors(source, tmp_path / "int4", tmp_path / "dequantized", 4, 32)
 
     def run(cuda: bool) -> list[list[int]]:
-        def method(scheme, prefix, use_kernels=True):
+        def method(scheme, prefix, use_kernels=True, cpu_kernel="auto"):
             if cuda:
                 return CudaInt4LinearMethod(
                     scheme, prefix, use_kernels, reference_kernel, lambda d: True
@@ -642,7 +648,7 @@ def test_engine_with_the_cuda_int4_method_follows_the_reference(tmp_path, monkey
 
         with monkeypatch.context() as patch:
             # The method chosen for a 4-bit layer on this (CPU) device: the CUDA one, or not.
-            patch.setattr(methods, "QuantizedLinearMethod", method)
+            patch.setattr(methods, "CpuQuantizedLinearMethod", method)
             args = EngineArgs(
                 str(tmp_path / "int4"), device="cpu", block_size=4, kv_cache_memory=1 << 22
             )

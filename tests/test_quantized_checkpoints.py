@@ -87,7 +87,8 @@ def test_reference_path_matches_transformers(quantized, monkeypatch):
     """Kernels off: aieng's dequantized weights in float32 are transformers' — identical greedy
     tokens, logprobs equal to float rounding."""
     monkeypatch.setattr(linear_method, "int4_kernel_available", lambda: False)
-    for request, (tokens, logprobs) in zip(quantized.run(), quantized.expected, strict=True):
+    outputs = quantized.run(cpu_quant_kernel="dequant")
+    for request, (tokens, logprobs) in zip(outputs, quantized.expected, strict=True):
         assert request.output == tokens
         torch.testing.assert_close(
             torch.tensor(request.logprobs), torch.tensor(logprobs), atol=2e-4, rtol=0
@@ -97,7 +98,7 @@ def test_reference_path_matches_transformers(quantized, monkeypatch):
 def test_dequantized_weights_equal_the_formats(quantized, monkeypatch):
     """Every quantized layer's reference weight equals the format's own dequantization."""
     monkeypatch.setattr(linear_method, "int4_kernel_available", lambda: False)
-    model, _ = load_model(quantized.folder)
+    model, _ = load_model(quantized.folder, cpu_quant_kernel="dequant")
     expected = load_file(quantized.reference / "model.safetensors")
     checked = 0
     for name, module in model.named_modules():
@@ -116,7 +117,8 @@ def test_fused_kernel_path_follows_transformers(quantized):
     difference the tokens are identical with logprobs within 0.05; at it, transformers' token is
     in our top 2 within 0.1 of our best (vLLM's closeness rule for quantized kernels)."""
     differences = 0
-    for request, (tokens, logprobs) in zip(quantized.run(), quantized.expected, strict=True):
+    outputs = quantized.run(cpu_quant_kernel="int4pack")
+    for request, (tokens, logprobs) in zip(outputs, quantized.expected, strict=True):
         for i, (ours, theirs) in enumerate(zip(request.output, tokens, strict=True)):
             if ours != theirs:
                 differences += 1

@@ -39,7 +39,10 @@ def score(cases: list[Case]) -> dict[str, list[np.ndarray]]:
             kernel_available if case.int4_kernel else (lambda: False)
         )
         try:
-            args = EngineArgs(model=case.folder, block_size=4, kv_cache_memory=1 << 22)
+            kernel = "int4pack" if case.int4_kernel else "dequant"
+            args = EngineArgs(
+                model=case.folder, block_size=4, kv_cache_memory=1 << 22, cpu_quant_kernel=kernel
+            )
             runner = ModelRunner(create_engine_config(args))
             results[case.name] = [
                 runner.prompt_logprobs(prompt, case.chunk_size).numpy() for prompt in case.prompts

@@ -278,3 +278,60 @@ class Grammar:
 
     @property
     def kind(self) -> str: ...
+
+_U8 = npt.NDArray[np.uint8]
+_F32 = npt.NDArray[np.float32]
+
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels use (detected, or lowered by AIENG_CPU_ISA)."""
+
+def cpu_isa_paths() -> list[str]:
+    """Every instruction-set path this CPU can run, lowest first."""
+
+@final
+class Int8Weights:
+    """A 4- or 8-bit weight repacked for the int8 dot-product kernels."""
+
+    def __new__(cls, q: _U8, scales: _F32, zeros: _F32, bits: int) -> Int8Weights: ...
+    @property
+    def out_features(self) -> int: ...
+    @property
+    def in_features(self) -> int: ...
+    @property
+    def bits(self) -> int: ...
+    @property
+    def group_size(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def matmul(
+        self, x: _F32, out: _F32, threads: int, isa: str | None = None, split: bool = False
+    ) -> None: ...
+    def dequantize(self) -> _F32: ...
+
+def dense_gemv(
+    x: _F32,
+    w: _F32 | npt.NDArray[np.int16],
+    out: _F32,
+    threads: int,
+    isa: str | None = None,
+) -> None:
+    """out (M, N) = x (M, K) @ W^T for M <= 8; W float32, or bfloat16 bits as int16."""
+
+def paged_attention(
+    q: _F32,
+    k_cache: _F32,
+    v_cache: _F32,
+    out: _F32,
+    query_start_loc: _I32,
+    seq_lens: _I32,
+    block_tables: _I32,
+    scale: float,
+    window: int,
+    softcap: float,
+    threads: int,
+    isa: str | None = None,
+) -> None:
+    """out (T, H, D) = attention of q over the paged float32 K/V caches, read in place."""
+
+def int8_peak_ops(threads: int, iterations: int = 20_000_000) -> float | None:
+    """Int8 operations per second of independent vpdpbusd chains (None without AVX-512 VNNI)."""

@@ -32,8 +32,10 @@ DTYPES = {
 }
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_BLOCK_SIZE = 1 << 16  # the Rust core's limit (BlockPool::new)
-ATTENTION_BACKENDS = ("auto", "torch", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "cuda", "cpu")
 KV_CACHE_DTYPES = ("auto", "int8")
+CPU_QUANT_KERNELS = ("auto", "int8", "int8x2", "int4pack", "dequant")
+CPU_LM_HEADS = ("dense", "int8")
 
 Check = Callable[[Any], str | None]  # -> why the value is refused, or None
 
@@ -203,9 +205,28 @@ class EngineArgs:
     attention_backend: str = option(
         "auto",
         "attention implementation; auto: the best for the device (the CUDA kernels on an NVIDIA "
-        "GPU in float16/bfloat16 once they pass their start-up check); cuda: the kernels; torch: "
-        "the paged reference, on any device",
+        "GPU in float16/bfloat16, the Rust core's kernel on the CPU in float32, each once it "
+        "passes its start-up check); cuda, cpu: those kernels; torch: the paged reference, on "
+        "any device",
         choices=ATTENTION_BACKENDS,
+    )
+    cpu_quant_kernel: str = option(
+        "auto",
+        "kernel of INT4/INT8-quantized layers on the CPU; int8: activations quantized to int8 per "
+        "block of 32 and multiplied on the CPU's int8 dot-product instructions (W4A8, W8A8); "
+        "int8x2: the same with a second int8 term per activation (about 15 bits: bfloat16's "
+        "accuracy or better, two dot products per weight); int4pack: torch's INT4 kernel with "
+        "bfloat16 activations (W4A16, 4-bit layers); dequant: the float32 reference; auto: the "
+        "first of int8x2, int4pack that passes its check at load",
+        choices=CPU_QUANT_KERNELS,
+    )
+    cpu_lm_head: str = option(
+        "dense",
+        "how the CPU computes the logits; dense: the float LM head (tied or not), through "
+        "aieng's dense GEMV for decode batches; int8: an 8-bit copy of the head (symmetric, one "
+        "scale per 32 weights: 1.125 bytes a weight, against float32's 4) on the int8 kernels, "
+        "the embedding lookup keeping the float rows",
+        choices=CPU_LM_HEADS,
     )
     enforce_eager: bool = option(
         False,

@@ -55,7 +55,13 @@ class ModelRunner:
         self.model: Any
         self.load_times = LoadTimes()
         self.model, self.config = load_model(
-            config.model_path, self.dtype, self.device, config.model, times=self.load_times
+            config.model_path,
+            self.dtype,
+            self.device,
+            config.model,
+            times=self.load_times,
+            cpu_quant_kernel=args.cpu_quant_kernel,
+            cpu_lm_head=args.cpu_lm_head,
         )
         self.block_size = config.cache.block_size
         self.max_model_len = config.scheduler.max_model_len

@@ -7,6 +7,7 @@
 pub mod block_pool;
 pub mod error;
 mod free_list;
+pub mod kernels;
 mod prefix_hash;
 pub mod request;
 pub mod scheduler;

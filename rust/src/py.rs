@@ -1053,6 +1053,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFinishedRequest>()?;
     m.add_class::<PyGrammarCompiler>()?;
     m.add_class::<PyGrammar>()?;
+    crate::kernels::py::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

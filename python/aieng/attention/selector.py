@@ -9,7 +9,7 @@ from aieng.attention.torch_paged import TorchPagedAttention
 from aieng.config import ModelConfig
 from aieng.distributed.parallel_state import kv_heads_per_rank
 
-BACKENDS = ("auto", "torch", "cuda")
+BACKENDS = ("auto", "torch", "cuda", "cpu")
 
 
 def select_attention_backend(
@@ -22,9 +22,10 @@ def select_attention_backend(
     """`name` is EngineArgs.attention_backend: 'auto' picks the fastest backend verified for
     this device, the model's dtype and the cache's (EngineArgs.kv_cache_dtype): the CUDA
     kernels on an NVIDIA GPU in float16/bfloat16 when they compile and pass their self-check,
-    else the torch reference; 'cuda' asks for the kernels (ValueError where they cannot serve
-    the model; the reference, after a warning, where they fail the self-check); 'torch' forces
-    the reference."""
+    the Rust core's kernel on the CPU in float32 when it passes its own, else the torch
+    reference; 'cuda' and 'cpu' ask for those kernels (ValueError where they cannot serve the
+    model; the reference, after a warning, where they fail the self-check); 'torch' forces the
+    reference."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name in ("auto", "cuda"):
@@ -35,6 +36,14 @@ def select_attention_backend(
             return cuda
         if reason is not None and name == "cuda":
             raise ValueError(f"attention_backend 'cuda' cannot serve this model: {reason}")
+    if name in ("auto", "cpu"):
+        from aieng.attention.cpu_paged import checked_cpu_backend, cpu_attention_unsupported_reason
+
+        reason = cpu_attention_unsupported_reason(device, dtype, kv_cache_dtype)
+        if reason is None and (cpu := checked_cpu_backend(config)):
+            return cpu
+        if reason is not None and name == "cpu":
+            raise ValueError(f"attention_backend 'cpu' cannot serve this model: {reason}")
     # Decode groups are sized by the context as attention reads it: in the model's dtype (an
     # INT8 cache's context is dequantized to it), over this tensor-parallel rank's KV heads.
     token_bytes = kv_heads_per_rank(config.num_key_value_heads) * config.head_dim * dtype.itemsize

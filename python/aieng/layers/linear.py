@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aieng.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
+from aieng.kernels.cpu_dense import DENSE_MAX_M, dense_gemv, passes_dense_check
 from aieng.layers.parallel import LinearShard, replicated
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, int | None], None]
@@ -80,7 +81,11 @@ class LinearMethod:
 
 
 class DenseLinearMethod(LinearMethod):
-    """A float (out, in) weight: y = x W^T + b. Checkpoint shards stack along dim 0."""
+    """A float (out, in) weight: y = x W^T + b. Checkpoint shards stack along dim 0. On the CPU,
+    batches of up to DENSE_MAX_M rows go through aieng's dense GEMV once it passed its check
+    for the layer (`aieng.kernels.cpu_dense`)."""
+
+    gemv = False
 
     def create_weights(self, layer, input_size, output_sizes, bias, dtype) -> None:
         total = sum(output_sizes)
@@ -93,7 +98,14 @@ class DenseLinearMethod(LinearMethod):
         else:
             layer.register_parameter("bias", None)
 
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        self.gemv = passes_dense_check(layer.weight, layer.prefix)
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        # The kernel has no backward: only where no gradient is wanted (the engine's steps).
+        if self.gemv and x.numel() <= DENSE_MAX_M * x.shape[-1] and not torch.is_grad_enabled():
+            y = dense_gemv(x, layer.weight)
+            return y if layer.bias is None else y + layer.bias
         return F.linear(x, layer.weight, layer.bias)
 
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from aieng.distributed.parallel_state import get_tp_world_size, tp_all_gather, tp_all_reduce
+from aieng.kernels.cpu_dense import DENSE_MAX_M, dense_gemv
+from aieng.kernels.cpu_int8 import int8_matmul
 from aieng.layers.linear import (
     Linear,
     LinearMethodChooser,
@@ -79,9 +81,16 @@ def lm_logits(
     vocab_size: int,
 ) -> torch.Tensor:
     """hidden (S, hidden) -> the full (S, V) logits on every rank, through the untied `lm_head`
-    or (None) the tied embedding table (a collective: every rank must call it)."""
-    if lm_head is None:
-        local = F.linear(hidden, embedding.weight)
-    else:
+    or (None) the tied embedding table (a collective: every rank must call it). A head prepared
+    by `aieng.layers.cpu_lm_head` runs its CPU kernel."""
+    head = embedding if lm_head is None else lm_head
+    packed = getattr(head, "int8_head", None)
+    if packed is not None:
+        local = int8_matmul(hidden, packed, split=True)
+    elif lm_head is not None:
         local = lm_head(hidden)
+    elif getattr(embedding, "gemv", False) and hidden.numel() <= DENSE_MAX_M * hidden.shape[-1]:
+        local = dense_gemv(hidden, embedding.weight)
+    else:
+        local = F.linear(hidden, embedding.weight)
     return gather_logits(local, vocab_size, embedding.tp_size)

@@ -19,6 +19,7 @@ from torch import nn
 
 from aieng.config import ModelConfig
 from aieng.engine_args import torch_dtype
+from aieng.layers.cpu_lm_head import prepare_cpu_lm_head
 from aieng.layers.linear import (
     LinearMethodChooser,
     WeightLoadError,
@@ -83,17 +84,22 @@ def load_model(
     config: ModelConfig | None = None,
     linear_methods: LinearMethodChooser | None = None,
     times: LoadTimes | None = None,
+    cpu_quant_kernel: str = "auto",
+    cpu_lm_head: str = "dense",
 ) -> tuple[nn.Module, ModelConfig]:
     """-> (model in eval mode on `device`, its config). dtype defaults to the checkpoint's.
     linear_methods defaults to what the checkpoint's `quantization_config` calls for. `times`,
-    if given, receives where the load went."""
+    if given, receives where the load went. `cpu_quant_kernel`, `cpu_lm_head`: the EngineArgs
+    options."""
     folder = Path(path)
     config = config or ModelConfig.from_pretrained(folder)
     cls = model_class(config.architecture, str(folder / "config.json"))
     dtype = dtype or resolve_dtype(config.dtype, str(folder / "config.json"))
     if linear_methods is None:
         packed = getattr(cls, "packed_modules", {})
-        linear_methods = quantized_linear_methods(config.quantization, packed, device=device)
+        linear_methods = quantized_linear_methods(
+            config.quantization, packed, device=device, cpu_kernel=cpu_quant_kernel
+        )
     times = times if times is not None else LoadTimes()
     start = time.perf_counter()
     with torch.device(device):
@@ -102,10 +108,11 @@ def load_model(
     load_weights(model, folder, times)
     start = time.perf_counter()
     process_weights_after_loading(model)
+    head = prepare_cpu_lm_head(model, cpu_lm_head)
     times.repacking_s += time.perf_counter() - start
-    quantized = ""
+    quantized = f"; LM head: {head}"
     if config.quantization is not None:
-        quantized = f"; {config.quantization.describe()}: {describe_linear_kernels(model)}"
+        quantized += f"; {config.quantization.describe()}: {describe_linear_kernels(model)}"
     logger.info(
         "loaded %s from %s: build %.2fs, read %.2fs, convert and place %.2fs, repack %.2fs%s",
         config.architecture,

@@ -331,10 +331,13 @@ def dequantize(layer: Linear) -> torch.Tensor:
 
 
 def _dequantize_from_kernel(layer: Linear) -> torch.Tensor:
-    """The weight a kernel layer multiplies by, as float32 (N, K): (q - 8) * s + (8 - z) * s
-    with its bf16 pairs. Its integers live only in the kernel's (CPU-specific, blocked) layout:
-    the kernel run on the identity with unit scales and zero offsets returns q - 8 exactly
-    (small integers are exact in bf16)."""
+    """The weight a kernel layer multiplies by, as float32 (N, K). The int8 kernels read it
+    back from their layout, (q - z) * s exactly. int4pack: (q - 8) * s + (8 - z) * s with its
+    bf16 pairs; its integers live only in the kernel's (CPU-specific, blocked) layout: the
+    kernel run on the identity with unit scales and zero offsets returns q - 8 exactly (small
+    integers are exact in bf16)."""
+    if hasattr(layer, "int8_weights"):
+        return torch.from_numpy(layer.int8_weights.dequantize())
     n, k = sum(layer.output_sizes), layer.input_size
     pairs = layer.int4_scales_zeros  # (G, N + padding, 2)
     unit = torch.zeros_like(pairs)

@@ -8,10 +8,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from aieng.kernels.cpu_int8 import cpu_isa
 from aieng.layers.linear import DenseLinearMethod, Linear, LinearMethod, LinearMethodChooser
 from aieng.quantization.config import QuantizationConfig
+from aieng.quantization.cpu_int8 import CpuQuantizedLinearMethod
 from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
-from aieng.quantization.linear_method import QuantizedLinearMethod
 
 
 def checkpoint_layer_names(prefix: str, packed_modules: Mapping[str, tuple[str, int]]) -> list[str]:
@@ -31,10 +32,11 @@ def quantized_linear_methods(
     packed_modules: Mapping[str, tuple[str, int]],
     use_kernels: bool = True,
     device: str | torch.device = "cpu",
+    cpu_kernel: str = "auto",
 ) -> LinearMethodChooser:
     """A chooser giving each layer the quantized method its checkpoint names call for, or the
     dense one (an `ignore`d layer, the LM head, or no quantization at all), for weights on
-    `device`."""
+    `device`. `cpu_kernel`: EngineArgs.cpu_quant_kernel."""
     on_cuda = torch.device(device).type == "cuda"
 
     def choose(prefix: str) -> LinearMethod:
@@ -43,10 +45,11 @@ def quantized_linear_methods(
         scheme = quantization.scheme_for(checkpoint_layer_names(prefix, packed_modules))
         if scheme is None:
             return DenseLinearMethod()
-        # 4-bit layers on an NVIDIA GPU: the CUDA kernels (checked at load).
-        cuda_int4 = scheme.bits == 4 and on_cuda
-        method = CudaInt4LinearMethod if cuda_int4 else QuantizedLinearMethod
-        return method(scheme, prefix, use_kernels)
+        # 4-bit layers on an NVIDIA GPU: the CUDA kernels (checked at load); elsewhere the CPU
+        # method (the Rust int8 kernels, torch's int4pack or the dequantize reference).
+        if scheme.bits == 4 and on_cuda:
+            return CudaInt4LinearMethod(scheme, prefix, use_kernels)
+        return CpuQuantizedLinearMethod(scheme, prefix, use_kernels, cpu_kernel)
 
     return choose
 
@@ -59,9 +62,11 @@ def process_weights_after_loading(model: nn.Module) -> None:
 
 
 def describe_linear_kernels(model: nn.Module) -> str:
-    """e.g. "42 int4pack, 2 dense" — how many layers use each compute path."""
+    """e.g. "42 int8x2 (avx512vnni), 2 dense" — how many layers use each compute path (the int8
+    kernels' with the instruction set they run on)."""
     counts: Counter[str] = Counter()
     for module in model.modules():
         if isinstance(module, Linear):
-            counts[getattr(module.method, "kernel", "dense")] += 1
+            kernel = getattr(module.method, "kernel", "dense")
+            counts[f"{kernel} ({cpu_isa()})" if kernel in ("int8", "int8x2") else kernel] += 1
     return ", ".join(f"{count} {kernel}" for kernel, count in counts.most_common())

@@ -1,0 +1,284 @@
+"""CPU peers: aieng's CPU kernels and engine against llama.cpp — one run, same machine, 2 threads.
+
+1. Kernels (aieng's Rust core): the machine's copy bandwidth (torch, measured here); GEMV at
+   M = 1 in GB/s of weights read and as a fraction of that bandwidth — int8 W4A8 and W8A8,
+   int8x2 (two int8 terms per activation), dense float32 and bfloat16, each beside torch
+   (F.linear, torch's INT4 kernel); the int8 GEMM at M = 512 in int8 operations/s against the
+   measured `vpdpbusd` peak (`_core.int8_peak_ops`: independent chains on registers).
+2. Engines on the "base" Llama of benches/bench_offline.py (random weights, vocabulary 32000):
+   aieng fp32 (cpu attention, dense GEMV), W4A16 (torch int4pack), W4A8 (int8), int8x2 (the
+   default `auto`) — the INT4 checkpoint by `aieng quantize` (RTN, g128, asymmetric, LM head
+   too) — and llama.cpp F32, Q8_0, Q4_0 (benches/llama_cpp_peer.py). Offline: N requests
+   (default 64), prompt and output lengths U[16, 256], output tokens/s; one stream: a 128-token
+   prompt and 128 greedy tokens, decode tokens/s and time to the first token.
+
+    .venv/bin/python benches/bench_cpu_peers.py [--requests 64] [--quick]
+        [--llama-cpp-src /path/to/llama-cpp-python-sdist/vendor/llama.cpp] [--out benches/results]
+
+Without --llama-cpp-src (or without llama_cpp installed) the llama.cpp rows are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench_offline
+import llama_cpp_peer
+
+from aieng import _core
+from aieng.benchmarks.offline import machine, run_aieng, workload
+from aieng.kernels.cpu_dense import dense_gemv
+from aieng.kernels.cpu_int8 import int8_matmul, pack_int8_weights
+
+THREADS = 2
+SETTING = (1024, 64)  # max_num_batched_tokens, max_num_seqs
+AIENG_MODES = {  # row name -> EngineArgs.cpu_quant_kernel (None: the fp32 checkpoint)
+    "aieng fp32": None,
+    "aieng W4A16 (int4pack)": "int4pack",
+    "aieng W4A8 (int8)": "int8",
+    "aieng W4A16-equivalent (int8x2, auto)": "int8x2",
+}
+LLAMA_MODES = ("F32", "Q8_0", "Q4_0")
+
+
+def best_time(run, reps: int) -> float:
+    run()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def copy_bandwidth() -> float:
+    """STREAM-style copy: bytes read + bytes written per second (256 MiB)."""
+    source = torch.randn(64 << 20)
+    target = torch.empty_like(source)
+    return 2 * source.numel() * 4 / best_time(lambda: target.copy_(source), 5)
+
+
+def read_bandwidth() -> float:
+    """Bytes read per second by torch's sum over 256 MiB: the ceiling a GEMV streams at."""
+    source = torch.randn(64 << 20)
+    return source.numel() * 4 / best_time(lambda: source.sum(), 5)
+
+
+def kernel_rows(bandwidth: float, reading: float) -> list[dict]:
+    n, k = 16384, 4096  # 32 MiB at 4 bits: past the last-level cache
+    generator = torch.Generator().manual_seed(0)
+    q4 = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int32)
+    q8 = torch.randint(0, 256, (n, k), generator=generator, dtype=torch.int32)
+    scales = torch.rand(n, k // 128, generator=generator) * 0.01 + 0.001
+    zeros4, zeros8 = torch.full_like(scales, 8.0), torch.full_like(scales, 128.0)
+    w4 = pack_int8_weights(q4, scales, zeros4, 4)
+    w8 = pack_int8_weights(q8, scales, zeros8, 8)
+    x = torch.randn(1, k, generator=generator)
+    rows = []
+
+    def row(name: str, seconds: float, nbytes: int) -> None:
+        rate = nbytes / seconds
+        rows.append(
+            {
+                "kernel": name,
+                "M": 1,
+                "ms": seconds * 1e3,
+                "GB/s": rate / 1e9,
+                "of_copy": rate / bandwidth,
+                "of_read": rate / reading,
+            }
+        )
+
+    row("aieng int8 W4A8 GEMV", best_time(lambda: int8_matmul(x, w4), 20), w4.nbytes)
+    row("aieng int8x2 W4 GEMV", best_time(lambda: int8_matmul(x, w4, split=True), 20), w4.nbytes)
+    row("aieng int8 W8A8 GEMV", best_time(lambda: int8_matmul(x, w8), 20), w8.nbytes)
+    if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
+        pairs = torch.stack([scales.t(), (8 - zeros4.t()) * scales.t()], -1).to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
+        seconds = best_time(
+            lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, 128, pairs), 20
+        )
+        row("torch int4pack W4A16 GEMV", seconds, packed.numel() + pairs.numel() * 2)
+    dense = torch.randn(n // 2, k, generator=generator)  # 128 MiB float32
+    for dtype in (torch.float32, torch.bfloat16):
+        w = dense.to(dtype)
+        nbytes = w.numel() * w.element_size()
+        row(f"aieng dense GEMV {dtype}", best_time(lambda w=w: dense_gemv(x, w), 10), nbytes)
+        xd = x.to(dtype)
+        row(f"torch F.linear {dtype}", best_time(lambda w=w, xd=xd: F.linear(xd, w), 10), nbytes)
+    peak = _core.int8_peak_ops(THREADS)
+    m, gemm_n, gemm_k = 512, 4096, 4096
+    wg = pack_int8_weights(q4[:gemm_n, :gemm_k], scales[:gemm_n, :32], zeros4[:gemm_n, :32], 4)
+    xg = torch.randn(m, gemm_k, generator=generator)
+    out = torch.empty(m, gemm_n)
+    for name, split in (("aieng int8 W4A8 GEMM", False), ("aieng int8x2 W4 GEMM", True)):
+        seconds = best_time(lambda split=split: int8_matmul(xg, wg, out=out, split=split), 3)
+        ops = 2 * m * gemm_n * gemm_k * (2 if split else 1)  # int8 operations the kernel runs
+        rows.append(
+            {
+                "kernel": name,
+                "M": m,
+                "ms": seconds * 1e3,
+                "int8 GOPS": ops / seconds / 1e9,
+                "of_peak": ops / seconds / peak if peak else None,
+            }
+        )
+    xf = torch.randn(m, gemm_k, generator=generator)
+    wf = dense[:gemm_n, :gemm_k].contiguous()
+    seconds = best_time(lambda: F.linear(xf, wf), 3)
+    rows.append({"kernel": "torch F.linear float32 GEMM", "M": m, "ms": seconds * 1e3})
+    rows.append({"kernel": "vpdpbusd peak (measured)", "int8 GOPS": (peak or 0) / 1e9})
+    return rows
+
+
+def quantized_checkpoint(folder: Path, out: Path) -> Path:
+    from aieng.config import ModelConfig
+    from aieng.quantization.compressed_tensors_writer import QuantScheme
+    from aieng.quantization.quantize import QuantizeOptions, largest_group_size, quantize_checkpoint
+
+    group = largest_group_size(ModelConfig.from_pretrained(folder))
+    options = QuantizeOptions(
+        method="rtn", scheme=QuantScheme(4, group, symmetric=False), quantize_lm_head=True
+    )
+    quantize_checkpoint(folder, out, options, progress=None)
+    return out
+
+
+def aieng_rows(folder: Path, int4: Path, prompts, output_lens, kv_bytes: int, stream) -> list[dict]:
+    rows = []
+    for name, kernel in AIENG_MODES.items():
+        model = folder if kernel is None else int4
+        options = {"cpu_quant_kernel": kernel} if kernel else {}
+        batch = run_aieng(
+            model, prompts, output_lens, kv_cache_memory=kv_bytes,
+            max_num_batched_tokens=SETTING[0], max_num_seqs=SETTING[1], **options,
+        )  # fmt: skip
+        one = run_aieng(
+            model, [stream[0]], [stream[1]], kv_cache_memory=64 << 20, max_num_seqs=1, reps=2,
+            **options,
+        )  # fmt: skip
+        first = one.ttft_s[0]
+        decode = (stream[1] - 1) / (one.latency_s[0] - first)
+        rows.append(
+            {
+                "engine": name,
+                "offline_tokens_per_s": batch.tokens_per_s,
+                "stream_decode_tokens_per_s": decode,
+                "stream_ttft_ms": first * 1e3,
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def llama_rows(folder: Path, src: Path, work: Path, prompts, output_lens, stream) -> list[dict]:
+    f32 = llama_cpp_peer.convert(folder, work / "model-f32.gguf", src)
+    rows = []
+    for mode in LLAMA_MODES:
+        path = f32 if mode == "F32" else work / f"model-{mode}.gguf"
+        if mode != "F32":
+            llama_cpp_peer.quantize(f32, path, mode, THREADS)
+        llm = llama_cpp_peer.load(path, THREADS, 1024)
+        batch = llama_cpp_peer.run_requests(llm, prompts, output_lens)
+        one = llama_cpp_peer.run_stream(llm, stream[0], stream[1])
+        rows.append(
+            {
+                "engine": f"llama.cpp {mode} (one request at a time)",
+                "offline_tokens_per_s": batch["tokens_per_s"],
+                "stream_decode_tokens_per_s": one["decode_tokens_per_s"],
+                "stream_ttft_ms": one["ttft_s"] * 1e3,
+            }
+        )
+        print(rows[-1], flush=True)
+        del llm
+    return rows
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+        return "" if value is None else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="8 requests, a smoke run")
+    ap.add_argument("--llama-cpp-src", type=Path, default=None)
+    ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+    requests = 8 if args.quick else args.requests
+    info = {**machine(THREADS), "aieng_cpu_isa": _core.cpu_isa()}
+    print(info, flush=True)
+    bandwidth, reading = copy_bandwidth(), read_bandwidth()
+    kernels = [] if args.skip_kernels else kernel_rows(bandwidth, reading)
+    for row in kernels:
+        print(row, flush=True)
+    prompts, output_lens = workload(requests, 32000)
+    stream = (workload(1, 32000, max_len=128, seed=1)[0][0][:16] * 8, 128)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        folder, params = bench_offline.build_checkpoint("base", work / "base")
+        int4 = quantized_checkpoint(folder, work / "base-int4")
+        kv_bytes = bench_offline.kv_budget(bench_offline.MODELS["base"], requests)
+        engines = aieng_rows(folder, int4, prompts, output_lens, kv_bytes, stream)
+        if args.llama_cpp_src is not None:
+            engines += llama_rows(folder, args.llama_cpp_src, work, prompts, output_lens, stream)
+    result = {
+        "machine": info,
+        "copy_bandwidth_GB_s": bandwidth / 1e9,
+        "read_bandwidth_GB_s": reading / 1e9,
+        "model": {"name": "base", "parameters": params, **bench_offline.MODELS["base"]},
+        "requests": requests,
+        "kernels": kernels,
+        "engines": engines,
+    }
+    md = [
+        "# aieng CPU kernels and engine against llama.cpp (benches/bench_cpu_peers.py)",
+        "",
+        f"{info['cpu']} ({info['cpu_features']}), {info['nproc']} CPUs, {THREADS} threads for "
+        f"every engine; aieng's kernels on {info['aieng_cpu_isa']}; torch {info['torch']}. "
+        f"Measured bandwidth: copy {bandwidth / 1e9:.1f} GB/s (read + written), read "
+        f"{reading / 1e9:.1f} GB/s (torch.sum); the machine is shared, so every figure is one "
+        "run's.",
+        "",
+        "## Kernels",
+        "",
+        table(kernels, ["kernel", "M", "ms", "GB/s", "of_copy", "of_read", "int8 GOPS", "of_peak"]),
+        "",
+        f"## Engines: base Llama ({params / 1e6:.0f}M parameters, random weights), {requests} "
+        "requests U[16, 256]; one stream of a 128-token prompt and 128 greedy tokens",
+        "",
+        table(
+            engines,
+            ["engine", "offline_tokens_per_s", "stream_decode_tokens_per_s", "stream_ttft_ms"],
+        ),
+        "",
+    ]
+    text = "\n".join(md)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_cpu_peers.md").write_text(text)
+    (args.out / "bench_cpu_peers.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

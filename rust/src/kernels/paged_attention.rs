@@ -1,0 +1,530 @@
+//! Paged attention read in place: each query token attends over its request's context straight
+//! from the block pool's K/V cache through the block table — decode rows and (chunked) prefill
+//! rows alike, the step's new K/V already written to their slots — with no gathered copy.
+//!
+//! Cache layout (torch's): K and V (num_blocks, block_size, H_kv, D) float32; position j of a
+//! request is block `table[j / block_size]`, offset `j % block_size`. A work item is one query
+//! token and one KV head: the G = H / H_kv query heads that share it read each K/V row once
+//! (GQA). Scores go through an online softmax over chunks of 32 positions (a running max and
+//! sum per head, the output rescaled when the max grows), so memory stays O(G·D) whatever the
+//! context length. Sliding windows keep the last `window` positions; soft-capping maps a score
+//! s to cap·tanh(s / cap) before the softmax (Gemma 2).
+
+use super::isa::Isa;
+use super::pool::{split, ThreadCount};
+use super::quantize::SharedMut;
+use super::KernelError;
+
+/// Positions scored before each softmax update.
+const CHUNK: usize = 32;
+
+/// The cache's and the heads' shape.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+/// The step's requests: R + 1 query starts, R context lengths (after the step), R block tables
+/// of `table_width` entries.
+#[derive(Debug, Clone, Copy)]
+pub struct StepRows<'a> {
+    pub query_start_loc: &'a [i32],
+    pub seq_lens: &'a [i32],
+    pub block_tables: &'a [i32],
+    pub table_width: usize,
+}
+
+/// How scores are made: q·k · scale, capped (cap · tanh(s / cap)) when `softcap` is set, over
+/// the last `window` positions when it is set.
+#[derive(Debug, Clone, Copy)]
+pub struct Scoring {
+    pub scale: f32,
+    pub window: Option<usize>,
+    pub softcap: Option<f32>,
+}
+
+/// One query token's request: (request, its position in the context).
+fn token_rows(
+    rows: &StepRows,
+    shape: &PagedShape,
+    tokens: usize,
+) -> Result<Vec<(u32, u32)>, KernelError> {
+    let invalid = |m: String| Err(KernelError::InvalidArgument(m));
+    let qsl = rows.query_start_loc;
+    let requests = rows.seq_lens.len();
+    if qsl.len() != requests + 1 || rows.block_tables.len() != requests * rows.table_width {
+        return invalid(format!(
+            "paged attention: {} query starts, {} lengths and {} table entries do not describe \
+             {requests} requests of {} blocks",
+            qsl.len(),
+            requests,
+            rows.block_tables.len(),
+            rows.table_width
+        ));
+    }
+    if qsl.first() != Some(&0) || qsl[requests] as usize != tokens {
+        return invalid(format!(
+            "paged attention: query starts must run from 0 to the {tokens} tokens"
+        ));
+    }
+    let mut out = Vec::with_capacity(tokens);
+    for r in 0..requests {
+        let (start, end, len) = (qsl[r], qsl[r + 1], rows.seq_lens[r]);
+        if end < start || len < end - start {
+            return invalid(format!(
+                "paged attention: request {r} has {} query tokens and a context of {len}",
+                end - start
+            ));
+        }
+        let blocks = (len as usize).div_ceil(shape.block_size);
+        if blocks > rows.table_width {
+            return invalid(format!(
+                "paged attention: request {r} needs {blocks} blocks, the table holds {}",
+                rows.table_width
+            ));
+        }
+        let table = &rows.block_tables[r * rows.table_width..][..blocks];
+        if let Some(b) = table
+            .iter()
+            .find(|&&b| b < 0 || b as usize >= shape.num_blocks)
+        {
+            return invalid(format!(
+                "paged attention: request {r} names block {b} of {}",
+                shape.num_blocks
+            ));
+        }
+        for i in 0..end - start {
+            out.push((r as u32, (len - (end - start) + i) as u32));
+        }
+    }
+    Ok(out)
+}
+
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let (a16, b16) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ra, rb) = (a16.remainder(), b16.remainder());
+    for (x, y) in a16.zip(b16) {
+        for i in 0..16 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// e^x for x ≤ 0 (softmax terms), vectorisable: 2^n · e^r with |r| ≤ ln2 / 2, e^r to degree 6
+/// (relative error under 2e-7).
+#[inline(always)]
+fn exp_neg(x: f32) -> f32 {
+    let x = x.max(-87.0);
+    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r / 720.0)))));
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// Work items [items.start, items.end) of (token, KV head), written into `out`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_items(
+    items: std::ops::Range<usize>,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    out: SharedMut<f32>,
+    shape: &PagedShape,
+    rows: &StepRows,
+    scoring: &Scoring,
+    tokens: &[(u32, u32)],
+) {
+    let (d, kvh) = (shape.head_dim, shape.kv_heads);
+    let group = shape.heads / kvh;
+    let row_stride = kvh * d; // one position's K (or V) across KV heads
+    let mut qs = vec![0f32; group * d];
+    let mut acc = vec![0f32; group * d];
+    let mut scores = vec![0f32; group * CHUNK];
+    let (mut max, mut sum) = (vec![0f32; group], vec![0f32; group]);
+    for item in items {
+        let (t, g) = (item / kvh, item % kvh);
+        let (r, position) = tokens[t];
+        let r = r as usize;
+        let hi = position as usize + 1;
+        let lo = scoring.window.map_or(0, |w| hi.saturating_sub(w));
+        let table = &rows.block_tables[r * rows.table_width..];
+        for h in 0..group {
+            let head = g * group + h;
+            let src = &q[(t * shape.heads + head) * d..][..d];
+            for (o, v) in qs[h * d..(h + 1) * d].iter_mut().zip(src) {
+                *o = v * scoring.scale;
+            }
+        }
+        acc.fill(0.0);
+        max.fill(f32::NEG_INFINITY);
+        sum.fill(0.0);
+        let slot = |j: usize| {
+            let block = table[j / shape.block_size] as usize;
+            (block * shape.block_size + j % shape.block_size) * row_stride + g * d
+        };
+        let mut start = lo;
+        while start < hi {
+            let end = (start + CHUNK).min(hi);
+            for j in start..end {
+                let k = &k_cache[slot(j)..][..d];
+                for h in 0..group {
+                    let mut s = dot(&qs[h * d..(h + 1) * d], k);
+                    if let Some(cap) = scoring.softcap {
+                        s = cap * (s / cap).tanh();
+                    }
+                    scores[h * CHUNK + j - start] = s;
+                }
+            }
+            for h in 0..group {
+                let chunk = &mut scores[h * CHUNK..h * CHUNK + end - start];
+                let new_max = chunk.iter().fold(max[h], |m, &s| m.max(s));
+                let rescale = exp_neg(max[h] - new_max);
+                for p in chunk.iter_mut() {
+                    *p = exp_neg(*p - new_max);
+                }
+                sum[h] = sum[h] * rescale + chunk.iter().sum::<f32>();
+                max[h] = new_max;
+                for a in &mut acc[h * d..(h + 1) * d] {
+                    *a *= rescale;
+                }
+            }
+            for j in start..end {
+                let v = &v_cache[slot(j)..][..d];
+                for h in 0..group {
+                    let p = scores[h * CHUNK + j - start];
+                    for (a, x) in acc[h * d..(h + 1) * d].iter_mut().zip(v) {
+                        *a += p * x;
+                    }
+                }
+            }
+            start = end;
+        }
+        for h in 0..group {
+            let head = g * group + h;
+            let inverse = if sum[h] > 0.0 { 1.0 / sum[h] } else { 0.0 };
+            for (i, a) in acc[h * d..(h + 1) * d].iter().enumerate() {
+                // SAFETY: each (token, head) output row belongs to one work item.
+                unsafe { *out.get().add((t * shape.heads + head) * d + i) = a * inverse };
+            }
+        }
+    }
+}
+
+macro_rules! compiled_for {
+    ($name:ident, $features:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name(
+            items: std::ops::Range<usize>,
+            q: &[f32],
+            k_cache: &[f32],
+            v_cache: &[f32],
+            out: SharedMut<f32>,
+            shape: &PagedShape,
+            rows: &StepRows,
+            scoring: &Scoring,
+            tokens: &[(u32, u32)],
+        ) {
+            attend_items(
+                items, q, k_cache, v_cache, out, shape, rows, scoring, tokens,
+            )
+        }
+    };
+}
+
+compiled_for!(attend_items_avx512, "avx512f,avx2,fma");
+compiled_for!(attend_items_avx2, "avx2,fma");
+
+/// out (T, H, D) = attention of q (T, H, D) over the caches (see the module note).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    out: &mut [f32],
+    shape: PagedShape,
+    rows: StepRows,
+    scoring: Scoring,
+    isa: Isa,
+    threads: ThreadCount,
+) -> Result<(), KernelError> {
+    let invalid = |m: String| Err(KernelError::InvalidArgument(m));
+    if !isa.supported() {
+        return invalid(format!("this CPU cannot run {isa}"));
+    }
+    let PagedShape {
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+    } = shape;
+    if kv_heads == 0 || heads % kv_heads != 0 || head_dim == 0 || block_size == 0 {
+        return invalid(format!(
+            "paged attention: {heads} heads over {kv_heads} KV heads, head_dim {head_dim}, \
+             block_size {block_size}"
+        ));
+    }
+    let cache = num_blocks * block_size * kv_heads * head_dim;
+    if !q.len().is_multiple_of(heads * head_dim)
+        || out.len() != q.len()
+        || k_cache.len() != cache
+        || v_cache.len() != cache
+    {
+        return invalid(format!(
+            "paged attention: q ({}), out ({}), K ({}) and V ({}) do not fit {heads} heads of \
+             {head_dim} and a cache of {num_blocks} x {block_size} x {kv_heads} x {head_dim}",
+            q.len(),
+            out.len(),
+            k_cache.len(),
+            v_cache.len()
+        ));
+    }
+    if scoring.window == Some(0) || scoring.softcap.is_some_and(|c| c.is_nan() || c <= 0.0) {
+        return invalid("paged attention: a window and a soft cap must be positive".into());
+    }
+    let tokens = q.len() / (heads * head_dim);
+    let owners = token_rows(&rows, &shape, tokens)?;
+    let out_ptr = SharedMut::new(out.as_mut_ptr());
+    split(threads, tokens * kv_heads, |items| {
+        let args = (
+            q,
+            k_cache,
+            v_cache,
+            out_ptr,
+            &shape,
+            &rows,
+            &scoring,
+            owners.as_slice(),
+        );
+        #[cfg(target_arch = "x86_64")]
+        match isa {
+            // SAFETY: the instruction sets were detected (`isa.supported()`).
+            Isa::Avx512Vnni => unsafe {
+                return attend_items_avx512(
+                    items, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                );
+            },
+            Isa::Avx2 | Isa::AvxVnni => unsafe {
+                return attend_items_avx2(
+                    items, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                );
+            },
+            Isa::Scalar => {}
+        }
+        attend_items(
+            items, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+        );
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(count: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..count)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The plain softmax over each token's allowed positions, in f64.
+    fn reference(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &PagedShape,
+        rows: &StepRows,
+        scoring: &Scoring,
+    ) -> Vec<f64> {
+        let (h, kvh, d, bs) = (
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim,
+            shape.block_size,
+        );
+        let tokens = token_rows(rows, shape, q.len() / (h * d)).unwrap();
+        let mut out = vec![0f64; q.len()];
+        for (t, &(r, p)) in tokens.iter().enumerate() {
+            let hi = p as usize + 1;
+            let lo = scoring.window.map_or(0, |w| hi.saturating_sub(w));
+            for head in 0..h {
+                let g = head / (h / kvh);
+                let at = |cache: &[f32], j: usize, i: usize| {
+                    let block = rows.block_tables[r as usize * rows.table_width + j / bs] as usize;
+                    cache[((block * bs + j % bs) * kvh + g) * d + i] as f64
+                };
+                let mut s: Vec<f64> = (lo..hi)
+                    .map(|j| {
+                        let mut x = (0..d)
+                            .map(|i| q[(t * h + head) * d + i] as f64 * at(k, j, i))
+                            .sum::<f64>();
+                        x *= scoring.scale as f64;
+                        if let Some(c) = scoring.softcap {
+                            x = c as f64 * (x / c as f64).tanh();
+                        }
+                        x
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                s.iter_mut().for_each(|x| *x = (*x - m).exp());
+                let total: f64 = s.iter().sum();
+                for i in 0..d {
+                    out[(t * h + head) * d + i] =
+                        (lo..hi).zip(&s).map(|(j, p)| p * at(v, j, i)).sum::<f64>() / total;
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_path_matches_the_softmax_reference() {
+        // Three requests: a prefill with nothing cached, a chunk after a cached context, a decode.
+        let shape = PagedShape {
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 40,
+            block_size: 4,
+            num_blocks: 20,
+        };
+        let (qsl, lens) = ([0, 5, 8, 9], [5, 70, 11]);
+        let width = 18;
+        let mut tables = vec![0i32; 3 * width];
+        let ids: Vec<i32> = (0..20).rev().collect();
+        tables[..2].copy_from_slice(&ids[..2]);
+        tables[width..2 * width].copy_from_slice(&ids[2..20]);
+        tables[2 * width..2 * width + 3].copy_from_slice(&[1, 0, 19]);
+        let rows = StepRows {
+            query_start_loc: &qsl,
+            seq_lens: &lens,
+            block_tables: &tables,
+            table_width: width,
+        };
+        let cache = 20 * 4 * 2 * 40;
+        let (k, v) = (values(cache, 1), values(cache, 2));
+        let q = values(9 * 6 * 40, 3);
+        for scoring in [
+            Scoring {
+                scale: 0.3,
+                window: None,
+                softcap: None,
+            },
+            Scoring {
+                scale: 0.3,
+                window: Some(7),
+                softcap: None,
+            },
+            Scoring {
+                scale: 0.9,
+                window: Some(40),
+                softcap: Some(2.0),
+            },
+        ] {
+            let want = reference(&q, &k, &v, &shape, &rows, &scoring);
+            for isa in Isa::supported_paths() {
+                for threads in [1, 3] {
+                    let mut out = vec![f32::NAN; q.len()];
+                    paged_attention(
+                        &q,
+                        &k,
+                        &v,
+                        &mut out,
+                        shape,
+                        rows,
+                        scoring,
+                        isa,
+                        ThreadCount::new(threads),
+                    )
+                    .unwrap();
+                    for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g as f64 - w).abs() < 1e-5,
+                            "{isa} {scoring:?}: out[{i}] = {g}, want {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_tables_are_named() {
+        let shape = PagedShape {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 8,
+            block_size: 4,
+            num_blocks: 2,
+        };
+        let cache = vec![0f32; 2 * 4 * 8];
+        let q = vec![0f32; 16];
+        let mut out = vec![0f32; 16];
+        let scoring = Scoring {
+            scale: 1.0,
+            window: None,
+            softcap: None,
+        };
+        let run = |tables: &[i32], lens: &[i32], out: &mut [f32]| {
+            let rows = StepRows {
+                query_start_loc: &[0, 1],
+                seq_lens: lens,
+                block_tables: tables,
+                table_width: 2,
+            };
+            paged_attention(
+                &q,
+                &cache,
+                &cache,
+                out,
+                shape,
+                rows,
+                scoring,
+                Isa::Scalar,
+                ThreadCount::new(1),
+            )
+        };
+        assert!(run(&[0, 1], &[8], &mut out).is_ok());
+        assert!(run(&[0, 2], &[8], &mut out)
+            .unwrap_err()
+            .to_string()
+            .contains("names block 2"));
+        assert!(run(&[0, 1], &[9], &mut out)
+            .unwrap_err()
+            .to_string()
+            .contains("needs 3 blocks"));
+        assert!(run(&[0, 1], &[0], &mut out).is_err());
+    }
+
+    #[test]
+    fn exp_neg_is_close_to_exp() {
+        assert!(exp_neg(-100.0) < 1e-37 && exp_neg(f32::NEG_INFINITY) < 1e-37);
+        for i in 0..1600 {
+            let x = -(i as f32) * 0.05;
+            let (got, want) = (exp_neg(x), x.exp());
+            assert!(
+                (got - want).abs() <= 3e-7 * want + 1e-38,
+                "{x}: {got} vs {want}"
+            );
+        }
+    }
+}
