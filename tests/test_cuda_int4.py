@@ -482,8 +482,13 @@ def test_graph_computation_matches_the_eager_forward(kv_cache_dtype: str) -> Non
     metadata — run eagerly on the CPU gives the eager forward's hidden states (the check that
     turns graphs off on a GPU compares the replay the same way)."""
     model = str(default_model_path())
-    args = EngineArgs(
-        model, device="cpu", kv_cache_memory=1 << 20, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype
+    args = EngineArgs(  # graphs are captured over the torch or cuda backend, never the cpu one
+        model,
+        device="cpu",
+        kv_cache_memory=1 << 20,
+        max_num_seqs=8,
+        kv_cache_dtype=kv_cache_dtype,
+        attention_backend="torch",
     )
     runner = ModelRunner(args)
     runner.kv_caches = runner.kv_spec.allocate(
