@@ -16,9 +16,18 @@
         [--llama-cpp-src /path/to/llama-cpp-python-sdist/vendor/llama.cpp] [--out benches/results]
 
 Without --llama-cpp-src (or without llama_cpp installed) the llama.cpp rows are left out.
+
+OpenMP's threads (torch's, and llama.cpp's ggml built with OpenMP) spin-wait between parallel
+regions by default; on a machine shared with other work that spin holds the core a descheduled
+peer needs, and small torch ops took 40x longer here (1.7 ms against 77 ms in one measurement).
+The run therefore sets OMP_WAIT_POLICY=PASSIVE (unless set) for every engine alike, and records it.
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads the OpenMP runtime
 
 import argparse
 import json
@@ -226,7 +235,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     requests = 8 if args.quick else args.requests
-    info = {**machine(THREADS), "aieng_cpu_isa": _core.cpu_isa()}
+    info = {
+        **machine(THREADS),
+        "aieng_cpu_isa": _core.cpu_isa(),
+        "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"],
+    }
     print(info, flush=True)
     bandwidth, reading = copy_bandwidth(), read_bandwidth()
     kernels = [] if args.skip_kernels else kernel_rows(bandwidth, reading)
@@ -255,7 +268,8 @@ def main() -> None:
         "# aieng CPU kernels and engine against llama.cpp (benches/bench_cpu_peers.py)",
         "",
         f"{info['cpu']} ({info['cpu_features']}), {info['nproc']} CPUs, {THREADS} threads for "
-        f"every engine; aieng's kernels on {info['aieng_cpu_isa']}; torch {info['torch']}. "
+        f"every engine; aieng's kernels on {info['aieng_cpu_isa']}; torch {info['torch']}; "
+        f"OMP_WAIT_POLICY={info['OMP_WAIT_POLICY']}. "
         f"Measured bandwidth: copy {bandwidth / 1e9:.1f} GB/s (read + written), read "
         f"{reading / 1e9:.1f} GB/s (torch.sum); the machine is shared, so every figure is one "
         "run's.",

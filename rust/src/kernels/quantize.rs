@@ -15,6 +15,8 @@ use super::KernelError;
 
 /// Values per activation block (and per weight block of the packed layout).
 pub const BLOCK: usize = 32;
+/// Blocks to quantize below which one thread does them all.
+const PARALLEL_BLOCKS: usize = 4096;
 /// The second term's steps per step of the first: |x/d − xq| ≤ 1/2 maps onto ±127.
 pub const RESIDUAL_STEPS: f32 = 254.0;
 
@@ -164,6 +166,12 @@ pub fn quantize_rows(
     let scales = SharedMut::new(out.scales.as_mut_ptr());
     let sums = SharedMut::new(out.sums.as_mut_ptr());
     let finite = AtomicBool::new(true);
+    // A few rows take microseconds: not worth waking the pool (and yielding a core) for.
+    let threads = if m * blocks < PARALLEL_BLOCKS {
+        ThreadCount::new(1)
+    } else {
+        threads
+    };
     split(threads, m, |rows| {
         for r in rows {
             let per_row = blocks * BLOCK;
