@@ -47,6 +47,14 @@ def torch_dtype(name: str):
     return getattr(torch, DTYPES[name])
 
 
+def checkpoint_dtype(name: str, source: str = "config.json") -> str:
+    """A checkpoint's `torch_dtype` as a DTYPES value; ValueError naming the field otherwise."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"{source}: field 'torch_dtype' = {name!r} is not supported") from None
+
+
 def at_least(minimum: float) -> Check:
     return lambda value: None if value >= minimum else f"must be at least {minimum}"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aieng.config import ModelConfig
-from aieng.engine_args import DTYPES, EngineArgs
+from aieng.engine_args import DTYPES, EngineArgs, checkpoint_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -172,8 +172,4 @@ def _resolve_dtype(name: str, model: ModelConfig, device: str, folder: Path) -> 
         return DTYPES[name]
     if device.split(":")[0] == "cpu":
         return "float32"
-    if model.dtype not in DTYPES:
-        raise ValueError(
-            f"{folder / 'config.json'}: field 'torch_dtype' = {model.dtype!r} is not supported"
-        )
-    return DTYPES[model.dtype]
+    return checkpoint_dtype(model.dtype, str(folder / "config.json"))

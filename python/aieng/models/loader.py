@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from aieng.config import ModelConfig
-from aieng.engine_args import torch_dtype
+from aieng.engine_args import checkpoint_dtype, torch_dtype
 from aieng.layers.cpu_lm_head import prepare_cpu_lm_head
 from aieng.layers.linear import (
     LinearMethodChooser,
@@ -71,10 +71,7 @@ class LoadTimes:
 
 
 def resolve_dtype(name: str, source: str = "config.json") -> torch.dtype:
-    try:
-        return torch_dtype(name)
-    except KeyError:
-        raise ValueError(f"{source}: field 'torch_dtype' = {name!r} is not supported") from None
+    return torch_dtype(checkpoint_dtype(name, source))
 
 
 def load_model(
