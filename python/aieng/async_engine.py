@@ -101,10 +101,6 @@ class AsyncLLMEngine:
     def model_info(self) -> ModelInfo:
         return self.engine.model_info
 
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.model_info.max_model_len
-
     def compile_grammar(self, params: SamplingParams) -> Grammar | None:
         """The compiled constraint of params; thread-safe (the engine's compiler locks)."""
         return self.engine.compile_grammar(params)

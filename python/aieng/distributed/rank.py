@@ -28,11 +28,6 @@ class RankPlace:
     local_rank: int
 
 
-def rank_config(config: EngineConfig, place: RankPlace) -> EngineConfig:
-    """This rank's config: its rank, and on CUDA its own device, cuda:{local_rank}."""
-    return config.for_rank(place.rank, place.local_rank)
-
-
 def cpu_threads(config: EngineConfig, world_size: int) -> int | None:
     """On CPU the ranks of one machine share its cores: each gets cores // world_size torch
     threads (None on CUDA). torch's thread count belongs to the thread that sets it, so each

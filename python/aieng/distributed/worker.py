@@ -59,7 +59,7 @@ def run_worker(
     import torch
 
     from aieng.distributed import parallel_state
-    from aieng.distributed.rank import cpu_threads, join_group, rank_config
+    from aieng.distributed.rank import cpu_threads, join_group
     from aieng.worker import Worker
 
     threads = cpu_threads(config, place.world_size)
@@ -69,7 +69,7 @@ def run_worker(
     if report is not None:
         report("started", "")
     group = join_group(config, place)
-    worker = Worker(rank_config(config, place), samples=False)
+    worker = Worker(config.for_rank(place.rank, place.local_rank), samples=False)
     if report is not None:
         report("ready", "")
     try:

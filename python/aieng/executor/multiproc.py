@@ -296,7 +296,7 @@ class MultiprocExecutor(Executor):
         import torch
 
         from aieng.distributed import parallel_state
-        from aieng.distributed.rank import RankPlace, cpu_threads, join_group, rank_config
+        from aieng.distributed.rank import RankPlace, cpu_threads, join_group
         from aieng.worker import Worker
 
         check_size(config)
@@ -315,7 +315,7 @@ class MultiprocExecutor(Executor):
                 self._group = join_group(config, place)
             else:
                 self._group = self._start_workers(config, place)
-            self.driver = Worker(rank_config(config, place), samples=True)
+            self.driver = Worker(config.for_rank(place.rank, place.local_rank), samples=True)
             if not launched:
                 timeout = config.parallel.distributed_timeout_s
                 self._workers.wait_for("ready", timeout, f"distributed_timeout_s ({timeout:g} s)")

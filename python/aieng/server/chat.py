@@ -58,7 +58,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     max_tokens = resolve_max_tokens(
         body.max_new_tokens,
         len(ids),
-        engine.max_model_len,
+        engine.model_info.max_model_len,
         ctx.model_defaults.get("max_tokens"),
         param,
     )

@@ -50,7 +50,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     score_prompt = body.logprobs if body.echo else None
     for ids in prompts:
         max_tokens = resolve_max_tokens(
-            body.max_tokens, len(ids), engine.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS
+            body.max_tokens,
+            len(ids),
+            engine.model_info.max_model_len,
+            COMPLETIONS_DEFAULT_MAX_TOKENS,
         )
         sampling = sampling_params(body, max_tokens, body.logprobs, ctx.model_defaults)
         params.append(dataclasses.replace(sampling, prompt_logprobs=score_prompt))

@@ -35,9 +35,8 @@ def _models(ctx: ServerContext) -> list[dict[str, Any]]:
     for name, versions in sorted(ctx.catalog.items()):  # --model-dir: every loaded version
         engine = versions.default_engine(ctx)
         if not versions.primary and engine is not None:
-            models.append(
-                {**_model(ctx), "id": name, "root": name, "max_model_len": engine.max_model_len}
-            )
+            context = engine.model_info.max_model_len
+            models.append({**_model(ctx), "id": name, "root": name, "max_model_len": context})
         for version in sorted({versions.serving, *versions.pinned}):
             engine = versions.engine_for(ctx, version)
             if engine is None:
@@ -48,7 +47,7 @@ def _models(ctx: ServerContext) -> list[dict[str, Any]]:
                     "id": f"{name}@{version}",
                     "root": str(versions.states[version].manifest.folder),
                     "parent": name,
-                    "max_model_len": engine.max_model_len,
+                    "max_model_len": engine.model_info.max_model_len,
                 }
             )
     return models
@@ -89,7 +88,7 @@ def _model(ctx: ServerContext) -> dict[str, Any]:
         "root": ctx.config.model_path,
     }
     if ctx.engine is not None:
-        model["max_model_len"] = ctx.engine.max_model_len
+        model["max_model_len"] = ctx.engine.model_info.max_model_len
     return model
 
 
@@ -150,7 +149,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     else:
         encode = engine.tokenizer.encode
         ids = await asyncio.to_thread(encode, body.prompt, body.add_special_tokens)
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+    context = engine.model_info.max_model_len
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": context})
 
 
 @router.post("/detokenize", responses=ERROR_RESPONSES)
