@@ -12,6 +12,7 @@ import pytest
 import uvicorn
 from server_fixtures import ThreadServer, make_model_dir
 
+from aieng.server.protocol import MAX_MESSAGES
 from aieng.server.slow_clients import header_timeout_protocol
 
 KEY = "sekrit"
@@ -145,10 +146,8 @@ def test_concurrent_body_reads_are_bounded(server):
     assert response.status_code == 200, response.text
 
 
-def test_huge_chat_body_does_not_stall_the_event_loop(server):
-    messages = [{"role": "user", "content": f"{i % 100}"} for i in range(100_000)]
-    body = json.dumps({"model": "tiny-llama", "messages": messages, "max_tokens": 1}).encode()
-    assert len(body) > 3_000_000
+def _health_while_posting(server: ThreadServer, body: bytes) -> tuple[httpx.Response, float]:
+    """The response to `body` on the chat route and the slowest /health answered meanwhile."""
     result: list[httpx.Response] = []
 
     def post() -> None:
@@ -171,7 +170,27 @@ def test_huge_chat_body_does_not_stall_the_event_loop(server):
             worst = max(worst, time.monotonic() - start)
             time.sleep(0.02)
     worker.join()
-    assert result and result[0].status_code in (200, 400), result[0].text[:500]
+    assert result
+    return result[0], worst
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        # more messages than a request may carry: refused by name after a parse off the loop
+        [{"role": "user", "content": f"{i % 100}"} for i in range(100_000)],
+        # as many as it may carry, 3 MB of text: parsed, validated, rendered off the loop
+        [{"role": "user", "content": "And God said " * 60} for _ in range(MAX_MESSAGES)],
+    ],
+    ids=["too-many-messages", "max-messages"],
+)
+def test_huge_chat_body_does_not_stall_the_event_loop(server, messages):
+    body = json.dumps({"model": "tiny-llama", "messages": messages, "max_tokens": 1}).encode()
+    assert len(body) > 3_000_000
+    response, worst = _health_while_posting(server, body)
+    # neither fits: too many messages, or far more prompt tokens than the context
+    assert response.status_code == 400, response.text[:500]
+    assert response.json()["error"]["param"] in ("messages", "prompt"), response.text[:500]
     assert worst < 0.5, f"/health took {worst:.2f} s while a huge chat body was handled"
 
 
@@ -193,7 +212,8 @@ def test_ready_follows_a_dead_engine(model):
 
 def test_huge_invalid_body_gets_the_usual_400(server):
     """Validated off the loop, a large body's errors are the same OpenAI 400s."""
-    messages = [{"role": "user", "content": "hi"}] * 30_000 + [{"role": "robot", "content": "x"}]
+    last = MAX_MESSAGES - 1
+    messages = [{"role": "user", "content": "hi" * 20}] * last + [{"role": "robot", "content": "x"}]
     response = httpx.post(
         f"{server.url}/v1/chat/completions",
         json={"model": "tiny-llama", "messages": messages},
@@ -201,7 +221,8 @@ def test_huge_invalid_body_gets_the_usual_400(server):
         timeout=60,
     )
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"].startswith("messages.30000"), response.text
+    assert len(response.request.content) > 64 * 1024  # past the off-loop threshold
+    assert response.json()["error"]["param"].startswith(f"messages.{last}"), response.text
     response = httpx.post(
         f"{server.url}/v1/completions",
         content=b'{"prompt": "' + b"a" * 100_000 + b'", ',

@@ -31,6 +31,7 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
 MAX_ALLOWED_TOKENS = 1 << 20  # allowed_token_ids: bounded by the body size anyway
 MAX_BAD_WORDS = 256
 MAX_TOOLS = 128  # OpenAI's limit on the functions of one request
+MAX_MESSAGES = 4096  # messages of one chat request: bounds the validation work a body can ask for
 MAX_SCHEMA_NESTING = 64  # objects and arrays in a tool's parameters (serde's limit is 128)
 INT64 = 1 << 63
 
@@ -318,7 +319,7 @@ class NamedToolChoice(_Lenient):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
@@ -334,7 +335,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(_Strict):
     model: Str | None = None
     prompt: Str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
