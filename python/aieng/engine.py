@@ -155,7 +155,7 @@ class LLMEngine:
         self.executor = make_executor(resolved, on_failure=self._runner_failed)
         try:
             memory = self.executor.determine_available_memory()
-            self.executor.initialize_cache(self.executor.driver.runner.num_blocks_for(memory))
+            self.executor.initialize_cache(self.executor.num_blocks_for(memory))
         except BaseException:
             self.executor.shutdown()
             raise
