@@ -128,6 +128,7 @@ def _model_info(config: EngineConfig, executor: Executor) -> ModelInfo:
         tensor_parallel_size=config.parallel.tensor_parallel_size,
         generation_defaults=dict(config.model.generation_defaults),
         load_phases=executor.load_phases,
+        kernels=executor.kernels,
     )
 
 
@@ -371,6 +372,7 @@ class LLMEngine:
             kv_cache_dtype=self.model_info.kv_cache_dtype,
             block_size=self.model_info.block_size,
             max_num_seqs=self.model_info.max_num_seqs,
+            kernels=self.model_info.kernels,
             heartbeat=time.monotonic(),
         )
 

@@ -75,6 +75,10 @@ class Executor(ABC):
         return self.driver.runner.block_bytes
 
     @property
+    def kernels(self) -> dict[str, str]:
+        return self.driver.runner.kernel_names()
+
+    @property
     def num_blocks(self) -> int:
         return self.driver.runner.num_blocks
 
