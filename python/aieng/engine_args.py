@@ -213,7 +213,8 @@ class EngineArgs:
     attention_backend: str = option(
         "auto",
         "attention implementation; auto: the best for the device (the CUDA kernels on an NVIDIA "
-        "GPU in float16/bfloat16, the Rust core's kernel on the CPU in float32, each once it "
+        "GPU in float16/bfloat16, the Rust core's kernel on the CPU in float32 or bfloat16 (a "
+        "float or INT8 cache), each once it "
         "passes its start-up check); cuda, cpu: those kernels; torch: the paged reference, on "
         "any device",
         choices=ATTENTION_BACKENDS,
