@@ -1,8 +1,7 @@
 """The exception hierarchy of aieng, rooted at `AiengError` (defined by the Rust core), and
 which failures leave the device unusable."""
 
-import torch
-import torch.distributed
+import sys
 
 from aieng._core import (
     AiengError,
@@ -51,16 +50,21 @@ class EngineFatalError(RuntimeError):
     group out of step, a device left unusable."""
 
 
-# The failures torch types: a CUDA error (an illegal address, a device-side assert: the context
-# is lost) and a collective's backend failing (NCCL). Absent from an older torch: nothing typed.
-_DEVICE_ERROR_TYPES: tuple[type[BaseException], ...] = tuple(
-    t
-    for t in (
+def _device_error_types() -> tuple[type[BaseException], ...]:
+    """The failures torch types: a CUDA error (an illegal address, a device-side assert: the
+    context is lost) and a collective's backend failing (NCCL). Read from an imported torch (an
+    error of torch's cannot exist before it is imported; importing it here would make every
+    `import aieng` pay for it), and absent from an older torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ()
+    distributed = sys.modules.get("torch.distributed")
+    found = (
         getattr(torch, "AcceleratorError", None),
-        getattr(torch.distributed, "DistBackendError", None),
+        getattr(distributed, "DistBackendError", None),
     )
-    if isinstance(t, type)
-)
+    return tuple(t for t in found if isinstance(t, type))
+
 
 # What torch still reports as a plain RuntimeError whose text is all there is to go on: cuBLAS and
 # cuDNN failures, and CUDA errors on a torch without AcceleratorError.
@@ -76,7 +80,7 @@ FATAL_DEVICE_ERRORS = (
 
 def is_fatal_device_error(error: BaseException) -> bool:
     """Whether `error` left the device unusable (not one request's fault)."""
-    if isinstance(error, _DEVICE_ERROR_TYPES):
+    if isinstance(error, _device_error_types()):
         return True
     if type(error) is not RuntimeError:  # the untyped ones are plain RuntimeErrors
         return False
