@@ -20,6 +20,7 @@ class RayServeOptions:
     target_ongoing_requests: float = 4.0  # per replica, what the autoscaler aims at
     upscale_delay_s: float = 2.0  # load above target this long adds a replica
     downscale_delay_s: float = 10.0  # load below target this long drains one
+    look_back_period_s: float = 10.0  # the autoscaler averages the load over this window
     max_ongoing_requests: int = 64  # per replica; past it the router passes a replica over
     routing: str = "prefix"  # "prefix" (prefix-cache affinity) or "round_robin"
     prefix_blocks: int = 4  # leading KV blocks of a prompt hashed for its affinity
@@ -52,6 +53,7 @@ class RayServeOptions:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in (
             "target_ongoing_requests",
+            "look_back_period_s",
             "stats_period_s",
             "health_check_period_s",
             "graceful_shutdown_timeout_s",
@@ -98,6 +100,8 @@ class RayServeOptions:
                 "target_ongoing_requests": self.target_ongoing_requests,
                 "upscale_delay_s": self.upscale_delay_s,
                 "downscale_delay_s": self.downscale_delay_s,
+                "look_back_period_s": self.look_back_period_s,
+                "metrics_interval_s": min(self.look_back_period_s / 2, 10.0),
             }
         else:
             options["num_replicas"] = self.num_replicas

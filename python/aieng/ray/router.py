@@ -22,7 +22,7 @@ its own: what the ingress shares with the router lives in `aieng.ray.board`.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +61,7 @@ class EngineReplicaRouter(RequestRouter):
         self.prefix_blocks, self.imbalance = prefix_blocks, imbalance
         self.board = ReplicaBoard.of(board) if board else None
         self.owners: OrderedDict[int, ReplicaID] = OrderedDict()
+        self.owned: Counter[ReplicaID] = Counter()  # prefix hashes each replica owns
         self.in_flight: dict[ReplicaID, int] = {}
         self.turn = itertools.count()
 
@@ -81,12 +82,16 @@ class EngineReplicaRouter(RequestRouter):
             return [[r] for r in order]
         by_load = sorted(candidate_replicas, key=self._load)
         owner = self._owner(pending_request, candidate_replicas)
-        if owner is not None and self._load(owner) - self._load(by_load[0]) < self.imbalance:
+        if owner is not None and self._excess(owner, by_load[0]) < self.imbalance:
             return [[owner]] + [[r] for r in by_load if r.replica_id != owner.replica_id]
         return [[r] for r in by_load]
 
-    def _load(self, replica: RunningReplica) -> int:
-        return self.in_flight.get(replica.replica_id, 0)
+    def _load(self, replica: RunningReplica) -> tuple[int, int]:
+        """Requests in flight, then prefixes owned: new prefixes spread evenly."""
+        return self.in_flight.get(replica.replica_id, 0), self.owned[replica.replica_id]
+
+    def _excess(self, replica: RunningReplica, least_loaded: RunningReplica) -> int:
+        return self._load(replica)[0] - self._load(least_loaded)[0]
 
     def _owner(
         self, pending: PendingRequest | None, candidates: list[RunningReplica]
@@ -111,10 +116,15 @@ class EngineReplicaRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
         for key in self._hashes(pending_request):
+            previous = self.owners.get(key)
+            if previous != replica_id:
+                if previous is not None:
+                    self.owned[previous] -= 1
+                self.owned[replica_id] += 1
             self.owners[key] = replica_id
             self.owners.move_to_end(key)
         while len(self.owners) > MAX_REMEMBERED_PREFIXES:
-            self.owners.popitem(last=False)
+            self.owned[self.owners.popitem(last=False)[1]] -= 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self.in_flight.get(replica_id, 0) > 0:
@@ -125,8 +135,9 @@ class EngineReplicaRouter(RequestRouter):
         alive = {r.replica_id for r in replicas}
         for gone in set(self.in_flight) - alive:
             del self.in_flight[gone]
-        if not alive.issuperset(self.owners.values()):
+        if not alive.issuperset(self.owned):
             self.owners = OrderedDict((k, v) for k, v in self.owners.items() if v in alive)
+            self.owned = Counter({r: n for r, n in self.owned.items() if r in alive})
         if self.board is not None:
             self.board.update(
                 {
