@@ -7,6 +7,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -228,3 +229,24 @@ def test_autoscaling_adds_a_replica_under_load_and_drains_it_after(model):
         pool.shutdown()
         app.delete()
     assert outcomes and set(outcomes) == {"ok:length"}, outcomes
+
+
+def test_the_kuberay_manifest_builds_the_app_it_names(model):
+    """deploy/ray/rayservice.yaml's arguments, through `serve run`'s application builder."""
+    import yaml
+
+    from aieng.ray import app
+
+    manifest = Path(__file__).resolve().parents[1] / "deploy/ray/rayservice.yaml"
+    serve_config = yaml.safe_load(yaml.safe_load(manifest.read_text())["spec"]["serveConfigV2"])
+    [application] = serve_config["applications"]
+    assert application["import_path"] == "aieng.ray:app"
+    args = {**application["args"], "model": str(model), "enable_prefix_caching": "false"}
+    built = app(args)
+    replicas = built._bound_deployment.init_args[0]._bound_deployment
+    assert replicas._deployment_config.autoscaling_config.max_replicas == 4
+    assert replicas.ray_actor_options["num_gpus"] == 1
+    engine = replicas.init_args[0]
+    assert engine.max_num_seqs == 64 and engine.enable_prefix_caching is False
+    with pytest.raises(SystemExit):  # argparse names the bad value on stderr
+        app({**args, "routing": "random"})
