@@ -250,3 +250,40 @@ def test_the_kuberay_manifest_builds_the_app_it_names(model):
     assert engine.max_num_seqs == 64 and engine.enable_prefix_caching is False
     with pytest.raises(SystemExit):  # argparse names the bad value on stderr
         app({**args, "routing": "random"})
+
+
+def test_prefix_hashes_chain_the_leading_full_blocks():
+    from aieng.ray.router import prefix_hashes
+
+    a = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], block_size=4, max_blocks=4)
+    b = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 0, 9, 9, 9, 9], block_size=4, max_blocks=4)
+    assert len(a) == 2 and len(b) == 3  # the partial last block is not cached, not hashed
+    assert a[0] == b[0] and a[1] != b[1]  # a block's hash names its whole prefix
+    assert prefix_hashes([4, 3, 2, 1, 5, 6, 7, 8], 4, 4)[1] != a[1]
+    assert len(prefix_hashes(list(range(100)), block_size=4, max_blocks=3)) == 3
+
+
+def test_pooled_stats_weigh_kv_usage_by_blocks():
+    from aieng.engine_client import EngineStats
+    from aieng.ray.pool_client import pooled_stats
+
+    small = EngineStats(num_running=1, kv_cache_usage=1.0, num_blocks=10, prefix_cache_hits=4)
+    large = EngineStats(num_running=2, kv_cache_usage=0.0, num_blocks=30, prefix_cache_hits=6)
+    pooled = pooled_stats([small, large])
+    assert (pooled.num_running, pooled.num_blocks, pooled.prefix_cache_hits) == (3, 40, 10)
+    assert pooled.kv_cache_usage == pytest.approx(0.25) and pooled.heartbeat > 0
+    assert pooled_stats([]).heartbeat == 0  # no replica reports: /health says dead
+
+
+def test_ray_options_refuse_what_cannot_run():
+    from aieng.ray import RayServeOptions
+
+    with pytest.raises(ValueError, match="min_replicas and max_replicas"):
+        RayServeOptions(min_replicas=1)
+    with pytest.raises(ValueError, match="routing"):
+        RayServeOptions(routing="random")
+    with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
+        RayServeOptions(min_replicas=3, max_replicas=2)
+    assert "autoscaling_config" in RayServeOptions(
+        min_replicas=0, max_replicas=2
+    ).replica_deployment(16, "board")

@@ -113,7 +113,9 @@ class EngineReplicaRouter(RequestRouter):
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
         for key in self._hashes(pending_request):
             previous = self.owners.get(key)
