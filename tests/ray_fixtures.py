@@ -38,6 +38,15 @@ def ray_cluster() -> int:
     return HTTP_PORT
 
 
+def shutdown_cluster() -> None:
+    """Stops Serve and Ray, so that the tests after the Ray tests run without them."""
+    global HTTP_PORT
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+    HTTP_PORT = None
+
+
 class RayApp:
     """An aieng application deployed on the cluster under `name`, served at /`name`."""
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 import ray
-from ray_fixtures import RayApp
+from ray_fixtures import RayApp, shutdown_cluster
 from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
 
 # 64 blocks of 4 tokens a replica (2 KiB each): its prefix cache holds 4 or 5 of the routing
@@ -21,6 +21,13 @@ from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
 ENGINE = dict(kv_cache_memory=64 * 2048, block_size=4, max_model_len=256, max_num_seqs=2)
 GREEDY = dict(temperature=0, max_tokens=12)
 PROMPTS = ["The quick brown fox", "Once upon a time", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster_stopped_after():
+    """The last of the Ray modules (by name) leaves no Ray processes to the tests after it."""
+    yield
+    shutdown_cluster()
 
 
 @pytest.fixture(scope="module")
