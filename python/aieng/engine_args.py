@@ -258,6 +258,13 @@ class EngineArgs:
         check=positive,
         metavar="S",
     )
+    distributed_executor_backend: str = option(
+        "mp",
+        "how the tensor-parallel ranks 1..N-1 run: mp, processes this machine spawns (or a "
+        "launcher's); ray, Ray actors in a placement group, on any node of the Ray cluster "
+        "(pip install 'aieng[ray]'; RAY_ADDRESS or a local cluster)",
+        choices=("mp", "ray"),
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
