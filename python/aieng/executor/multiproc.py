@@ -93,7 +93,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextmanager
-def _master_env(addr: str, port: int):
+def master_env(addr: str, port: int):
     """MASTER_ADDR/MASTER_PORT for env:// while the driver joins, then as they were."""
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
@@ -308,7 +308,7 @@ class MultiprocExecutor(Executor):
             torch.set_num_threads(self._threads)
             logger.info("tensor-parallel rank 0: %d CPU threads", self._threads)
         self._workers = _Workers()
-        self._workers.on_failure = _weak_callback(on_failure)
+        self._workers.on_failure = weak_callback(on_failure)
         place = RankPlace(0, self.world_size, 0)
         try:
             if launched:
@@ -345,7 +345,7 @@ class MultiprocExecutor(Executor):
         # Each worker first imports torch and aieng (seconds); the rendezvous, bounded by
         # distributed_timeout_s, starts once they all can join it.
         self._workers.wait_for("started", START_S, f"{START_S:g} s")
-        with _master_env(addr, port):
+        with master_env(addr, port):
             return join_group(config, place)
 
     def _first_worker_error(self) -> Exception | None:
@@ -452,7 +452,7 @@ def _check_port_free(addr: str, port: int) -> None:
             ) from None
 
 
-def _weak_callback(callback: Callable[[str], None] | None) -> Callable[[str], None] | None:
+def weak_callback(callback: Callable[[str], None] | None) -> Callable[[str], None] | None:
     """callback, held without keeping its object alive: a bound method (the engine's) must not
     be kept by the workers' finalizer, or the engine could never be collected."""
     if callback is None or not hasattr(callback, "__self__"):

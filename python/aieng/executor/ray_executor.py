@@ -30,9 +30,9 @@ from aieng.executor.multiproc import (
     FAILURE,
     JOIN_S,
     START_S,
-    _master_env,
-    _weak_callback,
     free_port,
+    master_env,
+    weak_callback,
 )
 
 if TYPE_CHECKING:
@@ -211,12 +211,12 @@ class RayExecutor(Executor):
         if self._threads is not None:
             torch.set_num_threads(self._threads)
         self._ranks = _Ranks()
-        self._ranks.on_failure = _weak_callback(on_failure)
+        self._ranks.on_failure = weak_callback(on_failure)
         addr = ray.util.get_node_ip_address()
         port = free_port(addr)
         try:
             self._ranks.start(config, addr, port)
-            with _master_env(addr, port):
+            with master_env(addr, port):
                 self._group = join_group(config, RankPlace(0, self.world_size, 0))
             self.driver = Worker(config.for_rank(0, 0), samples=True)
             self._ranks.wait_ready(config.parallel.distributed_timeout_s)
