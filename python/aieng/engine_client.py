@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from aieng._core import Grammar, Tokenizer
 from aieng.outputs import RequestOutput
+from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 
 
@@ -37,6 +38,12 @@ class ModelInfo:
     # generation_config.json's sampling defaults, as SamplingParams fields
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
     load_phases: Mapping[str, float] = field(default_factory=dict)  # seconds per load phase
+    # Embeddings: the pooling the checkpoint declares (sentence-transformers files; None: an
+    # embedding request must name one), the pooled vector's size, and whether the model only
+    # embeds (an encoder).
+    pooling: PoolingParams | None = None
+    hidden_size: int = 0
+    is_encoder: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,11 +91,12 @@ class EngineClient(Protocol):
         self,
         request_id: str,
         prompt: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         deadline: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's deltas up to its finished one."""
+        """The request's deltas up to its finished one (PoolingParams: one output, finished,
+        with its `embedding`)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

@@ -4,10 +4,12 @@ names (`aieng.model_configs`)."""
 from torch import nn
 
 from aieng.model_configs import ARCHITECTURES, spec_of
+from aieng.models.bert import BertModel
 from aieng.models.gemma import GemmaForCausalLM
 from aieng.models.llama import LlamaForCausalLM
 
 FAMILY_CLASSES: dict[str, type[nn.Module]] = {
+    "bert": BertModel,
     "gemma": GemmaForCausalLM,
     "llama": LlamaForCausalLM,
 }
