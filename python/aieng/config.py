@@ -92,6 +92,8 @@ class ModelConfig:
     # cache, they only embed. LayerNorm's epsilon, the token-type vocabulary, and the offset of
     # the first position (RoBERTa counts positions from pad_token_id + 1).
     is_encoder: bool = False
+    # No LM head: an encoder, or a bare decoder saved for embeddings (Qwen3Model): embeds only.
+    embeds_only: bool = False
     hidden_act: str = "silu"  # the encoder MLP's: "gelu" (erf) or "gelu_tanh"
     layer_norm_eps: float = 1e-12
     type_vocab_size: int = 0

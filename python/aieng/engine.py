@@ -264,9 +264,9 @@ class LLMEngine:
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:
             params = EMBEDDING_SAMPLING
-        elif self.engine_config.model.is_encoder:
+        elif self.engine_config.model.embeds_only:
             raise InvalidArgumentError(
-                f"{self.engine_config.model.architecture} is an encoder: it embeds "
+                f"{self.engine_config.model.architecture} has no LM head: it embeds "
                 "(PoolingParams), it cannot generate"
             )
         assert isinstance(params, SamplingParams)

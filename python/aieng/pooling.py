@@ -20,14 +20,15 @@ from aieng.errors import InvalidArgumentError
 
 PoolingMethod = Literal["cls", "mean", "last"]
 POOLING_METHODS: tuple[str, ...] = get_args(PoolingMethod)
-# sentence-transformers' Pooling config flag -> our method
-_ST_MODES = {
+# sentence-transformers' Pooling config: one `pooling_mode` (v5+), or one flag set (older)
+_ST_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
+_ST_FLAGS = {
     "pooling_mode_cls_token": "cls",
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_lasttoken": "last",
 }
-_ST_POOLING = "sentence_transformers.models.Pooling"
-_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+# Module classes by name (the package path moved between sentence-transformers versions).
+_ST_FOLLOWED = ("Transformer", "Pooling", "Normalize")
 
 
 @dataclass(frozen=True)
@@ -57,25 +58,35 @@ def sentence_transformers_pooling(folder: str | Path) -> PoolingParams | None:
     modules = _read_json(modules_file)
     if not isinstance(modules, list):
         raise ValueError(f"{modules_file}: expected a list of modules")
-    kinds = {m.get("type"): m.get("path", "") for m in modules if isinstance(m, dict)}
-    if _ST_POOLING not in kinds:
+    kinds = {
+        str(m.get("type", "")).rsplit(".", 1)[-1]: str(m.get("path", ""))
+        for m in modules
+        if isinstance(m, dict)
+    }
+    if "Pooling" not in kinds:
         return None
-    config_file = root / str(kinds[_ST_POOLING]) / "config.json"
+    unknown = sorted(set(kinds) - set(_ST_FOLLOWED))
+    if unknown:
+        raise ValueError(
+            f"{modules_file}: aieng runs only {', '.join(_ST_FOLLOWED)} modules, not "
+            f"{', '.join(unknown)}"
+        )
+    config_file = root / kinds["Pooling"] / "config.json"
     config = _read_json(config_file)
     if not isinstance(config, dict):
         raise ValueError(f"{config_file}: expected an object")
-    chosen = [method for flag, method in _ST_MODES.items() if config.get(flag)]
-    others = [
-        key
-        for key, value in config.items()
-        if key.startswith("pooling_mode_") and value and key not in _ST_MODES
-    ]
-    if others or len(chosen) != 1:
+    if "pooling_mode" in config:
+        chosen = [_ST_MODES.get(str(config["pooling_mode"]), str(config["pooling_mode"]))]
+    else:
+        chosen = [method for flag, method in _ST_FLAGS.items() if config.get(flag)]
+        chosen += [k for k, v in config.items() if k.startswith("pooling_mode_") and v]
+        chosen = list(dict.fromkeys(chosen))
+    if len(chosen) != 1 or chosen[0] not in POOLING_METHODS:
         raise ValueError(
-            f"{config_file}: aieng pools with exactly one of {', '.join(_ST_MODES)}; "
-            f"this checkpoint sets {', '.join(chosen + others) or 'none'}"
+            f"{config_file}: aieng pools with exactly one of cls, mean, last token; this "
+            f"checkpoint asks for {', '.join(chosen) or 'none'}"
         )
-    return PoolingParams(chosen[0], normalize=_ST_NORMALIZE in kinds)  # type: ignore[arg-type]
+    return PoolingParams(chosen[0], normalize="Normalize" in kinds)  # type: ignore[arg-type]
 
 
 def resolve_pooling(

@@ -33,6 +33,7 @@ def _encoder_fields(fields: Fields, ctx: ParseContext, position_offset: int) -> 
         )
     return dict(
         is_encoder=True,
+        embeds_only=True,
         hidden_act=GELU_FORMS[act],
         layer_norm_eps=fields.positive_float("layer_norm_eps", default=1e-12),
         type_vocab_size=fields.positive_int("type_vocab_size", default=2),
