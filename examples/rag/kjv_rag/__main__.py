@@ -1,5 +1,5 @@
-"""One command: `python -m kjv_rag` (from examples/rag) builds the index if it is missing,
-starts an aieng server for generation (the bundled KJV model), and serves the RAG API.
+"""One command: `python -m kjv_rag` (from examples/rag) starts an aieng server (the bundled KJV
+model: generation and embeddings), builds the index if it is missing, and serves the RAG API.
 
     cd examples/rag && PYTHONPATH=. python -m kjv_rag --books Ruth Jonah Mark --port 8100
     curl -s localhost:8100/v1/ask -d '{"question": "whither thou goest"}' \
@@ -20,7 +20,7 @@ import uvicorn
 
 from kjv_rag.app import build_pipeline
 from kjv_rag.chunks import load_verses, verse_windows
-from kjv_rag.embedder import AiengEmbedder
+from kjv_rag.embedder import ServerEmbedder
 from kjv_rag.index import HybridIndex
 from kjv_rag.service import build_service
 
@@ -37,14 +37,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--aieng-port", type=int, default=8101)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    embedder = AiengEmbedder(kv_cache_memory=1 << 26)
-    if HybridIndex.exists(args.index):
-        index = HybridIndex.open(args.index, args.qdrant_url)
-    else:
-        books = None if args.books == ["all"] else args.books
-        chunks = verse_windows(load_verses(books))
-        print(f"indexing {len(chunks)} chunks into {args.index} ...", flush=True)
-        index = HybridIndex.build(args.index, chunks, embedder, args.qdrant_url)
     server = None
     url = args.generation_url
     if url is None:
@@ -54,6 +46,14 @@ def main(argv: list[str] | None = None) -> None:
         )
         url = f"http://127.0.0.1:{args.aieng_port}/v1"
         _wait_ready(url.removesuffix("/v1"), server)
+    embedder = ServerEmbedder(url, _model_name(url))
+    if HybridIndex.exists(args.index):
+        index = HybridIndex.open(args.index, args.qdrant_url)
+    else:
+        books = None if args.books == ["all"] else args.books
+        chunks = verse_windows(load_verses(books))
+        print(f"indexing {len(chunks)} chunks into {args.index} ...", flush=True)
+        index = HybridIndex.build(args.index, chunks, embedder, args.qdrant_url)
     try:
         pipeline = build_pipeline(index, embedder, url, _model_name(url))
         uvicorn.run(build_service(pipeline), host="127.0.0.1", port=args.port)

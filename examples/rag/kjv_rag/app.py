@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import openai
-
-from kjv_rag.embedder import AiengEmbedder
+from kjv_rag.embedder import AiengEmbedder, ServerEmbedder
 from kjv_rag.index import HybridIndex
 from kjv_rag.pipeline import Pipeline, PipelineMetrics
 from kjv_rag.steps import (
@@ -31,7 +29,7 @@ class Timeouts:
 
 def build_pipeline(
     index: HybridIndex,
-    embedder: AiengEmbedder,
+    embedder: AiengEmbedder | ServerEmbedder,
     generation_url: str,
     model: str,
     answer_tokens: int = 96,
@@ -40,14 +38,13 @@ def build_pipeline(
     metrics: PipelineMetrics | None = None,
 ) -> Pipeline:
     """`retriever` replaces the index's hybrid search (fault injection wraps it)."""
-    client = openai.AsyncOpenAI(base_url=generation_url, api_key="unused", max_retries=0)
     return Pipeline(
         [
             Rewrite(timeouts.rewrite),
             Retrieve(retriever or HybridRetriever(index, embedder), timeout_s=timeouts.retrieve),
             Rerank(index, timeouts.rerank),
             Assemble(embedder.count_tokens, embedder.max_tokens + 1, answer_tokens),
-            Generate(client, model, answer_tokens, timeouts.generate),
+            Generate(generation_url, model, answer_tokens, timeouts.generate),
             Cite(),
         ],
         metrics,

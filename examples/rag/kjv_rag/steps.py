@@ -212,9 +212,9 @@ class Generate:
 
     name = "generate"
 
-    def __init__(self, client: openai.AsyncOpenAI, model: str, max_tokens: int, timeout_s: float):
-        self.client, self.model, self.max_tokens, self.timeout_s = (
-            client,
+    def __init__(self, base_url: str, model: str, max_tokens: int, timeout_s: float):
+        self.base_url, self.model, self.max_tokens, self.timeout_s = (
+            base_url,
             model,
             max_tokens,
             timeout_s,
@@ -222,8 +222,10 @@ class Generate:
 
     async def run(self, ctx: RagContext) -> None:
         parts: list[str] = []
+        # A client per question: its connections belong to the event loop that runs it.
+        client = openai.AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0)
         try:
-            stream = await self.client.completions.create(
+            stream = await client.completions.create(
                 model=self.model,
                 prompt=ctx.prompt,
                 max_tokens=self.max_tokens,
@@ -243,6 +245,8 @@ class Generate:
             raise
         except openai.APIConnectionError as error:
             raise GenerationUnavailable(f"unreachable: {error}") from error
+        finally:
+            await client.close()
         ctx.answer = "".join(parts).strip()
 
     def degrade(self, ctx: RagContext, error: BaseException) -> None:
