@@ -2,22 +2,20 @@
 model: generation and embeddings), builds the index if it is missing, and serves the RAG API.
 
     cd examples/rag && PYTHONPATH=. python -m kjv_rag --books Ruth Jonah Mark --port 8100
-    curl -s localhost:8100/v1/ask -d '{"question": "whither thou goest"}' \
-        -H 'content-type: application/json'
+    curl -s localhost:8100/v1/ask -H 'content-type: application/json' \
+        -d '{"question": "whither thou goest, I will go"}'
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-import os
-import subprocess
 import sys
-import time
 
-import httpx
 import uvicorn
 
+from kjv_rag.aieng_server import aieng_server, served_model
 from kjv_rag.app import build_pipeline
 from kjv_rag.chunks import load_verses, verse_windows
 from kjv_rag.embedder import ServerEmbedder
@@ -37,50 +35,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--aieng-port", type=int, default=8101)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    server = None
-    url = args.generation_url
-    if url is None:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "aieng", "serve", "--port", str(args.aieng_port)],
-            env=os.environ.copy(),
-        )
-        url = f"http://127.0.0.1:{args.aieng_port}/v1"
-        _wait_ready(url.removesuffix("/v1"), server)
-    embedder = ServerEmbedder(url, _model_name(url))
-    if HybridIndex.exists(args.index):
-        index = HybridIndex.open(args.index, args.qdrant_url)
-    else:
-        books = None if args.books == ["all"] else args.books
-        chunks = verse_windows(load_verses(books))
-        print(f"indexing {len(chunks)} chunks into {args.index} ...", flush=True)
-        index = HybridIndex.build(args.index, chunks, embedder, args.qdrant_url)
-    try:
-        pipeline = build_pipeline(index, embedder, url, _model_name(url))
+    with contextlib.ExitStack() as stack:
+        url = args.generation_url or stack.enter_context(aieng_server(args.aieng_port))
+        embedder = ServerEmbedder(url, served_model(url))
+        stack.callback(embedder.close)
+        index = open_or_build(args.index, args.books, embedder, args.qdrant_url)
+        stack.callback(index.close)
+        pipeline = build_pipeline(index, embedder, url, served_model(url))
         uvicorn.run(build_service(pipeline), host="127.0.0.1", port=args.port)
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(30)
-        index.close()
-        embedder.close()
 
 
-def _wait_ready(base: str, server: subprocess.Popen, timeout: float = 120.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if server.poll() is not None:
-            raise SystemExit(f"the aieng server exited with {server.returncode}")
-        try:
-            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"the aieng server at {base} was not ready in {timeout} s")
-
-
-def _model_name(url: str) -> str:
-    return httpx.get(f"{url}/models", timeout=10).json()["data"][0]["id"]
+def open_or_build(folder: str, books: list[str], embedder, qdrant_url: str | None) -> HybridIndex:
+    if HybridIndex.exists(folder):
+        return HybridIndex.open(folder, qdrant_url)
+    chunks = verse_windows(load_verses(None if books == ["all"] else books))
+    print(f"indexing {len(chunks)} chunks into {folder} ...", flush=True)
+    return HybridIndex.build(folder, chunks, embedder, qdrant_url)
 
 
 if __name__ == "__main__":
