@@ -79,9 +79,11 @@ def main() -> None:
             peer, b = rate(lambda t: st.encode(t, batch_size=len(t)), texts, batch)
             cosine = float((a * b).sum(1).min())
             assert cosine >= 0.9999, f"outputs differ at batch {batch}: cosine {cosine}"
-            rows.append(dict(batch=batch, aieng=ours, sentence_transformers=peer, min_cosine=cosine))
+            rows.append(
+                dict(batch=batch, aieng=ours, sentence_transformers=peer, min_cosine=cosine)
+            )
         llm.shutdown()
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    machine = f"{cpu_name()}, {os.cpu_count()} CPUs (shared with other work while measured)"
     lines = [
         f"# bench_embeddings ({args.texts} KJV verses, bge-small-shaped BERT, float32, CPU)",
         "",
@@ -101,6 +103,18 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_embeddings.json").write_text(json.dumps(dict(rows=rows, machine=machine)))
     (out / "bench_embeddings.md").write_text("\n".join(lines) + "\n")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def main() -> None:
         f"# KJV RAG evaluation ({len(questions)} questions from {', '.join(EVAL_BOOKS)}; "
         f"{len(verses)} verses in {num_chunks} chunks)",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared with other work while "
+        f"Machine: {cpu_name()}, {os.cpu_count()} CPUs (shared with other work while "
         "measured). Embedder: the bundled aieng-kjv-6m model, mean-pooled final hidden states "
         "through `POST /v1/embeddings`; Qdrant embedded (exact search), BM25 (bm25s), hybrid = "
         "reciprocal rank fusion.",
@@ -134,6 +134,18 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 if __name__ == "__main__":
