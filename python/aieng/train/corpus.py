@@ -49,7 +49,7 @@ class Verse:
 
     @property
     def ref(self) -> str:
-        """"John 11:35"."""
+        """ "John 11:35"."""
         return f"{self.book} {self.chapter}:{self.verse}"
 
 
