@@ -3,8 +3,9 @@
 
 The checkpoint: a random-weight BERT of bge-small's shape (12 layers, hidden 384, 12 heads,
 intermediate 1536; the bundled KJV model's tokenizer, vocabulary 4096), saved by
-sentence-transformers with mean pooling and normalisation. The texts: the first --texts verses
-of the KJV (Debian's bible-kjv). Each batch size embeds every text in batches of that size, after
+sentence-transformers with mean pooling and normalisation (the tokenizer without its chat
+template, which sentence-transformers 5 would apply to every text). The texts: the first
+--texts verses of the KJV (Debian's bible-kjv). Each batch size embeds every text in batches of that size, after
 one warm-up batch; both sides float32 on the CPU with the same torch thread count, and the
 outputs are checked equal (cosine >= 0.9999) before timing counts.
 
@@ -42,8 +43,12 @@ def build_checkpoint(folder: Path) -> Path:
 
     hf = folder / "hf"
     hf.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "special_tokens_map.json"):
         shutil.copy(default_model_path() / name, hf / name)
+    # Without the chat template: sentence-transformers 5 would wrap each text in it.
+    config = json.loads((default_model_path() / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (hf / "tokenizer_config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
     transformers.BertModel(transformers.BertConfig(**BGE_SMALL)).eval().save_pretrained(hf)
     transformer = modules.Transformer(str(hf))
