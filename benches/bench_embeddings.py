@@ -5,9 +5,9 @@ The checkpoint: a random-weight BERT of bge-small's shape (12 layers, hidden 384
 intermediate 1536; the bundled KJV model's tokenizer, vocabulary 4096), saved by
 sentence-transformers with mean pooling and normalisation (the tokenizer without its chat
 template, which sentence-transformers 5 would apply to every text). The texts: the first
---texts verses of the KJV (Debian's bible-kjv). Each batch size embeds every text in batches of that size, after
-one warm-up batch; both sides float32 on the CPU with the same torch thread count, and the
-outputs are checked equal (cosine >= 0.9999) before timing counts.
+--texts verses of the KJV (Debian's bible-kjv). Each batch size embeds every text in batches
+of that size, after one warm-up batch; both sides float32 on the CPU with the same torch thread
+count, and the outputs are checked equal (cosine >= 0.9999) before timing counts.
 
     PYTHONPATH=python .venv/bin/python benches/bench_embeddings.py [--texts 256]
 """
