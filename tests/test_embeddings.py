@@ -61,7 +61,7 @@ def test_checkpoint_pooling_read(st_model):
 @pytest.fixture(scope="module")
 def bare_qwen3(tmp_path_factory):
     folder = save_hf_model("qwen3", tmp_path_factory.mktemp("bare"))
-    with LLM(str(folder), **ENGINE) as llm:
+    with LLM(str(folder), max_num_batched_tokens=64, max_num_seqs=8, **ENGINE) as llm:
         yield llm
 
 
@@ -97,3 +97,28 @@ def test_encoder_refuses_generation(tmp_path):
             llm.generate("hello", SamplingParams(max_tokens=2))
         assert llm.embed("hello", pooling="cls")[0].embedding.shape == (64,)
         assert llm.engine.runner.kv_caches == []  # no KV cache
+
+
+def test_embeddings_share_steps_with_generation_and_abort_cleanly(bare_qwen3):
+    """An embedding request and generation requests in the same engine steps: the embedding
+    equals the one made alone, the generation equals its own greedy run alone; an embedding
+    aborted halfway through its chunked prefill gives every KV block back."""
+    llm, engine = bare_qwen3, bare_qwen3.engine
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone_vector = llm.embed(TEXTS[1], pooling="last")[0].embedding
+    alone_text = llm.generate(TEXTS[0], greedy)[0].outputs[0].token_ids
+    engine.add_request("gen", TEXTS[0], greedy)
+    engine.add_request("emb", TEXTS[1], PoolingParams("last"))
+    done = {o.request_id: o for o in engine.step() if o.finished}
+    # one step: the embedding finished and the generation drew its first token
+    assert list(done) == ["emb"] and len(engine.requests["gen"].sequences[0].token_ids) == 1
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    np.testing.assert_allclose(done["emb"].embedding, alone_vector, atol=1e-5)
+    assert done["emb"].outputs[0].token_ids == []  # the core's token is never shown
+    assert done["gen"].outputs[0].token_ids == alone_text
+    engine.add_request("cut", TEXTS[3] * 2, PoolingParams("mean"))
+    engine.step()
+    assert "cut" in engine.requests  # halfway: its prompt needs more than one step's budget
+    engine.abort("cut")
+    engine.check_pool_whole()
