@@ -25,7 +25,7 @@ from aieng._core import EngineCore, Grammar, GrammarCompiler, InvalidArgumentErr
 from aieng.engine_args import EngineArgs
 from aieng.engine_client import EngineStats, ModelInfo
 from aieng.engine_config import EngineConfig, check_model_folder, create_engine_config
-from aieng.errors import is_fatal
+from aieng.errors import invalid_field, is_fatal
 from aieng.executor import Executor, make_executor
 from aieng.executor.multiproc import run_as_launched_worker
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -140,6 +140,7 @@ def _model_info(config: EngineConfig, executor: Executor) -> ModelInfo:
         tensor_parallel_size=config.parallel.tensor_parallel_size,
         generation_defaults=dict(config.model.generation_defaults),
         load_phases=executor.load_phases,
+        kernels=executor.kernels,
         pooling=sentence_transformers_pooling(config.model_path),
         hidden_size=config.model.hidden_size,
         is_encoder=config.model.is_encoder,
@@ -170,7 +171,7 @@ class LLMEngine:
         self.executor = make_executor(resolved, on_failure=self._runner_failed)
         try:
             memory = self.executor.determine_available_memory()
-            self.executor.initialize_cache(self.executor.driver.runner.num_blocks_for(memory))
+            self.executor.initialize_cache(self.executor.num_blocks_for(memory))
         except BaseException:
             self.executor.shutdown()
             raise
@@ -265,9 +266,10 @@ class LLMEngine:
         if pooling is not None:
             params = EMBEDDING_SAMPLING
         elif self.engine_config.model.embeds_only:
-            raise InvalidArgumentError(
+            raise invalid_field(
+                "model",
                 f"{self.engine_config.model.architecture} has no LM head: it embeds "
-                "(PoolingParams), it cannot generate"
+                "(PoolingParams), it cannot generate",
             )
         assert isinstance(params, SamplingParams)
         if request_id in self.requests:
@@ -398,6 +400,7 @@ class LLMEngine:
             kv_cache_dtype=self.model_info.kv_cache_dtype,
             block_size=self.model_info.block_size,
             max_num_seqs=self.model_info.max_num_seqs,
+            kernels=self.model_info.kernels,
             heartbeat=time.monotonic(),
         )
 

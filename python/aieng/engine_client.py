@@ -38,6 +38,8 @@ class ModelInfo:
     # generation_config.json's sampling defaults, as SamplingParams fields
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
     load_phases: Mapping[str, float] = field(default_factory=dict)  # seconds per load phase
+    # the compute paths chosen at load: attention_backend, linear_kernels, cpu_isa ('' off CPU)
+    kernels: Mapping[str, str] = field(default_factory=dict)
     # Embeddings: the pooling the checkpoint declares (sentence-transformers files; None: an
     # embedding request must name one), the pooled vector's size, and whether the model only
     # embeds (an encoder).
@@ -64,6 +66,7 @@ class EngineStats:
     kv_cache_dtype: str = ""  # 'int8' or the model's dtype; '' before the engine is loaded
     block_size: int = 0
     max_num_seqs: int = 0  # the batch's capacity in requests; 0 before the engine is loaded
+    kernels: Mapping[str, str] = field(default_factory=dict)  # ModelInfo.kernels
     heartbeat: float = 0.0  # time.monotonic() of the loop's last turn
 
 
