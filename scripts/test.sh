@@ -30,8 +30,8 @@ cargo clippy --features python --quiet -- -D warnings
 echo "== cargo test"
 cargo test --quiet
 echo "== ruff"
-"$venv/ruff" check python tests benches scripts
-"$venv/ruff" format --check python tests benches scripts
+"$venv/ruff" check python tests benches scripts examples
+"$venv/ruff" format --check python tests benches scripts examples
 echo "== lint-imports (the layers of docs/design.md, no import cycles)"
 "$venv/lint-imports"
 echo "== mkdocs build --strict"

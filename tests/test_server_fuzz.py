@@ -15,6 +15,7 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 WITH_INPUT = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/embeddings"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
 ]

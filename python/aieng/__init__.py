@@ -18,6 +18,8 @@ __all__ = [  # noqa: RUF022
     "EngineArgs",
     "CompletionOutput",
     "RequestOutput",
+    "EmbeddingRequestOutput",
+    "PoolingParams",
     "SamplingParams",
     "StructuredOutputsParams",
     "AiengError",
@@ -39,6 +41,8 @@ _LAZY = {
     "StructuredOutputsParams": "aieng.structured_outputs",
     "RequestOutput": "aieng.outputs",
     "CompletionOutput": "aieng.outputs",
+    "EmbeddingRequestOutput": "aieng.outputs",
+    "PoolingParams": "aieng.pooling",
 }
 
 

@@ -31,6 +31,7 @@ from aieng._core import Grammar
 from aieng.engine import EngineDeadError, LLMEngine
 from aieng.engine_client import EngineStats, ModelInfo
 from aieng.outputs import RequestOutput
+from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ _Item = tuple[str | None, RequestOutput | BaseException]  # request id None: eve
 class _Add:
     request_id: str
     prompt: Sequence[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
 
 
@@ -112,7 +113,7 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         deadline: float | None = None,
     ) -> AsyncIterator[RequestOutput]:

@@ -88,6 +88,16 @@ class ModelConfig:
     rope_local: RopeConfig | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Encoder-only models (the BERT family, `aieng.models.bert`): bidirectional attention, no KV
+    # cache, they only embed. LayerNorm's epsilon, the token-type vocabulary, and the offset of
+    # the first position (RoBERTa counts positions from pad_token_id + 1).
+    is_encoder: bool = False
+    # No LM head: an encoder, or a bare decoder saved for embeddings (Qwen3Model): embeds only.
+    embeds_only: bool = False
+    hidden_act: str = "silu"  # the encoder MLP's: "gelu" (erf) or "gelu_tanh"
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 0
+    position_offset: int = 0
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -171,7 +181,7 @@ class ModelConfig:
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=fields.positive_float("rms_norm_eps", default=1e-6),
-            max_position_embeddings=max_positions,
+            max_position_embeddings=family_fields.pop("max_position_embeddings", max_positions),
             tie_word_embeddings=fields.get("tie_word_embeddings", bool, default=False),
             attention_bias=spec.qkv_bias == "always" or config_bias,
             o_proj_bias=config_bias and spec.o_proj_bias,

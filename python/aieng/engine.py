@@ -25,11 +25,18 @@ from aieng._core import EngineCore, Grammar, GrammarCompiler, InvalidArgumentErr
 from aieng.engine_args import EngineArgs
 from aieng.engine_client import EngineStats, ModelInfo
 from aieng.engine_config import EngineConfig, check_model_folder, create_engine_config
-from aieng.errors import is_fatal
+from aieng.errors import invalid_field, is_fatal
 from aieng.executor import Executor, make_executor
 from aieng.executor.multiproc import run_as_launched_worker
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, PromptLogprobs, RunnerStep
+from aieng.pooling import PoolingParams, sentence_transformers_pooling
+from aieng.runner_io import (
+    ModelRunnerOutput,
+    NewSamplingRow,
+    PooledEmbeddings,
+    PromptLogprobs,
+    RunnerStep,
+)
 from aieng.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,6 +47,8 @@ __all__ = ["EngineDeadError", "LLMEngine", "run_as_launched_worker"]
 
 
 NO_VALID_TOKEN = "the model produced no valid token (NaN or fully masked logits)"
+# An embedding request is a prefill-only one: the core's one sampled token is never shown.
+EMBEDDING_SAMPLING = SamplingParams(max_tokens=0, temperature=0.0)
 
 
 class EngineDeadError(RuntimeError):
@@ -94,6 +103,8 @@ class _Request:
     grammar: Grammar | None = None  # each sequence gets its own matcher of it
     # With params.prompt_logprobs: per prompt position, filled as the prefill computes it.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    pooling: PoolingParams | None = None  # an embedding request
+    embedding: np.ndarray | None = None  # (hidden,) float32, once its prompt is pooled
 
     @property
     def finished(self) -> bool:
@@ -109,6 +120,7 @@ class _Request:
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            embedding=self.embedding,
         )
 
 
@@ -129,6 +141,9 @@ def _model_info(config: EngineConfig, executor: Executor) -> ModelInfo:
         generation_defaults=dict(config.model.generation_defaults),
         load_phases=executor.load_phases,
         kernels=executor.kernels,
+        pooling=sentence_transformers_pooling(config.model_path),
+        hidden_size=config.model.hidden_size,
+        is_encoder=config.model.is_encoder,
     )
 
 
@@ -240,12 +255,23 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         stream: bool = False,
     ) -> None:
-        """Queues a request; with `stream`, every step that changes it returns its delta."""
+        """Queues a request; with `stream`, every step that changes it returns its delta.
+        With PoolingParams it embeds: its finished output carries `embedding`."""
         self._check_alive()
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            params = EMBEDDING_SAMPLING
+        elif self.engine_config.model.embeds_only:
+            raise invalid_field(
+                "model",
+                f"{self.engine_config.model.architecture} has no LM head: it embeds "
+                "(PoolingParams), it cannot generate",
+            )
+        assert isinstance(params, SamplingParams)
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         params.verify(self.vocab_size, self.config.max_logprobs)
@@ -253,6 +279,7 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         request = _Request(request_id, text, ids, [], metrics, stream=stream, grammar=grammar)
+        request.pooling = pooling
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(ids)
         for index in range(params.n):
@@ -297,7 +324,7 @@ class LLMEngine:
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
             grammar=request.grammar,
-            skip_prefix_cache=score_prompt is not None,
+            skip_prefix_cache=score_prompt is not None or request.pooling is not None,
         )
         self._added.append(
             NewSamplingRow(
@@ -306,6 +333,7 @@ class LLMEngine:
                 request.prompt_token_ids,
                 self._bad_words_ids(params),
                 prompt_logprobs=score_prompt,
+                pooling=request.pooling,
             )
         )
         self._by_core_id[seq.core_id] = (request, seq)
@@ -513,10 +541,18 @@ class LLMEngine:
             top[request.prompt_token_ids[position + 1]] = float(scored.chosen[i])
             request.prompt_logprobs[position + 1] = top
 
+    def _record_embeddings(self, pooled: PooledEmbeddings) -> None:
+        for slot, vector in zip(pooled.slots.tolist(), pooled.vectors, strict=True):
+            entry = self._by_slot.get(slot)
+            if entry is not None:
+                entry[0].embedding = vector
+
     def _process(self, plan, out, result: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.monotonic()
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(result.prompt_logprobs)
+        if result.pooled is not None:
+            self._record_embeddings(result.pooled)
         logprobs = result.logprobs
         logprob_of_row: dict[int, int] = {}
         if len(logprobs.rows):

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from aieng._core import Grammar, Tokenizer
 from aieng.outputs import RequestOutput
+from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 
 
@@ -39,6 +40,12 @@ class ModelInfo:
     load_phases: Mapping[str, float] = field(default_factory=dict)  # seconds per load phase
     # the compute paths chosen at load: attention_backend, linear_kernels, cpu_isa ('' off CPU)
     kernels: Mapping[str, str] = field(default_factory=dict)
+    # Embeddings: the pooling the checkpoint declares (sentence-transformers files; None: an
+    # embedding request must name one), the pooled vector's size, and whether the model only
+    # embeds (an encoder).
+    pooling: PoolingParams | None = None
+    hidden_size: int = 0
+    is_encoder: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,11 +94,12 @@ class EngineClient(Protocol):
         self,
         request_id: str,
         prompt: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         deadline: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's deltas up to its finished one."""
+        """The request's deltas up to its finished one (PoolingParams: one output, finished,
+        with its `embedding`)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

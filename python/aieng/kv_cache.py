@@ -49,7 +49,7 @@ class KVCacheSpec:
             )
         quantized = kv_cache_dtype == "int8"
         return cls(
-            config.num_hidden_layers,
+            0 if config.is_encoder else config.num_hidden_layers,  # an encoder caches nothing
             kv_heads_per_rank(config.num_key_value_heads),  # this tensor-parallel rank's
             config.head_dim,
             block_size,

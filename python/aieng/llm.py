@@ -10,7 +10,9 @@ from aieng._core import InvalidArgumentError
 from aieng.engine import LLMEngine, run_as_launched_worker
 from aieng.engine_args import EngineArgs
 from aieng.models.default import default_model_path
-from aieng.outputs import RequestOutput
+from aieng.offline_embed import embed_prompts
+from aieng.outputs import EmbeddingRequestOutput, RequestOutput
+from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -127,6 +129,18 @@ class LLM:
         for out, conversation in zip(outputs, conversations, strict=True):
             out.prompt = str(conversation[-1].get("content", ""))
         return outputs
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: PoolingParams | str | None = None,
+        dimensions: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order: each prompt's final hidden states pooled
+        as the checkpoint's sentence-transformers files say, or as `pooling` asks ("cls",
+        "mean", "last", or PoolingParams); `dimensions` keeps the first components and
+        renormalises. Batched through the scheduler like any prefill."""
+        return embed_prompts(self.engine, _as_prompt_list(prompts), pooling, dimensions)
 
     # ------------------------------------------------------------------ helpers
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass
 class RequestMetrics:
@@ -67,3 +69,19 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (it has
     # no context); each maps the prompt token and the top alternatives to their logprobs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # An embedding request (PoolingParams): its pooled prompt, (hidden,) float32.
+    embedding: np.ndarray | None = None
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns for one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    embedding: np.ndarray  # (dimensions,) float32
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

@@ -23,6 +23,7 @@ import torch
 
 from aieng.attention import AttentionInputs, ForwardContext, KVCache, select_attention_backend
 from aieng.cuda_graphs import GRAPH_PAD_BLOCKS, capture_decode_graphs, graphs_wanted
+from aieng.embedding_pooler import EmbeddingPooler, encoder_step
 from aieng.engine_config import EngineConfig
 from aieng.errors import is_fatal
 from aieng.gpu_memory import log_gpu_memory
@@ -87,6 +88,9 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device, args.seed)
         self.prompt_scorer = PromptScorer(self.device)
+        self.pooler = EmbeddingPooler()
+        # An encoder-only model (BERT family) keeps no KV cache and only embeds.
+        self.encoder = getattr(self.model, "is_encoder", False)
         self.num_blocks = 0
         self.kv_caches: list[KVCache] = []
         self.graphs = None
@@ -102,6 +106,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # CUDA graphs pad decode steps with rows that write a scratch block past the core's.
         graphs = graphs_wanted(self.engine_config.args.enforce_eager, self.device)
+        graphs = graphs and not self.encoder
         pad_blocks = GRAPH_PAD_BLOCKS if graphs else 0
         self.kv_caches = self.kv_spec.allocate(
             self.num_blocks + pad_blocks, self.device, self.attention
@@ -133,6 +138,8 @@ class ModelRunner:
         CPU a fraction of available RAM, on CUDA what gpu_memory_utilization of the GPU leaves
         after a profiling forward of max_num_batched_tokens tokens; a default budget is capped
         at what max_num_seqs full-length sequences can use."""
+        if self.encoder:  # it keeps no KV cache
+            return 0
         cache = self.engine_config.cache
         if cache.kv_cache_memory is not None:
             return cache.kv_cache_memory
@@ -155,6 +162,9 @@ class ModelRunner:
 
     def num_blocks_for(self, memory: int) -> int:
         """How many KV blocks `memory` bytes hold (ValueError when not one)."""
+        if self.block_bytes == 0:  # an encoder: blocks only count tokens, they hold nothing
+            scheduler = self.engine_config.scheduler
+            return scheduler.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
         num_blocks = memory // self.block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -170,6 +180,7 @@ class ModelRunner:
         for slot in step.finished_slots:
             self.sampling.remove_request(slot)
             self.prompt_scorer.remove(slot)
+            self.pooler.remove(slot)
         failed: dict[int, str] = {}  # slot -> why its request ends; the others go on
         for row in step.added:
             try:
@@ -177,12 +188,18 @@ class ModelRunner:
             except Exception as error:
                 failed[row.slot] = f"bad sampling state: {type(error).__name__}: {error}"
                 self.prompt_scorer.remove(row.slot)
+                self.pooler.remove(row.slot)
         plan = step.plan
         self.inputs.apply_new_blocks(
             plan.new_block_slots, plan.new_block_indices, plan.new_block_ids
         )
         if plan.num_tokens == 0:
             return ModelRunnerOutput.empty(failed_slots=failed)
+        if self.encoder:  # embeds only: every sampled row's token is never shown
+            pooled = encoder_step(self.model, self.pooler, plan, self.device)
+            tokens = np.zeros(len(plan.logits_indices), np.int64)
+            output = ModelRunnerOutput.empty(failed_slots=failed, pooled=pooled)
+            return dataclasses.replace(output, sampled_token_ids=tokens, num_sampled=tokens + 1)
         width = -(-int(np.max(plan.seq_lens)) // self.block_size)
         block_tables = self.inputs.block_tables(np.asarray(plan.slots, np.int64), width)
         if self.graphs is not None and self.graphs.can_run(plan):
@@ -190,9 +207,10 @@ class ModelRunner:
         else:
             hidden = self._forward(plan, block_tables, self.kv_caches)  # (T, hidden)
         scored = self._score_prompts(plan, hidden, failed) if self.prompt_scorer else None
+        pooled = self.pooler.pool(plan, hidden) if self.pooler else None
         logits_indices = plan.logits_indices
         if len(logits_indices) == 0:  # only partial prefills this step
-            return ModelRunnerOutput.empty(scored, failed)
+            return ModelRunnerOutput.empty(scored, failed, pooled)
         rows = torch.from_numpy(np.asarray(logits_indices, np.int64)).to(self.device)
         logits = self.model.compute_logits(hidden[rows])  # (S, vocab)
         if not self.samples:
@@ -214,6 +232,7 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=scored,
             failed_slots=failed,
+            pooled=pooled,
         )
 
     def _score_prompts(self, plan, hidden: torch.Tensor, failed: dict[int, str]):
@@ -233,6 +252,8 @@ class ModelRunner:
     def _add_row(self, row: NewSamplingRow) -> None:
         if row.prompt_logprobs is not None:
             self.prompt_scorer.add(row.slot, row.prompt_logprobs, row.prompt_token_ids)
+        if row.pooling is not None:
+            self.pooler.add(row.slot, row.pooling, row.prompt_token_ids)
         self.sampling.add_request(
             row.slot,
             row.params,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ class NewSamplingRow:
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     # Score this row's prompt tokens (top-k alternatives): set for one sequence per request.
     prompt_logprobs: int | None = None
+    # An embedding request: its prompt's hidden states are pooled (aieng.embedding_pooler).
+    pooling: PoolingParams | None = None
 
 
 @dataclass
@@ -73,6 +76,14 @@ class PromptLogprobs:
 
 
 @dataclass
+class PooledEmbeddings:
+    """The embeddings finished this step: row i is the pooled prompt of slot `slots[i]`."""
+
+    slots: np.ndarray  # (E,) int64
+    vectors: np.ndarray  # (E, hidden) float32
+
+
+@dataclass
 class ModelRunnerOutput:
     """Tokens accepted this step, sampling row after sampling row (the plan's logits rows).
 
@@ -86,12 +97,14 @@ class ModelRunnerOutput:
     # Slots whose own sampling state or sampling failed this step, with the cause: only their
     # requests end (finish reason "error"); a sampled row of theirs holds token -1.
     failed_slots: dict[int, str] = field(default_factory=dict)
+    pooled: PooledEmbeddings | None = None  # embedding requests whose prompt is complete
 
     @classmethod
     def empty(
         cls,
         prompt_logprobs: PromptLogprobs | None = None,
         failed_slots: dict[int, str] | None = None,
+        pooled: PooledEmbeddings | None = None,
     ) -> ModelRunnerOutput:
         return cls(
             np.zeros(0, np.int64),
@@ -99,4 +112,5 @@ class ModelRunnerOutput:
             SampledLogprobs.empty(),
             prompt_logprobs,
             failed_slots or {},
+            pooled,
         )

@@ -4,9 +4,13 @@ family adds its module here; `ModelConfig` and the model registry read nothing e
 from __future__ import annotations
 
 from aieng.architectures import ArchitectureSpec
-from aieng.model_configs import gemma_family, llama_family
+from aieng.model_configs import bert_family, gemma_family, llama_family
 
-ARCHITECTURES: dict[str, ArchitectureSpec] = {**llama_family.SPECS, **gemma_family.SPECS}
+ARCHITECTURES: dict[str, ArchitectureSpec] = {
+    **llama_family.SPECS,
+    **gemma_family.SPECS,
+    **bert_family.SPECS,
+}
 
 
 def spec_of(architecture: str, source: str = "config.json") -> ArchitectureSpec:

@@ -3,6 +3,7 @@ Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Granite, OLMo 2, SmolLM
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from aieng.architectures import ArchitectureSpec, ParseContext
@@ -126,3 +127,21 @@ SPECS: dict[str, ArchitectureSpec] = {
         "llama", o_proj_bias=True, mlp_bias=True, extra_fields=(smollm3_no_rope_layers,)
     ),
 }
+
+
+def _embeds_only(fields: Fields, ctx: ParseContext) -> dict[str, Any]:
+    return dict(embeds_only=True)
+
+
+# The bare decoders embedding checkpoints save (Qwen3-Embedding's Qwen3Model): tensors without
+# the `model.` prefix, no LM head; they embed only (`aieng.models.llama_embedding`).
+SPECS.update(
+    {
+        name.removesuffix("ForCausalLM") + "Model": dataclasses.replace(
+            SPECS[name],
+            family="llama_embedding",
+            extra_fields=(*SPECS[name].extra_fields, _embeds_only),
+        )
+        for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    }
+)

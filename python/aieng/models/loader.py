@@ -150,6 +150,8 @@ def load_weights(model: nn.Module, folder: Path, times: LoadTimes | None = None)
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
+    # A family's own naming (None: a tensor it does not use), e.g. BERT's `bert.` prefix.
+    rename = getattr(model, "checkpoint_name", None)
     filled: dict[str, set[int | None]] = {name: set() for name in params}
     times = times if times is not None else LoadTimes()
     files = checkpoint_files(folder)
@@ -164,7 +166,10 @@ def load_weights(model: nn.Module, folder: Path, times: LoadTimes | None = None)
                         )
                     if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                         continue
-                    target, shard = _target(name, packed)
+                    ours = rename(name) if rename is not None else name
+                    if ours is None:
+                        continue
+                    target, shard = _target(ours, packed)
                     if target not in params:
                         raise ValueError(f"{file}: unexpected tensor {name}")
                     param = params[target]

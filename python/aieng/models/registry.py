@@ -4,12 +4,16 @@ names (`aieng.model_configs`)."""
 from torch import nn
 
 from aieng.model_configs import ARCHITECTURES, spec_of
+from aieng.models.bert import BertModel
 from aieng.models.gemma import GemmaForCausalLM
 from aieng.models.llama import LlamaForCausalLM
+from aieng.models.llama_embedding import LlamaForEmbedding
 
 FAMILY_CLASSES: dict[str, type[nn.Module]] = {
+    "bert": BertModel,
     "gemma": GemmaForCausalLM,
     "llama": LlamaForCausalLM,
+    "llama_embedding": LlamaForEmbedding,
 }
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     architecture: FAMILY_CLASSES[spec.family] for architecture, spec in ARCHITECTURES.items()

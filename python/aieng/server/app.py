@@ -18,7 +18,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from aieng.async_engine import AsyncLLMEngine
 from aieng.engine import LLMEngine
 from aieng.engine_client import EngineClient
-from aieng.server import admin, chat, completions, routes
+from aieng.server import admin, chat, completions, embeddings, routes
 from aieng.server.admin import EngineLeaseMiddleware
 from aieng.server.config import ServerConfig
 from aieng.server.context import ServerContext
@@ -81,7 +81,7 @@ def build_app(
     )
     app.state.context = ctx
     install_error_handlers(app)
-    for module in (completions, chat, routes, admin):
+    for module in (completions, chat, embeddings, routes, admin):
         app.include_router(module.router)
     _without_422(app)
     if config.allowed_origins:

@@ -18,12 +18,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
 from fastapi import Request
 
 from aieng.engine import EngineDeadError
 from aieng.engine_client import EngineClient
 from aieng.errors import AiengError, InvalidArgumentError, error_field
 from aieng.outputs import RequestOutput
+from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 from aieng.server.admission import ServerState
 from aieng.server.context import ServerContext, arrival_of, request_id_of
@@ -64,7 +66,7 @@ class Generation:
         http: Request,
         engine: EngineClient,
         prompts: list[list[int]],
-        params: list[SamplingParams],
+        params: list[SamplingParams] | list[PoolingParams],
         field_names: dict[str, str] | None = None,
     ):
         """field_names: the request's own name of an engine-checked field, where the route
@@ -75,16 +77,18 @@ class Generation:
         self.arrival = arrival_of(http)
         self.created = int(time.time())
         self.prompts, self.params = prompts, params
-        self.n = params[0].n
+        self.n = params[0].n if isinstance(params[0], SamplingParams) else 1
         self.choices = [Choice() for _ in range(len(prompts) * self.n)]
         for i, p in enumerate(params):
-            if p.logprobs is not None:
+            if isinstance(p, SamplingParams) and p.logprobs is not None:
                 for choice in self.choices[i * self.n : (i + 1) * self.n]:
                     choice.logprobs = []
         self.engine_ids = [ctx.new_engine_id() for _ in prompts]
         self.cached_tokens = 0
         # Per prompt, with SamplingParams.prompt_logprobs: RequestOutput.prompt_logprobs.
         self.prompt_logprobs: list[list[dict[int, float] | None] | None] = [None] * len(prompts)
+        # Per prompt, with PoolingParams: RequestOutput.embedding.
+        self.embeddings: list[np.ndarray | None] = [None] * len(prompts)
         self.engine_seconds = 0.0  # the prompts' shares of engine step time (cost)
         self.queue_time: float | None = None
         self.first_output: float | None = None
@@ -213,6 +217,8 @@ class Generation:
             self._last_output_of[index] = self.last_output = now
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[index] = out.prompt_logprobs
+        if out.embedding is not None:
+            self.embeddings[index] = out.embedding
         if out.finished:
             self.cached_tokens += out.num_cached_tokens
             if out.metrics is not None:

@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/embeddings",
     "/v1/models",
     "/tokenize",
     "/detokenize",

@@ -160,25 +160,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, value: object) -> object:
-        items = [value] if isinstance(value, str) else value
-        if isinstance(items, list) and items and all(_is_int(t) for t in items):
-            items = [items]
-        shaped = isinstance(items, list) and all(
-            isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p))
-            for p in items
-        )
-        if not shaped or (items and len({isinstance(p, str) for p in items}) > 1):
-            raise ValueError(
-                "must be a string, a list of strings, a list of token ids or a list of "
-                "token-id lists"
-            )
-        if not items or not all(items):
-            raise ValueError("the prompt is empty")
-        bad = next((t for p in items if isinstance(p, list) for t in p if not 0 <= t < INT64), None)
-        if bad is not None:  # said here: the union's members would each give their own error
-            sign = ": a token id must be >= 0" if bad < 0 else ""
-            raise ValueError(f"token id {bad} is outside the vocabulary{sign}")
-        return value
+        return check_prompt_shape(value)
 
     @field_validator("suffix")
     @classmethod
@@ -190,12 +172,7 @@ class CompletionRequest(SamplingFields):
     @property
     def prompts(self) -> list[str] | list[list[int]]:
         """The batch of prompts: each a string or token ids."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if all(isinstance(t, int) for t in prompt):
-            return [prompt]  # type: ignore[list-item]
-        return prompt  # type: ignore[return-value]
+        return prompt_list(self.prompt)
 
 
 class TextPart(_Strict):
@@ -373,3 +350,34 @@ def nesting_depth(value: object) -> int:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_prompt_shape(value: object) -> object:
+    """A prompt (completions' `prompt`, embeddings' `input`): a string, strings, token ids or
+    token-id lists, none empty, of one kind."""
+    items = [value] if isinstance(value, str) else value
+    if isinstance(items, list) and items and all(_is_int(t) for t in items):
+        items = [items]
+    shaped = isinstance(items, list) and all(
+        isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p)) for p in items
+    )
+    if not shaped or (items and len({isinstance(p, str) for p in items}) > 1):
+        raise ValueError(
+            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        )
+    if not items or not all(items):
+        raise ValueError("the prompt is empty")
+    bad = next((t for p in items if isinstance(p, list) for t in p if not 0 <= t < INT64), None)
+    if bad is not None:  # said here: the union's members would each give their own error
+        sign = ": a token id must be >= 0" if bad < 0 else ""
+        raise ValueError(f"token id {bad} is outside the vocabulary{sign}")
+    return value
+
+
+def prompt_list(prompt: Any) -> list[str] | list[list[int]]:
+    """A checked prompt as a batch of prompts: each a string or token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    return prompt

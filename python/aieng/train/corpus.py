@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 KJV_RANGE = "Genesis 1:1-Revelation 22:21"
@@ -17,7 +18,7 @@ KJV_RANGE = "Genesis 1:1-Revelation 22:21"
 KJV_HELDOUT_BOOKS = ("Ruth", "Ecclesiastes", "Jonah", "Mark", "Philippians")
 
 _HEADING = re.compile(r"^((?:[1-3] )?[A-Z][A-Za-z ]+?) (\d+)$")
-_VERSE = re.compile(r"^\s+\d+ (.*)$")
+_VERSE = re.compile(r"^\s+(\d+) (.*)$")
 CHAPTER_SEPARATOR = "\n\n"
 
 
@@ -39,34 +40,49 @@ def kjv_raw_text() -> str:
     return done.stdout
 
 
-def kjv_books(raw: str) -> dict[str, list[str]]:
-    """book -> its chapters, each chapter its verses joined by newlines (no numbers)."""
-    books: dict[str, list[str]] = {}
-    verses: list[str] = []
+@dataclass(frozen=True)
+class Verse:
+    book: str
+    chapter: int
+    verse: int
+    text: str
 
-    def close_chapter() -> None:
-        if verses:
-            books[book].append("\n".join(verses))
-            verses.clear()
+    @property
+    def ref(self) -> str:
+        """ "John 11:35"."""
+        return f"{self.book} {self.chapter}:{self.verse}"
 
-    book = ""
+
+def kjv_verses(raw: str) -> list[Verse]:
+    """Every verse with its book, chapter and number, in order (wrapped lines joined)."""
+    verses: list[Verse] = []
+    book, chapter = "", 0
     for line in raw.splitlines():
         if not line.strip():
             continue
         heading = _HEADING.match(line)
         if heading:
-            close_chapter()
-            book = heading.group(1)
-            books.setdefault(book, [])
+            book, chapter = heading.group(1), int(heading.group(2))
             continue
         verse = _VERSE.match(line)
-        if verse:
-            verses.append(verse.group(1).strip())
-        elif verses:  # a wrapped continuation of the verse before
-            verses[-1] += " " + line.strip()
+        if verse and book:
+            verses.append(Verse(book, chapter, int(verse.group(1)), verse.group(2).strip()))
+        elif verses and book:  # a wrapped continuation of the verse before
+            last = verses[-1]
+            verses[-1] = Verse(last.book, last.chapter, last.verse, f"{last.text} {line.strip()}")
         else:
             raise CorpusError(f"unexpected line before any verse: {line!r}")
-    close_chapter()
+    return verses
+
+
+def kjv_books(raw: str) -> dict[str, list[str]]:
+    """book -> its chapters, each chapter its verses joined by newlines (no numbers)."""
+    chapters: dict[tuple[str, int], list[str]] = {}
+    for verse in kjv_verses(raw):
+        chapters.setdefault((verse.book, verse.chapter), []).append(verse.text)
+    books: dict[str, list[str]] = {}
+    for (book, _), texts in chapters.items():
+        books.setdefault(book, []).append("\n".join(texts))
     return books
 
 
