@@ -5,8 +5,9 @@ request's next query tokens.
 
 The runner producing them (speculative decoding's verification) is tested in
 tests/test_spec_decode.py; the engine tests below add extra tokens to the runner's output,
-above it — the runner's sampling table never sees them there. How the sampling table takes several tokens of one row is tested on the
-table itself (the last test), against a request resumed with the same outputs."""
+above it — the runner's sampling table never sees them there. How the sampling table takes
+several tokens of one row is tested on the table itself (the last test), against a request
+resumed with the same outputs."""
 
 import numpy as np
 import pytest
