@@ -7,9 +7,11 @@ grammar requests — and the block pool ends whole. Bad configurations are refus
 import argparse
 import json
 
+import httpx
 import jsonschema
 import numpy as np
 import pytest
+from server_fixtures import MODEL_NAME, ThreadServer
 from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import build_checkpoint
 
@@ -246,3 +248,17 @@ def test_grammar_requests_stay_valid_beside_speculating_ones(llama):
     jsonschema.validate(json.loads(spec[0].outputs[0].text), schema)
     assert llm.get_stats().spec_decode_num_accepted_tokens > 0
     llm.engine.check_pool_whole()
+
+
+def test_the_server_streams_speculated_tokens_and_exports_the_counts(llama):
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0}
+    with ThreadServer(llama, engine={"speculative_config": NGRAM}) as server:
+        plain = engine(llama).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24))
+        served = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert served["choices"][0]["text"] == plain[0].outputs[0].text
+        metrics = server.wait_idle()
+    drafted = metrics["aieng_spec_decode_num_draft_tokens_total"]
+    accepted = metrics["aieng_spec_decode_num_accepted_tokens_total"]
+    assert drafted >= accepted > 0 and metrics["aieng_spec_decode_num_drafts_total"] > 0
+    assert metrics["aieng_spec_decode_num_accepted_tokens_per_pos_total{position=0}"] > 0
+    assert metrics["aieng_spec_decode_num_accepted_tokens_per_pos_total"] == accepted
