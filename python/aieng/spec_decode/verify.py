@@ -12,6 +12,10 @@ own tokens and drafts 0..j-1. Position by position, over the requests still goin
   follows, otherwise the request stops here (x_j is the correction, or after every draft
   was accepted the bonus token).
 
+When no row of the step has a penalty, bad words or its own seed — nothing that depends on
+the tokens taken before a position — every position is drawn in one sampler pass and the
+walk along the drafts runs on the host: the same draws, one pass instead of 1 + k.
+
 This is Leviathan et al.'s / Chen et al.'s rejection sampling with a point-mass proposal
 q = δ(draft): the draft is accepted with probability min(1, p(draft) / q(draft)) = p(draft),
 and on rejection the token comes from norm(max(0, p - q)) = p without the draft — the same
@@ -68,6 +72,8 @@ def verify_and_sample(
     failed request's last), the count of each request (G,), their logprobs (rows index the
     flat tokens) and {slot: cause} of failed requests. Records the taken tokens in `table`."""
     starts, sizes = groups
+    if int(sizes.max(initial=1)) > 1 and not _depends_on_history(table, slots):
+        return _verify_in_one_pass(sampler, table, logits, slots, drafts, groups, rules, to_host)
     num_groups = len(starts)
     emitted: list[list[int]] = [[] for _ in range(num_groups)]
     going = np.arange(num_groups)
@@ -93,6 +99,51 @@ def verify_and_sample(
     counts = np.array([len(e) for e in emitted], np.int32)
     flat = np.array([t for e in emitted for t in e], np.int64)
     return flat, counts, _flat_logprobs(pieces, counts), failed
+
+
+def _depends_on_history(table: SamplingTable, slots: np.ndarray) -> bool:
+    """Whether a row's processing at a position depends on the tokens taken before it:
+    penalties, bad words, a seed (its noise is keyed by the output index) on a sampled row."""
+    seeded = table.has_seed[slots] & ~table.greedy[slots]
+    bad_words = bool(table.bad_words) and any(int(s) in table.bad_words for s in set(slots))
+    return bool(table.has_penalty[slots].any() or seeded.any() or bad_words)
+
+
+def _verify_in_one_pass(
+    sampler: Sampler,
+    table: SamplingTable,
+    logits: torch.Tensor,
+    slots: np.ndarray,
+    drafts: np.ndarray,
+    groups: tuple[np.ndarray, np.ndarray],
+    rules: RowRules,
+    to_host: ToHost,
+) -> tuple[np.ndarray, np.ndarray, SampledLogprobs, dict[int, str]]:
+    """verify_and_sample when no position depends on the ones before it: one pass draws
+    every position, then each request keeps its tokens up to its first rejected draft."""
+    starts, sizes = groups
+    drawn, logprobs, failed = sample_rows(sampler, table, logits, slots, rules, to_host)
+    # A position is kept when every draft before it in its request was accepted.
+    ok = (drawn >= 0) & (drawn == drafts)
+    group_of = np.repeat(np.arange(len(starts)), sizes)
+    misses_before = np.cumsum(~ok) - (~ok)  # over the whole step, this position excluded
+    keep = misses_before == misses_before[starts][group_of]  # none earlier in its request
+    counts = np.bincount(group_of[keep], minlength=len(starts)).astype(np.int32)
+    tokens = drawn[keep]
+    accepted = tokens >= 0
+    table.append_tokens(slots[keep][accepted], tokens[accepted])
+    flat_index = np.full(len(drawn), -1, np.int64)
+    flat_index[keep] = np.arange(int(keep.sum()))
+    if len(logprobs.rows):
+        kept = flat_index[logprobs.rows] >= 0
+        logprobs = SampledLogprobs(
+            rows=flat_index[logprobs.rows][kept],
+            chosen=logprobs.chosen[kept],
+            top_ids=logprobs.top_ids[kept],
+            top_logprobs=logprobs.top_logprobs[kept],
+            num_top=logprobs.num_top[kept],
+        )
+    return tokens, counts, logprobs, failed
 
 
 def _flat_logprobs(
