@@ -262,3 +262,16 @@ def test_the_server_streams_speculated_tokens_and_exports_the_counts(llama):
     assert drafted >= accepted > 0 and metrics["aieng_spec_decode_num_drafts_total"] > 0
     assert metrics["aieng_spec_decode_num_accepted_tokens_per_pos_total{position=0}"] > 0
     assert metrics["aieng_spec_decode_num_accepted_tokens_per_pos_total"] == accepted
+
+
+def test_abort_in_a_speculating_stream_leaves_the_pool_whole(llama):
+    llm = with_proposer(engine(llama, NGRAM), OracleProposer({}, 4, wrong=True))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
+    stream = llm.stream(PROMPTS[1], params)
+    first = next(stream)
+    assert first.prompt_logprobs is not None and first.outputs[0].token_ids
+    for _ in range(3):
+        next(stream)
+    stream.close()  # aborts the request between steps, drafts and all
+    assert llm.get_stats().spec_decode_num_draft_tokens > 0
+    llm.engine.check_pool_whole()
