@@ -18,7 +18,9 @@ from tiny_models import build_checkpoint
 from aieng import LLM, SamplingParams, StructuredOutputsParams
 from aieng.engine_args import EngineArgs
 from aieng.spec_decode.config import SpeculativeConfig
+from aieng.spec_decode.drafts import SpeculativeDecoding
 from aieng.spec_decode.ngram import NgramProposer
+from aieng.spec_decode.proposer import ProposalRequest
 
 VOCAB = 384
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -275,3 +277,18 @@ def test_abort_in_a_speculating_stream_leaves_the_pool_whole(llama):
     stream.close()  # aborts the request between steps, drafts and all
     assert llm.get_stats().spec_decode_num_draft_tokens > 0
     llm.engine.check_pool_whole()
+
+
+def test_a_request_whose_drafts_fail_proposes_only_to_probe():
+    spec = SpeculativeDecoding(SpeculativeConfig.from_dict(NGRAM))
+    spec.proposer = OracleProposer({}, 4, wrong=True)
+    requests = [ProposalRequest("bad", np.array([1, 2]), 10)]
+    proposed = []
+    for _ in range(20):
+        [draft] = spec.propose(requests)
+        proposed.append(bool(draft))
+        if draft:  # one verification: every draft rejected, one token taken
+            spec.record(np.zeros(1 + len(draft), np.int32), np.array([1]), ["bad"])
+    # 4 drafts a step: judged poor after 16 draft tokens, then one probe every 8 steps.
+    assert proposed[:4] == [True] * 4 and proposed[4:12] == [False] * 7 + [True]
+    assert spec.num_drafts == sum(proposed) and spec.num_accepted_tokens == 0

@@ -449,11 +449,17 @@ class LLMEngine:
             tokens = np.where(tokens < 0, 0, tokens)  # their requests are gone from the core
         out = self.core.update(tokens, result.num_sampled)
         if self.speculation is not None:
-            self.speculation.record(plan.sample_request_rows, result.num_sampled)
+            self._record_speculation(plan, result)
         outputs = failed + self._process(plan, out, result)
         if self.speculation is not None and self.speculation.wanted(self.core.num_running):
             self._propose(np.unique(out.slots))
         return outputs
+
+    def _record_speculation(self, plan, result: ModelRunnerOutput) -> None:
+        rows = np.unique(plan.sample_request_rows)
+        live = (self._by_slot.get(slot) for slot in plan.slots[rows].tolist())
+        ids = [entry[1].core_id if entry is not None else "" for entry in live]
+        self.speculation.record(plan.sample_request_rows, result.num_sampled, ids)
 
     def _propose(self, slots: np.ndarray) -> None:
         """Drafts for the live sequences that took tokens this step (a request with a grammar
