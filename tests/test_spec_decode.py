@@ -292,3 +292,16 @@ def test_a_request_whose_drafts_fail_proposes_only_to_probe():
     # 4 drafts a step: judged poor after 16 draft tokens, then one probe every 8 steps.
     assert proposed[:4] == [True] * 4 and proposed[4:12] == [False] * 7 + [True]
     assert spec.num_drafts == sum(proposed) and spec.num_accepted_tokens == 0
+
+
+def test_no_drafts_in_a_batch_above_disable_by_batch_size(llama):
+    config = {**NGRAM, "disable_by_batch_size": 1}
+    assert SpeculativeDecoding(SpeculativeConfig.from_dict(config)).wanted(1)
+    llm = with_proposer(engine(llama, config), OracleProposer({}, 4, wrong=True))
+    two = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 12)]
+    llm.generate(PROMPTS[:2], two, use_tqdm=False)
+    # Drafts only once the shorter request ended: steps 7..12 of the longer one, alone.
+    assert 0 < llm.get_stats().spec_decode_num_drafts <= 6
+    llm.generate(PROMPTS[:1], two[0], use_tqdm=False)
+    assert llm.get_stats().spec_decode_num_drafts > 6
+    llm.engine.check_pool_whole()
