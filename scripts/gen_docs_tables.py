@@ -42,7 +42,12 @@ def metrics_table() -> str:
 
     metrics = ServerMetrics(
         "model",
-        stats=lambda: EngineStats(kv_cache_dtype="float32", block_size=16, num_blocks=1),
+        stats=lambda: EngineStats(
+            kv_cache_dtype="float32",
+            block_size=16,
+            num_blocks=1,
+            kernels={"attention_backend": "cpu", "linear_kernels": "", "cpu_isa": ""},
+        ),
         gpu_memory=lambda: Figures(),
         cost_per_hour=1.0,
         load_phases=lambda: {"build": 0.0},

@@ -14,6 +14,7 @@ from aieng.attention.cpu_paged import CpuPagedAttention, checked_cpu_backend
 from aieng.attention.cuda_self_check import (
     PREFILLS,
     SPLIT_DECODES,
+    TOLERANCE,
     WHOLE_DECODES,
     RequestSpec,
     run_case,
@@ -56,22 +57,46 @@ def test_matches_the_torch_reference(heads, kv_heads, head_dim, window, softcap,
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "dtype, int8",
+    [(torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["fp32-int8-cache", "bf16", "bf16-int8-cache"],
+)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 40), (6, 1, 128)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, 1.5)])
+def test_bf16_and_int8_caches_match_the_torch_reference(
+    dtype, int8, heads, kv_heads, head_dim, window, softcap
+):
+    """The cache read in place in the model's dtype or as int8 with its scales (applied inside
+    the kernel): the torch reference dequantizes the same cache, so only arithmetic differs."""
+    layer = Attention(heads, kv_heads, head_dim, 0, sliding_window=window, logit_softcap=softcap)
+    for seed, specs in enumerate(CASES):
+        got, want = run_case(
+            CpuPagedAttention(), layer, specs, 16, dtype, int8, torch.device("cpu"), seed
+        )
+        assert got.dtype == dtype
+        tolerance = TOLERANCE.get(dtype, 1e-4)
+        torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("isa", _core.cpu_isa_paths())
 def test_every_instruction_set_path(isa):
     layer = Attention(8, 2, 64, 0, sliding_window=33)
     backend = CpuPagedAttention()
     original = _core.paged_attention
 
-    def forced(*args):
-        return original(*args, isa)
+    def forced(*args, **scales):
+        return original(*args, isa, **scales)
 
     try:
         _core.paged_attention = forced
         for seed, specs in enumerate(CASES):
-            got, want = run_case(
-                backend, layer, specs, 16, torch.float32, False, torch.device("cpu"), seed
-            )
-            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+            for dtype, int8 in ((torch.float32, False), (torch.bfloat16, True)):
+                got, want = run_case(
+                    backend, layer, specs, 16, dtype, int8, torch.device("cpu"), seed
+                )
+                tolerance = TOLERANCE[dtype] if dtype != torch.float32 else 2e-5
+                torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=1e-3)
     finally:
         _core.paged_attention = original
 
@@ -99,12 +124,15 @@ def test_selection_and_its_check(monkeypatch, caplog):
     assert isinstance(
         select_attention_backend("torch", llama_config(), cpu, torch.float32), TorchPagedAttention
     )
-    with pytest.raises(ValueError, match=r"'cpu' cannot serve this model: .*float32"):
-        select_attention_backend("cpu", llama_config(), cpu, torch.bfloat16)
-    with pytest.raises(ValueError, match=r"'cpu' cannot serve this model: .*int8"):
-        select_attention_backend("cpu", llama_config(), cpu, torch.float32, "int8")
+    for dtype, cache in ((torch.bfloat16, "auto"), (torch.float32, "int8")):
+        chosen = select_attention_backend("cpu", llama_config(), cpu, dtype, cache)
+        assert isinstance(chosen, CpuPagedAttention)
+    with pytest.raises(ValueError, match=r"'cpu' cannot serve this model: .*float16"):
+        select_attention_backend("cpu", llama_config(), cpu, torch.float16)
+    with pytest.raises(ValueError, match=r"'cpu' cannot serve this model: .*fp8"):
+        select_attention_backend("cpu", llama_config(), cpu, torch.float32, "fp8")
 
-    def wrong(q, k, v, out, *rest):
+    def wrong(q, k, v, out, *rest, **scales):
         out[:] = 0.0
 
     monkeypatch.setattr(_core, "paged_attention", wrong)
@@ -147,3 +175,18 @@ def test_models_follow_the_torch_backend(tmp_path, arch):
             torch.testing.assert_close(
                 torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0
             )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_models_follow_the_torch_backend_through_an_int8_cache(tmp_path, arch):
+    """The INT8 cache read in place by the cpu kernel and dequantized by the torch reference:
+    the same stored values, so the same greedy tokens and logprobs within float rounding."""
+    folder = build_checkpoint(arch, tmp_path / arch)
+    want = greedy_logprobs(folder, "torch", kv_cache_dtype="int8")
+    chunked = {"max_num_batched_tokens": 8, "max_num_seqs": 2}
+    got = greedy_logprobs(folder, "cpu", kv_cache_dtype="int8", **chunked)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        torch.testing.assert_close(
+            torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0
+        )

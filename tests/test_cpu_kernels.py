@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from quantized_checkpoints import min_max_quantize
+from server_fixtures import ThreadServer, make_model_dir
 from test_quantized_checkpoints import CASES, Quantized
 
 from aieng import _core
@@ -212,6 +213,19 @@ def test_the_auto_kernel_follows_transformers(quantized, caplog):
                 break
             assert abs(request.logprobs[i] - logprobs[i]) < 0.05
     assert differences <= 1
+
+
+def test_the_chosen_kernels_are_named_in_model_info_and_metrics(tmp_path):
+    """The start-up choices (attention backend, the linear layers' kernels, the instruction
+    set) reach ModelInfo and /metrics as `aieng_kernel_config_info`."""
+    with ThreadServer(make_model_dir(tmp_path)) as server:
+        kernels = server.in_engine(lambda engine: dict(engine.model_info.kernels))
+        metrics = server.metrics()
+    assert kernels["attention_backend"] == "cpu", kernels
+    assert kernels["cpu_isa"] == _core.cpu_isa(), kernels
+    assert kernels["linear_kernels"].endswith(" dense"), kernels  # a float checkpoint
+    labels = ",".join(f"{k}={kernels[k]}" for k in sorted(kernels))
+    assert metrics[f"aieng_kernel_config_info{{{labels}}}"] == 1, sorted(metrics)
 
 
 # --- the dense GEMV --------------------------------------------------------------------------

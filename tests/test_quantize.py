@@ -474,7 +474,8 @@ def test_cli_help_and_error_as_a_process(plain_model, tmp_path):
 
 def test_lm_head_quantized_on_request(tmp_path):
     """--quantize-lm-head: the head is written quantized (and left out of `ignore`), aieng loads
-    it with a quantized method; a head tied to the embeddings is refused in one line."""
+    it with a quantized method; a head tied to the embeddings gets its own quantized copy (the
+    checkpoint is written untied, the embeddings float)."""
     from unittest import mock
 
     from aieng.layers.linear import Linear
@@ -498,8 +499,21 @@ def test_lm_head_quantized_on_request(tmp_path):
     assert torch.equal(aieng_dequantize(head), expected.dequantize())
 
     tied = _tiny(tmp_path / "tied", arch="qwen2")
-    with pytest.raises(QuantizeError, match="tied to the embeddings"):
-        quantize_checkpoint(tied, tmp_path / "tied-int4", options, None)
+    assert json.loads((tied / "config.json").read_text())["tie_word_embeddings"]
+    tied_out = tmp_path / "tied-int4"
+    quantize_checkpoint(tied, tied_out, options, None)
+    written = json.loads((tied_out / "config.json").read_text())
+    assert written["tie_word_embeddings"] is False
+    assert written["quantization_config"]["ignore"] == []
+    float_embeddings = load_file(tied / "model.safetensors")["model.embed_tokens.weight"]
+    stored = load_file(tied_out / "model.safetensors")
+    assert torch.equal(stored["model.embed_tokens.weight"], float_embeddings)
+    assert "lm_head.weight" not in stored and "lm_head.weight_packed" in stored
+    with mock.patch.object(linear_method, "int4_kernel_available", lambda: False):
+        model, _ = load_model(tied_out)
+    assert isinstance(model.lm_head.method, QuantizedLinearMethod)
+    expected = quantize_rtn(float_embeddings, scheme).dequantize()
+    assert torch.equal(aieng_dequantize(model.lm_head), expected)
 
 
 def test_awq_refuses_post_norm_architectures(tmp_path, calib_file):

@@ -327,8 +327,8 @@ def dense_gemv(
 
 def paged_attention(
     q: _F32,
-    k_cache: _F32,
-    v_cache: _F32,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
     out: _F32,
     query_start_loc: _I32,
     seq_lens: _I32,
@@ -338,8 +338,11 @@ def paged_attention(
     softcap: float,
     threads: int,
     isa: str | None = None,
+    k_scale: np.ndarray | None = None,
+    v_scale: np.ndarray | None = None,
 ) -> None:
-    """out (T, H, D) = attention of q over the paged float32 K/V caches, read in place."""
+    """out (T, H, D) float32 = attention of q over the paged K/V caches, read in place: float32,
+    bfloat16 (as uint16 bits) or int8 with k_scale/v_scale (float32 or bfloat16 bits)."""
 
 def int8_peak_ops(threads: int, iterations: int = 20_000_000) -> float | None:
     """Int8 operations per second of independent vpdpbusd chains (None without AVX-512 VNNI)."""

@@ -130,6 +130,7 @@ def _model_info(config: EngineConfig, executor: Executor) -> ModelInfo:
         tensor_parallel_size=config.parallel.tensor_parallel_size,
         generation_defaults=dict(config.model.generation_defaults),
         load_phases=executor.load_phases,
+        kernels=executor.kernels,
     )
 
 
@@ -157,7 +158,7 @@ class LLMEngine:
         self.executor = make_executor(resolved, on_failure=self._runner_failed)
         try:
             memory = self.executor.determine_available_memory()
-            self.executor.initialize_cache(self.executor.driver.runner.num_blocks_for(memory))
+            self.executor.initialize_cache(self.executor.num_blocks_for(memory))
         except BaseException:
             self.executor.shutdown()
             raise
@@ -376,6 +377,7 @@ class LLMEngine:
             kv_cache_dtype=self.model_info.kv_cache_dtype,
             block_size=self.model_info.block_size,
             max_num_seqs=self.model_info.max_num_seqs,
+            kernels=self.model_info.kernels,
             heartbeat=time.monotonic(),
         )
 

@@ -217,7 +217,8 @@ class EngineArgs:
     attention_backend: str = option(
         "auto",
         "attention implementation; auto: the best for the device (the CUDA kernels on an NVIDIA "
-        "GPU in float16/bfloat16, the Rust core's kernel on the CPU in float32, each once it "
+        "GPU in float16/bfloat16, the Rust core's kernel on the CPU in float32 or bfloat16 (a "
+        "float or INT8 cache), each once it "
         "passes its start-up check); cuda, cpu: those kernels; torch: the paged reference, on "
         "any device",
         choices=ATTENTION_BACKENDS,
@@ -270,6 +271,13 @@ class EngineArgs:
         "hung and the engine stops",
         check=positive,
         metavar="S",
+    )
+    distributed_executor_backend: str = option(
+        "mp",
+        "how the tensor-parallel ranks 1..N-1 run: mp, processes this machine spawns (or a "
+        "launcher's); ray, Ray actors in a placement group, on any node of the Ray cluster "
+        "(pip install 'aieng[ray]'; RAY_ADDRESS or a local cluster)",
+        choices=("mp", "ray"),
     )
 
     def __post_init__(self) -> None:

@@ -37,6 +37,8 @@ class ModelInfo:
     # generation_config.json's sampling defaults, as SamplingParams fields
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
     load_phases: Mapping[str, float] = field(default_factory=dict)  # seconds per load phase
+    # the compute paths chosen at load: attention_backend, linear_kernels, cpu_isa ('' off CPU)
+    kernels: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class EngineStats:
     kv_cache_dtype: str = ""  # 'int8' or the model's dtype; '' before the engine is loaded
     block_size: int = 0
     max_num_seqs: int = 0  # the batch's capacity in requests; 0 before the engine is loaded
+    kernels: Mapping[str, str] = field(default_factory=dict)  # ModelInfo.kernels
     heartbeat: float = 0.0  # time.monotonic() of the loop's last turn
     # Speculative decoding (zero without it): verified drafts, their tokens, the tokens
     # accepted, and accepted tokens per draft position (vLLM's spec_decode figures).

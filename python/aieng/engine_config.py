@@ -53,6 +53,7 @@ class ParallelConfig:
     rank: int = 0
     local_rank: int = 0  # the rank's device index on its machine
     distributed_timeout_s: float = 600.0
+    distributed_executor_backend: str = "mp"  # ranks 1..N-1: "mp" processes or "ray" actors
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ def create_engine_config(args: EngineArgs, tokenizer: Any = None) -> EngineConfi
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             distributed_timeout_s=args.distributed_timeout_s,
+            distributed_executor_backend=args.distributed_executor_backend,
         ),
         speculative=(
             SpeculativeConfig.from_dict(args.speculative_config)

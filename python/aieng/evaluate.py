@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -32,6 +32,7 @@ class PerplexityResult:
     window: int
     stride: int
     seconds: float
+    kernels: dict[str, str] = field(default_factory=dict)  # ModelInfo.kernels of the scorer
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,11 +94,14 @@ def perplexity(
     device: str | None = None,
     kv_cache_dtype: str = "auto",
     tensor_parallel_size: int = 1,
+    cpu_quant_kernel: str = "auto",
 ) -> PerplexityResult:
     """Perplexity of the checkpoint folder `model` on a UTF-8 text file. `window` defaults to the
     model's context, `stride` to half the window; `max_tokens` scores only the text's start.
-    kv_cache_dtype: EngineArgs.kv_cache_dtype ('int8' scores through an INT8 cache). Scored by an
-    engine (`LLMEngine.prompt_logprobs`), so tensor_parallel_size > 1 scores across ranks."""
+    kv_cache_dtype: EngineArgs.kv_cache_dtype ('int8' scores through an INT8 cache);
+    cpu_quant_kernel: EngineArgs.cpu_quant_kernel (the quantized layers' kernel on the CPU).
+    Scored by an engine (`LLMEngine.prompt_logprobs`), so tensor_parallel_size > 1 scores across
+    ranks."""
     path = Path(text_file)
     if not path.is_file():
         raise FileNotFoundError(f"no such text file: {path}")
@@ -110,6 +114,7 @@ def perplexity(
         kv_cache_memory=16 << 20,
         kv_cache_dtype=kv_cache_dtype,
         tensor_parallel_size=tensor_parallel_size,
+        cpu_quant_kernel=cpu_quant_kernel,
     )
     engine = LLMEngine(args)
     try:
@@ -123,6 +128,7 @@ def perplexity(
             raise InvalidArgumentError(
                 f"window {window} exceeds the model's context of {context} tokens"
             )
-        return perplexity_of_ids(engine, ids, window, stride)
+        result = perplexity_of_ids(engine, ids, window, stride)
+        return replace(result, kernels=dict(engine.model_info.kernels))
     finally:
         engine.shutdown()

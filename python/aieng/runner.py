@@ -29,9 +29,11 @@ from aieng.gpu_memory import log_gpu_memory
 from aieng.host_memory import available_ram
 from aieng.input_buffers import InputBuffers
 from aieng.isolated_sampling import RowRules
+from aieng.kernels.cpu_int8 import cpu_isa
 from aieng.kv_cache import KVCacheSpec
 from aieng.models.loader import LoadTimes, load_model
 from aieng.prompt_logprobs import PromptScorer
+from aieng.quantization.methods import describe_linear_kernels
 from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, RunnerStep, SampledLogprobs
 from aieng.sampler import Sampler, SamplerOutput, SamplingTable
 from aieng.spec_decode.verify import draft_tokens, sampling_groups, verify_and_sample
@@ -143,6 +145,14 @@ class ModelRunner:
         blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         max_num_seqs = self.engine_config.scheduler.max_num_seqs
         return max(0, min(memory, max_num_seqs * blocks_per_seq * self.block_bytes))
+
+    def kernel_names(self) -> dict[str, str]:
+        """The compute paths chosen at load, for the start-up log and /metrics."""
+        return {
+            "attention_backend": self.attention.name,
+            "linear_kernels": describe_linear_kernels(self.model),
+            "cpu_isa": cpu_isa() if self.device.type == "cpu" else "",
+        }
 
     def num_blocks_for(self, memory: int) -> int:
         """How many KV blocks `memory` bytes hold (ValueError when not one)."""

@@ -11,7 +11,7 @@ import math
 import struct
 from dataclasses import dataclass
 
-from aieng._core import InvalidArgumentError
+from aieng.errors import invalid_field
 from aieng.structured_outputs import StructuredOutputsParams
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
@@ -138,9 +138,10 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value > limit:
-                raise InvalidArgumentError(
+                raise invalid_field(
+                    name,
                     f"{name}: {value} were asked for, at most {limit} are allowed (the engine's "
-                    f"max_logprobs is {max_logprobs}, the vocabulary has {vocab_size} tokens)"
+                    f"max_logprobs is {max_logprobs}, the vocabulary has {vocab_size} tokens)",
                 )
         token_fields = {
             "stop_token_ids": self.stop_token_ids or (),
@@ -150,9 +151,8 @@ class SamplingParams:
         for name, tokens in token_fields.items():
             for token in tokens:
                 if not 0 <= token < vocab_size:
-                    raise InvalidArgumentError(
-                        f"{name}: token id {token} is outside the vocabulary [0, {vocab_size})"
-                    )
+                    message = f"token id {token} is outside the vocabulary [0, {vocab_size})"
+                    raise invalid_field(name, f"{name}: {message}")
 
 
 MAX_LOGIT_BIAS = 100.0

@@ -5,8 +5,11 @@ row, an online softmax over chunks of positions, sliding windows, soft-capped sc
 torch's thread count with the GIL released. Nothing of the context is gathered or copied: the
 step's new K/V are written to their slots first, then read back like the rest of the context.
 
-It serves float32 models with a float32 cache; `aieng.attention.selector` picks it on the CPU
-after it passed its start-up check against the torch reference (`checked_cpu_backend`).
+It serves float32 and bfloat16 models with a cache in the model's dtype or the INT8 cache (one
+scale per position and KV head, applied inside the kernel: nothing is dequantized into a copy);
+the arithmetic is float32 (bfloat16 queries are widened, the output narrowed back).
+`aieng.attention.selector` picks it on the CPU after it passed its start-up check against the
+torch reference for the model's dtype and cache (`checked_cpu_backend`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from aieng.attention.backend import (
 )
 from aieng.config import ModelConfig
 from aieng.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
-from aieng.kernels.reference import write_kv_cache
+from aieng.kernels.reference import write_kv_cache, write_quantized_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +51,10 @@ def cpu_attention_unsupported_reason(
     """Why the cpu backend cannot serve here, or None when it can."""
     if device.type != "cpu":
         return f"it runs on the CPU only (device {device})"
-    if dtype != torch.float32:
-        return f"it takes float32 models and caches, not {dtype}"
-    if kv_cache_dtype != "auto":
-        return f"it reads float caches only, not kv_cache_dtype {kv_cache_dtype!r}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"it takes float32 and bfloat16 models, not {dtype}"
+    if kv_cache_dtype not in CpuPagedAttention.kv_cache_dtypes:
+        return f"it reads float and int8 caches, not kv_cache_dtype {kv_cache_dtype!r}"
     if not hasattr(_core, "paged_attention"):
         return "the Rust core was built without it"
     return None
@@ -59,7 +62,7 @@ def cpu_attention_unsupported_reason(
 
 class CpuPagedAttention(AttentionBackend):
     name = "cpu"
-    kv_cache_dtypes = ("auto",)
+    kv_cache_dtypes = ("auto", "int8")
 
     def __init__(self, sliding_windows: tuple[int | None, ...] = (None,)):
         """sliding_windows: the model's (each layer passes its own; kept for introspection)."""
@@ -82,16 +85,25 @@ class CpuPagedAttention(AttentionBackend):
         kv_cache: KVCache | None,
         metadata: CpuAttentionMetadata,
     ) -> torch.Tensor:
-        if kv_cache is None or isinstance(kv_cache, QuantizedKVCache):
-            raise ValueError("the cpu attention backend needs a float32 KV cache")
-        k_cache, v_cache = kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        q = q.to(torch.float32).contiguous()
-        out = torch.empty_like(q)
+        if kv_cache is None:
+            raise ValueError("the cpu attention backend needs a KV cache")
+        scales: dict[str, np.ndarray] = {}
+        if isinstance(kv_cache, QuantizedKVCache):
+            write_quantized_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+            k_cache, v_cache = kv_cache.k, kv_cache.v
+            scales = {
+                "k_scale": _as_array(kv_cache.k_scale),
+                "v_scale": _as_array(kv_cache.v_scale),
+            }
+        else:
+            k_cache, v_cache = kv_cache
+            write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        q32 = q.to(torch.float32).contiguous()
+        out = torch.empty_like(q32)
         _core.paged_attention(
-            q.numpy(),
-            k_cache.numpy(),
-            v_cache.numpy(),
+            q32.numpy(),
+            _as_array(k_cache),
+            _as_array(v_cache),
             out.numpy(),
             metadata.query_start_loc,
             metadata.seq_lens,
@@ -100,14 +112,26 @@ class CpuPagedAttention(AttentionBackend):
             layer.sliding_window or 0,
             layer.logit_softcap or 0.0,
             torch.get_num_threads(),
+            **scales,
         )
-        return out
+        return out.to(q.dtype)
 
 
-def checked_cpu_backend(config: ModelConfig) -> CpuPagedAttention | None:
-    """A `CpuPagedAttention` that passed the start-up check for this model's heads, windows and
-    soft-cap (decodes and fresh and chunked prefills, block sizes 16 and 32, against the torch
-    reference), or None after a warning naming what failed."""
+def _as_array(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a cache tensor's buffer (bfloat16 as its uint16 bits: numpy has no
+    bfloat16)."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.uint16)
+    return tensor.numpy()
+
+
+def checked_cpu_backend(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, int8: bool = False
+) -> CpuPagedAttention | None:
+    """A `CpuPagedAttention` that passed the start-up check for this model's heads, windows,
+    soft-cap, dtype and cache (`int8`: the INT8 cache) — decodes and fresh and chunked prefills,
+    block sizes 16 and 32, against the torch reference — or None after a warning naming what
+    failed."""
     from aieng.attention.cuda_self_check import PREFILLS, SPLIT_DECODES, check_case
     from aieng.attention.layer import Attention
 
@@ -124,7 +148,7 @@ def checked_cpu_backend(config: ModelConfig) -> CpuPagedAttention | None:
         )
         for block_size in (16, 32):
             for seed, specs in enumerate((SPLIT_DECODES, PREFILLS)):
-                args = (specs, block_size, torch.float32, False, torch.device("cpu"), seed)
+                args = (specs, block_size, dtype, int8, torch.device("cpu"), seed)
                 if not check_case(backend, "cpu paged_attention", layer, *args, "cpu attention"):
                     return None
     return backend

@@ -22,7 +22,8 @@ def select_attention_backend(
     """`name` is EngineArgs.attention_backend: 'auto' picks the fastest backend verified for
     this device, the model's dtype and the cache's (EngineArgs.kv_cache_dtype): the CUDA
     kernels on an NVIDIA GPU in float16/bfloat16 when they compile and pass their self-check,
-    the Rust core's kernel on the CPU in float32 when it passes its own, else the torch
+    the Rust core's kernel on the CPU in float32/bfloat16 (a float or INT8 cache) when it passes
+    its own, else the torch
     reference; 'cuda' and 'cpu' ask for those kernels (ValueError where they cannot serve the
     model; the reference, after a warning, where they fail the self-check); 'torch' forces the
     reference."""
@@ -40,7 +41,8 @@ def select_attention_backend(
         from aieng.attention.cpu_paged import checked_cpu_backend, cpu_attention_unsupported_reason
 
         reason = cpu_attention_unsupported_reason(device, dtype, kv_cache_dtype)
-        if reason is None and (cpu := checked_cpu_backend(config)):
+        int8 = kv_cache_dtype == "int8"
+        if reason is None and (cpu := checked_cpu_backend(config, dtype, int8)):
             return cpu
         if reason is not None and name == "cpu":
             raise ValueError(f"attention_backend 'cpu' cannot serve this model: {reason}")

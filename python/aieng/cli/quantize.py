@@ -58,8 +58,9 @@ def add_quantize(commands) -> None:
     )  # fmt: skip
     p.add_argument(
         "--quantize-lm-head", action="store_true",
-        help="quantize the LM head too (round to nearest); by default it stays float (refused "
-        "when it is tied to the embeddings)",
+        help="quantize the LM head too (round to nearest); by default it stays float. A head "
+        "tied to the embeddings gets its own quantized copy (the checkpoint is written untied; "
+        "the embedding lookup keeps the float rows)",
     )  # fmt: skip
     calib = p.add_argument_group("calibration (awq, --clip)")
     calib.add_argument(

@@ -38,6 +38,10 @@ def make_executor(
         from aieng.executor.uniproc import UniprocExecutor
 
         return UniprocExecutor(config)
+    if config.parallel.distributed_executor_backend == "ray":
+        from aieng.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, on_failure)
     from aieng.distributed.rank import launched_place
     from aieng.executor.multiproc import MultiprocExecutor
 

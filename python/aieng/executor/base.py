@@ -61,6 +61,10 @@ class Executor(ABC):
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", (num_blocks,))
 
+    def num_blocks_for(self, memory: int) -> int:
+        """How many KV blocks `memory` bytes hold on every rank (ValueError when not one)."""
+        return self.driver.runner.num_blocks_for(memory)
+
     def prompt_logprobs(self, token_ids: Sequence[int], chunk_size: int | None = None):
         return self.collective_rpc("prompt_logprobs", (token_ids,), {"chunk_size": chunk_size})
 
@@ -69,6 +73,10 @@ class Executor(ABC):
     @property
     def block_bytes(self) -> int:
         return self.driver.runner.block_bytes
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        return self.driver.runner.kernel_names()
 
     @property
     def num_blocks(self) -> int:

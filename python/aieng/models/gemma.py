@@ -24,14 +24,12 @@ import torch
 from torch import nn
 
 from aieng.attention.backend import ForwardContext
-from aieng.attention.layer import Attention
 from aieng.config import ModelConfig
-from aieng.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
 from aieng.layers.activation import gelu_tanh_and_mul
+from aieng.layers.attention_block import AttentionOptions, DecoderSelfAttention
 from aieng.layers.blocks import GatedMLP, causal_lm_logits
-from aieng.layers.linear import Linear, LinearMethodChooser, dense_everywhere
+from aieng.layers.linear import LinearMethodChooser, dense_everywhere
 from aieng.layers.norm import RMSNorm
-from aieng.layers.parallel import qkv_parallel, row_parallel
 from aieng.layers.rotary import RotaryEmbedding
 from aieng.layers.vocab_parallel import (
     VocabParallelEmbedding,
@@ -43,70 +41,21 @@ def _norm(config: ModelConfig, size: int, dtype: torch.dtype) -> RMSNorm:
     return RMSNorm(size, config.rms_norm_eps, dtype, unit_offset=True)
 
 
-class GemmaAttention(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        methods: LinearMethodChooser,
-        layer_index: int,
-        prefix: str,
-    ):
-        super().__init__()
-        # This tensor-parallel rank's heads (all of them with one rank).
-        self.num_heads = heads_per_rank(config.num_attention_heads)
-        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads)
-        self.head_dim = config.head_dim
-        q_size = config.num_attention_heads * self.head_dim
-        kv_size = config.num_key_value_heads * self.head_dim
-        bias, hidden = config.attention_bias, config.hidden_size
-        self.qkv_proj = Linear(
-            hidden,
-            [q_size, kv_size, kv_size],
-            bias,
-            dtype,
-            methods,
-            f"{prefix}.qkv_proj",
-            qkv_parallel(
-                hidden, config.num_attention_heads, config.num_key_value_heads, self.head_dim
-            ),
-        )
-        self.o_proj = Linear(
-            q_size,
-            hidden,
-            bias,
-            dtype,
-            methods,
-            f"{prefix}.o_proj",
-            row_parallel(q_size, [hidden], "num_attention_heads"),
-        )
-        if config.qk_norm:  # Gemma 3: per head
-            self.q_norm = _norm(config, self.head_dim, dtype)
-            self.k_norm = _norm(config, self.head_dim, dtype)
-        self.rotary = rotary
-        self.attn = Attention(
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            layer_index,
-            scale=config.attention_scale,
-            sliding_window=config.layer_sliding_windows[layer_index],
-            logit_softcap=config.attn_logit_softcapping,
-        )
+def _attention_options(
+    config: ModelConfig, dtype: torch.dtype, layer_index: int
+) -> AttentionOptions:
+    """Gemma's attention in the shared block: the biases of q/k/v on o_proj too, the layer's
+    window, Gemma 2's score soft-capping, Gemma 3's per-head q/k norm."""
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, ctx)  # (T, H, D)
-        return self.o_proj(out.flatten(1))
+    def qk_norm(size: int, part: tuple[int, int]) -> nn.Module:
+        return _norm(config, size, dtype)
+
+    return AttentionOptions(
+        o_proj_bias=config.attention_bias,
+        sliding_window=config.layer_sliding_windows[layer_index],
+        logit_softcap=config.attn_logit_softcapping,
+        qk_norm=qk_norm if config.qk_norm else None,
+    )
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -121,8 +70,14 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         prefix = f"model.layers.{layer_index}"
         size = config.hidden_size
-        self.self_attn = GemmaAttention(
-            config, rotary, dtype, methods, layer_index, f"{prefix}.self_attn"
+        self.self_attn = DecoderSelfAttention(
+            config,
+            rotary,
+            dtype,
+            methods,
+            layer_index,
+            f"{prefix}.self_attn",
+            _attention_options(config, dtype, layer_index),
         )
         self.mlp = GatedMLP(config, dtype, methods, f"{prefix}.mlp", gelu_tanh_and_mul)
         self.input_layernorm = _norm(config, size, dtype)

@@ -20,15 +20,14 @@ import torch
 from torch import nn
 
 from aieng.attention.backend import ForwardContext
-from aieng.attention.layer import Attention
 from aieng.config import ModelConfig
-from aieng.distributed.parallel_state import get_tp_world_size, heads_per_rank, kv_heads_per_rank
+from aieng.distributed.parallel_state import get_tp_world_size
 from aieng.layers.activation import silu_and_mul
+from aieng.layers.attention_block import AttentionOptions, DecoderSelfAttention, NormFactory
 from aieng.layers.blocks import GatedMLP, causal_lm_logits
-from aieng.layers.linear import Linear, LinearMethodChooser, dense_everywhere
+from aieng.layers.linear import LinearMethodChooser, dense_everywhere
 from aieng.layers.moe import MIXTRAL_EXPERT_NAMES, ExpertNames, SparseMoE
 from aieng.layers.norm import RMSNorm, SplitRMSNorm
-from aieng.layers.parallel import qkv_parallel, row_parallel
 from aieng.layers.rotary import RotaryEmbedding
 from aieng.layers.vocab_parallel import (
     VocabParallelEmbedding,
@@ -40,87 +39,29 @@ def _norm(config: ModelConfig, size: int, dtype: torch.dtype) -> RMSNorm:
     return RMSNorm(size, config.rms_norm_eps, dtype, config.norm_weight_in_float32)
 
 
-class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        methods: LinearMethodChooser,
-        layer_index: int,
-        prefix: str,
-    ):
-        super().__init__()
-        # This tensor-parallel rank's heads (all of them with one rank).
-        self.num_heads = heads_per_rank(config.num_attention_heads)
-        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads)
-        self.head_dim = config.head_dim
-        q_size = config.num_attention_heads * self.head_dim
-        kv_size = config.num_key_value_heads * self.head_dim
-        hidden = config.hidden_size
-        self.qkv_proj = Linear(
-            hidden,
-            [q_size, kv_size, kv_size],
-            config.attention_bias,
-            dtype,
-            methods,
-            f"{prefix}.qkv_proj",
-            qkv_parallel(
-                hidden, config.num_attention_heads, config.num_key_value_heads, self.head_dim
-            ),
-        )
-        self.o_proj = Linear(
-            q_size,
-            hidden,
-            config.o_proj_bias,
-            dtype,
-            methods,
-            f"{prefix}.o_proj",
-            row_parallel(q_size, [hidden], "num_attention_heads"),
-        )
-        if config.qk_norm:  # Qwen3: per head
-            self.q_norm = _norm(config, self.head_dim, dtype)
-            self.k_norm = _norm(config, self.head_dim, dtype)
-        elif config.qk_norm_across_heads:  # OLMo 2: over the whole projection
-            q_part, k_part, _ = self.qkv_proj.shard.output_slices
-            self.q_norm = _norm_across_heads(config, q_size, q_part, dtype)
-            self.k_norm = _norm_across_heads(config, kv_size, k_part, dtype)
-        self.norm_per_head = config.qk_norm
-        self.rotary = None if layer_index in config.no_rope_layers else rotary
-        self.attn = Attention(
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            layer_index,
-            scale=config.attention_scale,
-            sliding_window=config.sliding_window,
-        )
+def _attention_options(config: ModelConfig, dtype: torch.dtype) -> AttentionOptions:
+    """Llama's attention in the shared block: its own o_proj bias, Qwen3's per-head q/k norm or
+    OLMo 2's across all heads (over every rank's heads under tensor parallelism)."""
+    qk_norm: NormFactory | None = None
+    if config.qk_norm:  # Qwen3: per head
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        if hasattr(self, "q_norm") and not self.norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm") and self.norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
-            q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, ctx)  # (T, H, D)
-        return self.o_proj(out.flatten(1))
+        def qk_norm(size: int, part: tuple[int, int]) -> nn.Module:
+            return _norm(config, size, dtype)
 
+    elif config.qk_norm_across_heads:  # OLMo 2: over the whole projection
 
-def _norm_across_heads(
-    config: ModelConfig, size: int, part: tuple[int, int], dtype: torch.dtype
-) -> nn.Module:
-    """OLMo 2's q or k norm over all heads: with several ranks, over the heads of all of them."""
-    if get_tp_world_size() == 1:
-        return _norm(config, size, dtype)
-    eps, in_float32 = config.rms_norm_eps, config.norm_weight_in_float32
-    return SplitRMSNorm(size, part, eps, dtype, in_float32)
+        def qk_norm(size: int, part: tuple[int, int]) -> nn.Module:
+            if get_tp_world_size() == 1:
+                return _norm(config, size, dtype)
+            eps, in_float32 = config.rms_norm_eps, config.norm_weight_in_float32
+            return SplitRMSNorm(size, part, eps, dtype, in_float32)
+
+    return AttentionOptions(
+        o_proj_bias=config.o_proj_bias,
+        sliding_window=config.sliding_window,
+        qk_norm=qk_norm,
+        qk_norm_per_head=not config.qk_norm_across_heads,
+    )
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -137,8 +78,14 @@ class LlamaDecoderLayer(nn.Module):
         size = config.hidden_size
         self.post_norms = config.post_norms
         self.residual_multiplier = config.residual_multiplier
-        self.self_attn = LlamaAttention(
-            config, rotary, dtype, methods, layer_index, f"{prefix}.self_attn"
+        self.self_attn = DecoderSelfAttention(
+            config,
+            None if layer_index in config.no_rope_layers else rotary,
+            dtype,
+            methods,
+            layer_index,
+            f"{prefix}.self_attn",
+            _attention_options(config, dtype),
         )
         # A MoE layer keeps the checkpoint's module name (Mixtral's `block_sparse_moe`).
         self.mlp_name = "mlp"

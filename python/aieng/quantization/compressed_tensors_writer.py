@@ -156,11 +156,14 @@ def write_checkpoint(
     quantized: dict[str, QuantizedWeight],
     scheme: QuantScheme,
     ignore: list[str],
+    untie_lm_head: bool = False,
 ) -> Path:
     """Write `out`/model.safetensors and config.json, and copy the tokenizer files and
     generation_config.json from `source`. `tensors`: the float tensors written as they are
     (checkpoint names); `quantized`: layer name (e.g. `model.layers.0.mlp.down_proj`) -> its
-    quantized weight, written as the compressed tensors of that layer."""
+    quantized weight, written as the compressed tensors of that layer. `untie_lm_head`: the
+    source ties its head to the embeddings and `quantized` holds a copy of it as `lm_head`: the
+    written config says the two are separate (tie_word_embeddings false)."""
     from safetensors.torch import save_file
 
     out, source = Path(out), Path(source)
@@ -174,6 +177,8 @@ def write_checkpoint(
             state[f"{layer}.{suffix}"] = tensor
     config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     config["quantization_config"] = quantization_config(scheme, ignore)
+    if untie_lm_head:
+        config["tie_word_embeddings"] = False
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(

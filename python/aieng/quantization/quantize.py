@@ -81,7 +81,7 @@ class QuantizeOptions:
     seq_len: int | None = None  # None: min(512, the model's context)
     clip: bool = False
     # Quantize the LM head too (RTN; it reads the final norm's output, which AWQ does not scale).
-    # Refused for a head tied to the embeddings, which stay float.
+    # A tied head gets its own quantized copy; the embeddings stay float.
     quantize_lm_head: bool = False
     # Measure each layer's output error on the calibration text (AWQ and clip always do).
     measure: bool = False
@@ -545,11 +545,6 @@ def quantize_checkpoint(
             f"{config.architecture} has mixture-of-experts layers, which the calibrated search "
             "does not handle (each expert sees only its routed tokens); use --method rtn"
         )
-    if options.quantize_lm_head and config.tie_word_embeddings:
-        raise QuantizeError(
-            "--quantize-lm-head: the LM head is tied to the embeddings (tie_word_embeddings), "
-            "which stay float"
-        )
     seq_len = options.seq_len or min(DEFAULT_SEQ_LEN, config.max_position_embeddings)
     if seq_len > config.max_position_embeddings:
         raise QuantizeError(
@@ -609,15 +604,20 @@ def quantize_checkpoint(
                 hidden = outputs  # the next layer reads this layer's float outputs
         bar.show(len(fused.model.layers), _error_note(errors))
         ignore = IGNORE
+        untie = False
         if options.quantize_lm_head:
-            quantized["lm_head"] = quantize_rtn(fused.lm_head.weight.data, scheme, out_dtype)
+            # A head tied to the embeddings gets its own quantized copy (the checkpoint is
+            # written untied); the embedding lookup keeps reading the float rows.
+            untie = config.tie_word_embeddings
+            head = fused.model.embed_tokens if untie else fused.lm_head
+            quantized["lm_head"] = quantize_rtn(head.weight.data, scheme, out_dtype)
             ignore = []
 
     tensors = _float_tensors(fused, folder, set(quantized))
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_checkpoint(tmp, folder, tensors, quantized, scheme, ignore)
+        write_checkpoint(tmp, folder, tensors, quantized, scheme, ignore, untie_lm_head=untie)
         if out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)

@@ -17,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from aieng.async_engine import AsyncLLMEngine
 from aieng.engine import LLMEngine
+from aieng.engine_client import EngineClient
 from aieng.server import admin, chat, completions, routes
 from aieng.server.admin import EngineLeaseMiddleware
 from aieng.server.config import ServerConfig
@@ -37,11 +38,13 @@ logger = logging.getLogger(__name__)
 
 def build_app(
     config: ServerConfig,
-    load_engine: Callable[[], LLMEngine],
+    load_engine: Callable[[], LLMEngine | EngineClient],
     on_load_failure: Callable[[BaseException], None] | None = None,
     load_version: Callable[[Path], LLMEngine] | None = None,
 ) -> FastAPI:
-    """`load_engine` runs in a worker thread at startup; the app serves what it returns. With
+    """`load_engine` runs in a worker thread at startup; the app serves what it returns (an
+    `LLMEngine`, run here by an `AsyncLLMEngine`, or any other `EngineClient`, such as Ray
+    replicas behind a router: `aieng.ray`). With
     `config.model_dir`, `load_engine` loads the version `serving_version` picks and
     `load_version(folder)` loads another one for a hot reload."""
     ctx = ServerContext(config)
@@ -113,7 +116,7 @@ def build_app(
 
 async def _load(
     ctx: ServerContext,
-    load_engine: Callable[[], LLMEngine],
+    load_engine: Callable[[], LLMEngine | EngineClient],
     on_failure: Callable[[BaseException], None] | None,
 ) -> None:
     try:
@@ -123,7 +126,10 @@ async def _load(
         if on_failure is not None:
             on_failure(error)
         return
-    async_engine = AsyncLLMEngine(engine, on_step=ctx.metrics.observe_step)
+    if isinstance(engine, LLMEngine):
+        async_engine: EngineClient = AsyncLLMEngine(engine, on_step=ctx.metrics.observe_step)
+    else:
+        async_engine = engine
     async_engine.start()
     ctx.attach(async_engine)
     if ctx.catalog:  # the other models of --model-dir, then (if asked) every other version

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from fastapi import Request
 
 from aieng.engine import EngineDeadError
 from aieng.engine_client import EngineClient
-from aieng.errors import AiengError, InvalidArgumentError
+from aieng.errors import AiengError, InvalidArgumentError, error_field
 from aieng.outputs import RequestOutput
 from aieng.sampling import SamplingParams
 from aieng.server.admission import ServerState
@@ -52,14 +51,6 @@ class Choice:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-
-
-# Request fields the engine checks against the model; its error names the one at fault (an
-# error naming none is about the prompt: too long, too large for the KV cache).
-ENGINE_CHECKED_FIELDS = re.compile(
-    r"\b(prompt|prompt_logprobs|logprobs|stop_token_ids|logit_bias|allowed_token_ids|max_tokens"
-    r"|min_tokens)\b"
-)
 
 
 class ClientGone(Exception):
@@ -263,8 +254,7 @@ class Generation:
         if isinstance(error, ApiError):
             return error
         if isinstance(error, InvalidArgumentError):
-            named = ENGINE_CHECKED_FIELDS.search(str(error))
-            field = named[1] if named else "prompt"
+            field = error_field(error) or "prompt"  # a field the engine checks, or the prompt
             return ApiError(400, str(error), self.field_names.get(field, field), "invalid_value")
         if isinstance(error, EngineDeadError):
             return ApiError(503, str(error), code="engine_dead")

@@ -87,6 +87,16 @@ class EngineCollector(Collector):
             config = [stats.kv_cache_dtype, str(stats.block_size), str(stats.num_blocks)]
             info.add_metric([self.model_name, *config], 1)
             yield info
+        if stats.kernels:
+            names = sorted(stats.kernels)
+            kernels = GaugeMetricFamily(
+                "aieng_kernel_config_info",
+                "Compute paths chosen at load (value 1): the attention backend, the linear "
+                "layers' kernels and the CPU instruction set the CPU kernels run on ('' off CPU).",
+                labels=[*labels, *names],
+            )
+            kernels.add_metric([self.model_name, *(stats.kernels[n] for n in names)], 1)
+            yield kernels
 
 
 class GpuMemoryCollector(Collector):

@@ -2,8 +2,11 @@
 //! from the block pool's K/V cache through the block table — decode rows and (chunked) prefill
 //! rows alike, the step's new K/V already written to their slots — with no gathered copy.
 //!
-//! Cache layout (torch's): K and V (num_blocks, block_size, H_kv, D) float32; position j of a
-//! request is block `table[j / block_size]`, offset `j % block_size`. A work item is one query
+//! Cache layout (torch's): K and V (num_blocks, block_size, H_kv, D) in float32, bfloat16 or
+//! int8 (`KvCache`; an int8 cache has one scale per position and KV head, float32 or bfloat16,
+//! x = q · scale, the scale applied to each score and each weighted V row); position j of a
+//! request is block `table[j / block_size]`, offset `j % block_size`. Queries and outputs are
+//! float32, and so is all arithmetic. A work item is one query
 //! token and one KV head: the G = H / H_kv query heads that share it read each K/V row once
 //! (GQA). Scores go through an online softmax over chunks of 32 positions (a running max and
 //! sum per head, the output rescaled when the max grows), so memory stays O(G·D) whatever the
@@ -45,6 +48,150 @@ pub struct Scoring {
     pub scale: f32,
     pub window: Option<usize>,
     pub softcap: Option<f32>,
+}
+
+/// A scale per cached position and KV head: float32 values or bfloat16 bits.
+#[derive(Debug, Clone, Copy)]
+pub enum Scales<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+/// The K and V caches as the kernel reads them (see the module note).
+#[derive(Debug, Clone, Copy)]
+pub enum KvCache<'a> {
+    F32 {
+        k: &'a [f32],
+        v: &'a [f32],
+    },
+    /// bfloat16's bits
+    Bf16 {
+        k: &'a [u16],
+        v: &'a [u16],
+    },
+    Int8 {
+        k: &'a [i8],
+        v: &'a [i8],
+        k_scale: Scales<'a>,
+        v_scale: Scales<'a>,
+    },
+}
+
+impl KvCache<'_> {
+    /// Elements of K and of V, and scales of each (0 for a float cache).
+    fn lens(&self) -> (usize, usize, usize, usize) {
+        let scales = |s: &Scales| match s {
+            Scales::F32(x) => x.len(),
+            Scales::Bf16(x) => x.len(),
+        };
+        match self {
+            KvCache::F32 { k, v } => (k.len(), v.len(), 0, 0),
+            KvCache::Bf16 { k, v } => (k.len(), v.len(), 0, 0),
+            KvCache::Int8 {
+                k,
+                v,
+                k_scale,
+                v_scale,
+            } => (k.len(), v.len(), scales(k_scale), scales(v_scale)),
+        }
+    }
+}
+
+#[inline(always)]
+fn bf16(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// How the kernel reads one cached K or V row (`at`: the row's first element; `q` and `acc`
+/// are one head's D values).
+trait Rows: Copy + Sync {
+    fn k_dot(&self, at: usize, q: &[f32]) -> f32;
+    fn v_add(&self, at: usize, p: f32, acc: &mut [f32]);
+}
+
+#[derive(Clone, Copy)]
+struct F32Rows<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+}
+
+impl Rows for F32Rows<'_> {
+    #[inline(always)]
+    fn k_dot(&self, at: usize, q: &[f32]) -> f32 {
+        dot(q, &self.k[at..][..q.len()])
+    }
+    #[inline(always)]
+    fn v_add(&self, at: usize, p: f32, acc: &mut [f32]) {
+        let d = acc.len();
+        for (a, x) in acc.iter_mut().zip(&self.v[at..][..d]) {
+            *a += p * x;
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Bf16Rows<'a> {
+    k: &'a [u16],
+    v: &'a [u16],
+}
+
+impl Rows for Bf16Rows<'_> {
+    #[inline(always)]
+    fn k_dot(&self, at: usize, q: &[f32]) -> f32 {
+        dot_by(q, &self.k[at..][..q.len()], |&x| bf16(x))
+    }
+    #[inline(always)]
+    fn v_add(&self, at: usize, p: f32, acc: &mut [f32]) {
+        let d = acc.len();
+        for (a, &x) in acc.iter_mut().zip(&self.v[at..][..d]) {
+            *a += p * bf16(x);
+        }
+    }
+}
+
+trait Scale: Copy + Sync {
+    fn at(&self, i: usize) -> f32;
+}
+
+impl Scale for &[f32] {
+    #[inline(always)]
+    fn at(&self, i: usize) -> f32 {
+        self[i]
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Bf16Scale<'a>(&'a [u16]);
+
+impl Scale for Bf16Scale<'_> {
+    #[inline(always)]
+    fn at(&self, i: usize) -> f32 {
+        bf16(self.0[i])
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Int8Rows<'a, S: Scale> {
+    k: &'a [i8],
+    v: &'a [i8],
+    k_scale: S,
+    v_scale: S,
+}
+
+impl<S: Scale> Rows for Int8Rows<'_, S> {
+    #[inline(always)]
+    fn k_dot(&self, at: usize, q: &[f32]) -> f32 {
+        let d = q.len();
+        dot_by(q, &self.k[at..][..d], |&x| x as f32) * self.k_scale.at(at / d)
+    }
+    #[inline(always)]
+    fn v_add(&self, at: usize, p: f32, acc: &mut [f32]) {
+        let d = acc.len();
+        let p = p * self.v_scale.at(at / d);
+        for (a, &x) in acc.iter_mut().zip(&self.v[at..][..d]) {
+            *a += p * x as f32;
+        }
+    }
 }
 
 /// One query token's request: (request, its position in the context).
@@ -118,6 +265,21 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
+/// q · k with k's elements converted by `f`.
+#[inline(always)]
+fn dot_by<T>(a: &[f32], b: &[T], f: impl Fn(&T) -> f32) -> f32 {
+    let mut lanes = [0f32; 16];
+    let (a16, b16) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ra, rb) = (a16.remainder(), b16.remainder());
+    for (x, y) in a16.zip(b16) {
+        for i in 0..16 {
+            lanes[i] += x[i] * f(&y[i]);
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * f(y)).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
 /// e^x for x ≤ 0 (softmax terms), vectorisable: 2^n · e^r with |r| ≤ ln2 / 2, e^r to degree 6
 /// (relative error under 2e-7).
 #[inline(always)]
@@ -134,11 +296,10 @@ fn exp_neg(x: f32) -> f32 {
 /// Work items [items.start, items.end) of (token, KV head), written into `out`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn attend_items(
+fn attend_items<R: Rows>(
     items: std::ops::Range<usize>,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    cache: R,
     out: SharedMut<f32>,
     shape: &PagedShape,
     rows: &StepRows,
@@ -177,9 +338,9 @@ fn attend_items(
         while start < hi {
             let end = (start + CHUNK).min(hi);
             for j in start..end {
-                let k = &k_cache[slot(j)..][..d];
+                let at = slot(j);
                 for h in 0..group {
-                    let mut s = dot(&qs[h * d..(h + 1) * d], k);
+                    let mut s = cache.k_dot(at, &qs[h * d..(h + 1) * d]);
                     if let Some(cap) = scoring.softcap {
                         s = cap * (s / cap).tanh();
                     }
@@ -200,12 +361,10 @@ fn attend_items(
                 }
             }
             for j in start..end {
-                let v = &v_cache[slot(j)..][..d];
+                let at = slot(j);
                 for h in 0..group {
                     let p = scores[h * CHUNK + j - start];
-                    for (a, x) in acc[h * d..(h + 1) * d].iter_mut().zip(v) {
-                        *a += p * x;
-                    }
+                    cache.v_add(at, p, &mut acc[h * d..(h + 1) * d]);
                 }
             }
             start = end;
@@ -226,20 +385,17 @@ macro_rules! compiled_for {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $name(
+        unsafe fn $name<R: Rows>(
             items: std::ops::Range<usize>,
             q: &[f32],
-            k_cache: &[f32],
-            v_cache: &[f32],
+            cache: R,
             out: SharedMut<f32>,
             shape: &PagedShape,
             rows: &StepRows,
             scoring: &Scoring,
             tokens: &[(u32, u32)],
         ) {
-            attend_items(
-                items, q, k_cache, v_cache, out, shape, rows, scoring, tokens,
-            )
+            attend_items(items, q, cache, out, shape, rows, scoring, tokens)
         }
     };
 }
@@ -251,8 +407,7 @@ compiled_for!(attend_items_avx2, "avx2,fma");
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    cache: KvCache,
     out: &mut [f32],
     shape: PagedShape,
     rows: StepRows,
@@ -277,19 +432,22 @@ pub fn paged_attention(
              block_size {block_size}"
         ));
     }
-    let cache = num_blocks * block_size * kv_heads * head_dim;
+    let positions = num_blocks * block_size * kv_heads;
+    let (k_len, v_len, k_scales, v_scales) = cache.lens();
+    let scales_fit = matches!(cache, KvCache::F32 { .. } | KvCache::Bf16 { .. })
+        || (k_scales == positions && v_scales == positions);
     if !q.len().is_multiple_of(heads * head_dim)
         || out.len() != q.len()
-        || k_cache.len() != cache
-        || v_cache.len() != cache
+        || k_len != positions * head_dim
+        || v_len != positions * head_dim
+        || !scales_fit
     {
         return invalid(format!(
-            "paged attention: q ({}), out ({}), K ({}) and V ({}) do not fit {heads} heads of \
-             {head_dim} and a cache of {num_blocks} x {block_size} x {kv_heads} x {head_dim}",
+            "paged attention: q ({}), out ({}), K ({k_len}), V ({v_len}) and their scales \
+             ({k_scales}, {v_scales}) do not fit {heads} heads of {head_dim} and a cache of \
+             {num_blocks} x {block_size} x {kv_heads} x {head_dim}",
             q.len(),
             out.len(),
-            k_cache.len(),
-            v_cache.len()
         ));
     }
     if scoring.window == Some(0) || scoring.softcap.is_some_and(|c| c.is_nan() || c <= 0.0) {
@@ -297,38 +455,87 @@ pub fn paged_attention(
     }
     let tokens = q.len() / (heads * head_dim);
     let owners = token_rows(&rows, &shape, tokens)?;
-    let out_ptr = SharedMut::new(out.as_mut_ptr());
-    split(threads, tokens * kv_heads, |items| {
-        let args = (
-            q,
-            k_cache,
-            v_cache,
-            out_ptr,
-            &shape,
-            &rows,
-            &scoring,
-            owners.as_slice(),
-        );
-        #[cfg(target_arch = "x86_64")]
-        match isa {
-            // SAFETY: the instruction sets were detected (`isa.supported()`).
-            Isa::Avx512Vnni => unsafe {
-                return attend_items_avx512(
-                    items, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
-                );
-            },
-            Isa::Avx2 | Isa::AvxVnni => unsafe {
-                return attend_items_avx2(
-                    items, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
-                );
-            },
-            Isa::Scalar => {}
+    let work = Work {
+        q,
+        out: SharedMut::new(out.as_mut_ptr()),
+        shape: &shape,
+        rows: &rows,
+        scoring: &scoring,
+        tokens: owners.as_slice(),
+        isa,
+        threads,
+    };
+    match cache {
+        KvCache::F32 { k, v } => work.run(F32Rows { k, v }),
+        KvCache::Bf16 { k, v } => work.run(Bf16Rows { k, v }),
+        KvCache::Int8 {
+            k,
+            v,
+            k_scale: Scales::F32(k_scale),
+            v_scale: Scales::F32(v_scale),
+        } => work.run(Int8Rows {
+            k,
+            v,
+            k_scale,
+            v_scale,
+        }),
+        KvCache::Int8 {
+            k,
+            v,
+            k_scale: Scales::Bf16(k_scale),
+            v_scale: Scales::Bf16(v_scale),
+        } => work.run(Int8Rows {
+            k,
+            v,
+            k_scale: Bf16Scale(k_scale),
+            v_scale: Bf16Scale(v_scale),
+        }),
+        KvCache::Int8 { .. } => {
+            return invalid("paged attention: K's and V's scales differ in type".into())
         }
-        attend_items(
-            items, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
-        );
-    });
+    }
     Ok(())
+}
+
+/// One call's work, split over the threads and run on the instruction set chosen.
+struct Work<'a> {
+    q: &'a [f32],
+    out: SharedMut<f32>,
+    shape: &'a PagedShape,
+    rows: &'a StepRows<'a>,
+    scoring: &'a Scoring,
+    tokens: &'a [(u32, u32)],
+    isa: Isa,
+    threads: ThreadCount,
+}
+
+impl Work<'_> {
+    fn run<R: Rows>(&self, cache: R) {
+        let Work {
+            q,
+            out,
+            shape,
+            rows,
+            scoring,
+            tokens,
+            isa,
+            threads,
+        } = *self;
+        split(threads, tokens.len() * shape.kv_heads, |items| {
+            #[cfg(target_arch = "x86_64")]
+            match isa {
+                // SAFETY: the instruction sets were detected (`isa.supported()`).
+                Isa::Avx512Vnni => unsafe {
+                    return attend_items_avx512(items, q, cache, out, shape, rows, scoring, tokens);
+                },
+                Isa::Avx2 | Isa::AvxVnni => unsafe {
+                    return attend_items_avx2(items, q, cache, out, shape, rows, scoring, tokens);
+                },
+                Isa::Scalar => {}
+            }
+            attend_items(items, q, cache, out, shape, rows, scoring, tokens);
+        });
+    }
 }
 
 #[cfg(test)]
@@ -344,6 +551,33 @@ mod tests {
                 s ^= s << 17;
                 (s % 2001) as f32 / 1000.0 - 1.0
             })
+            .collect()
+    }
+
+    fn to_bf16(x: &[f32]) -> Vec<u16> {
+        x.iter().map(|v| (v.to_bits() >> 16) as u16).collect()
+    }
+
+    fn from_bf16(x: &[u16]) -> Vec<f32> {
+        x.iter().map(|&b| bf16(b)).collect()
+    }
+
+    /// Symmetric int8 per row of `d`: (values, one scale per row).
+    fn to_int8(x: &[f32], d: usize) -> (Vec<i8>, Vec<f32>) {
+        let mut q = Vec::with_capacity(x.len());
+        let mut scales = Vec::with_capacity(x.len() / d);
+        for row in x.chunks(d) {
+            let scale = row.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            scales.push(scale);
+            q.extend(row.iter().map(|v| (v / scale).round() as i8));
+        }
+        (q, scales)
+    }
+
+    fn from_int8(q: &[i8], scales: &[f32], d: usize) -> Vec<f32> {
+        q.iter()
+            .enumerate()
+            .map(|(i, &x)| x as f32 * scales[i / d])
             .collect()
     }
 
@@ -423,6 +657,38 @@ mod tests {
         let cache = 20 * 4 * 2 * 40;
         let (k, v) = (values(cache, 1), values(cache, 2));
         let q = values(9 * 6 * 40, 3);
+        // The same values as bfloat16 (truncated to 16 bits) and as int8 with a scale per row.
+        let (kb, vb) = (to_bf16(&k), to_bf16(&v));
+        let ((ki, ks), (vi, vs)) = (to_int8(&k, 40), to_int8(&v, 40));
+        let (ksb, vsb) = (to_bf16(&ks), to_bf16(&vs));
+        let caches = [
+            (KvCache::F32 { k: &k, v: &v }, k.clone(), v.clone()),
+            (
+                KvCache::Bf16 { k: &kb, v: &vb },
+                from_bf16(&kb),
+                from_bf16(&vb),
+            ),
+            (
+                KvCache::Int8 {
+                    k: &ki,
+                    v: &vi,
+                    k_scale: Scales::F32(&ks),
+                    v_scale: Scales::F32(&vs),
+                },
+                from_int8(&ki, &ks, 40),
+                from_int8(&vi, &vs, 40),
+            ),
+            (
+                KvCache::Int8 {
+                    k: &ki,
+                    v: &vi,
+                    k_scale: Scales::Bf16(&ksb),
+                    v_scale: Scales::Bf16(&vsb),
+                },
+                from_int8(&ki, &from_bf16(&ksb), 40),
+                from_int8(&vi, &from_bf16(&vsb), 40),
+            ),
+        ];
         for scoring in [
             Scoring {
                 scale: 0.3,
@@ -440,27 +706,28 @@ mod tests {
                 softcap: Some(2.0),
             },
         ] {
-            let want = reference(&q, &k, &v, &shape, &rows, &scoring);
-            for isa in Isa::supported_paths() {
-                for threads in [1, 3] {
-                    let mut out = vec![f32::NAN; q.len()];
-                    paged_attention(
-                        &q,
-                        &k,
-                        &v,
-                        &mut out,
-                        shape,
-                        rows,
-                        scoring,
-                        isa,
-                        ThreadCount::new(threads),
-                    )
-                    .unwrap();
-                    for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
-                        assert!(
-                            (g as f64 - w).abs() < 1e-5,
-                            "{isa} {scoring:?}: out[{i}] = {g}, want {w}"
-                        );
+            for (cache, k, v) in &caches {
+                let want = reference(&q, k, v, &shape, &rows, &scoring);
+                for isa in Isa::supported_paths() {
+                    for threads in [1, 3] {
+                        let mut out = vec![f32::NAN; q.len()];
+                        paged_attention(
+                            &q,
+                            *cache,
+                            &mut out,
+                            shape,
+                            rows,
+                            scoring,
+                            isa,
+                            ThreadCount::new(threads),
+                        )
+                        .unwrap();
+                        for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
+                            assert!(
+                                (g as f64 - w).abs() < 1e-5,
+                                "{isa} {scoring:?}: out[{i}] = {g}, want {w}"
+                            );
+                        }
                     }
                 }
             }
@@ -493,8 +760,10 @@ mod tests {
             };
             paged_attention(
                 &q,
-                &cache,
-                &cache,
+                KvCache::F32 {
+                    k: &cache,
+                    v: &cache,
+                },
                 out,
                 shape,
                 rows,
@@ -513,6 +782,33 @@ mod tests {
             .to_string()
             .contains("needs 3 blocks"));
         assert!(run(&[0, 1], &[0], &mut out).is_err());
+        // An int8 cache without a scale per position and KV head is named.
+        let int8 = vec![0i8; 2 * 4 * 8];
+        let scales = vec![1f32; 7];
+        let rows = StepRows {
+            query_start_loc: &[0, 1],
+            seq_lens: &[8],
+            block_tables: &[0, 1],
+            table_width: 2,
+        };
+        let cache = KvCache::Int8 {
+            k: &int8,
+            v: &int8,
+            k_scale: Scales::F32(&scales),
+            v_scale: Scales::F32(&scales),
+        };
+        let error = paged_attention(
+            &q,
+            cache,
+            &mut out,
+            shape,
+            rows,
+            scoring,
+            Isa::Scalar,
+            ThreadCount::new(1),
+        )
+        .unwrap_err();
+        assert!(error.to_string().contains("their scales (7, 7)"), "{error}");
     }
 
     #[test]

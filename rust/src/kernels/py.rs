@@ -4,7 +4,7 @@
 
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
-    PyReadonlyArray4, PyReadwriteArray2, PyReadwriteArray3, PyUntypedArrayMethods,
+    PyReadonlyArrayDyn, PyReadwriteArray2, PyReadwriteArray3, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 
@@ -221,63 +221,98 @@ fn dense_gemv(
         .map_err(kernel_error)
 }
 
-/// out (T, H, D) = attention of q (T, H, D) float32 over the paged K/V caches (N, B, H_kv, D)
-/// float32, read in place through `block_tables` (R, W) int32, with `query_start_loc` (R + 1)
-/// and `seq_lens` (R) int32 (lengths after the step, whose new K/V are already written).
-/// window 0: the whole context; softcap 0: none.
+/// out (T, H, D) float32 = paged attention of q (T, H, D) float32 over K and V caches
+/// (num_blocks, block_size, H_kv, D) read in place: float32, bfloat16 (as its uint16 bits) or
+/// int8 with `k_scale`/`v_scale` (one per position and KV head: float32 or bfloat16 bits), through
+/// `block_tables` (R, W) int32, with `query_start_loc` (R + 1) and `seq_lens` (R) int32 (lengths
+/// after the step, whose new K/V are already written). window 0: the whole context; softcap 0:
+/// none.
 #[pyfunction]
-#[pyo3(signature = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window, softcap, threads, isa = None))]
+#[pyo3(signature = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window, softcap, threads, isa = None, k_scale = None, v_scale = None))]
 #[allow(clippy::too_many_arguments)]
-fn paged_attention(
-    py: Python<'_>,
-    q: PyReadonlyArray3<'_, f32>,
-    k_cache: PyReadonlyArray4<'_, f32>,
-    v_cache: PyReadonlyArray4<'_, f32>,
-    mut out: PyReadwriteArray3<'_, f32>,
-    query_start_loc: PyReadonlyArray1<'_, i32>,
-    seq_lens: PyReadonlyArray1<'_, i32>,
-    block_tables: PyReadonlyArray2<'_, i32>,
+fn paged_attention<'py>(
+    py: Python<'py>,
+    q: PyReadonlyArray3<'py, f32>,
+    k_cache: &Bound<'py, PyAny>,
+    v_cache: &Bound<'py, PyAny>,
+    mut out: PyReadwriteArray3<'py, f32>,
+    query_start_loc: PyReadonlyArray1<'py, i32>,
+    seq_lens: PyReadonlyArray1<'py, i32>,
+    block_tables: PyReadonlyArray2<'py, i32>,
     scale: f32,
     window: usize,
     softcap: f32,
     threads: usize,
     isa: Option<&str>,
+    k_scale: Option<&Bound<'py, PyAny>>,
+    v_scale: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
     let isa = isa_or_active(isa)?;
-    let (heads, cache) = (q.shape()[1], k_cache.shape());
-    if v_cache.shape() != cache || out.shape() != q.shape() || q.shape()[2] != cache[3] {
+    let k = CacheArray::extract(k_cache, "k_cache")?;
+    let v = CacheArray::extract(v_cache, "v_cache")?;
+    let cache = k.shape();
+    if cache.len() != 4
+        || v.shape() != cache
+        || out.shape() != q.shape()
+        || q.shape()[2] != cache[3]
+    {
         return Err(invalid(format!(
             "paged attention: q {:?}, out {:?}, K {:?} and V {:?} do not fit together",
             q.shape(),
             out.shape(),
             cache,
-            v_cache.shape()
+            v.shape()
         )));
     }
     let shape = attn::PagedShape {
-        heads,
+        heads: q.shape()[1],
         kv_heads: cache[2],
         head_dim: cache[3],
         block_size: cache[1],
         num_blocks: cache[0],
     };
+    let scales = match (k_scale, v_scale) {
+        (Some(ks), Some(vs)) => Some((
+            CacheArray::extract(ks, "k_scale")?,
+            CacheArray::extract(vs, "v_scale")?,
+        )),
+        (None, None) => None,
+        _ => {
+            return Err(invalid(
+                "paged attention: give both k_scale and v_scale".into(),
+            ))
+        }
+    };
     let width = block_tables.shape()[1];
     for (c, what) in [
         (q.is_c_contiguous(), "q"),
-        (k_cache.is_c_contiguous(), "k_cache"),
-        (v_cache.is_c_contiguous(), "v_cache"),
         (out.is_c_contiguous(), "out"),
         (block_tables.is_c_contiguous(), "block_tables"),
     ] {
         c_order(c, what)?;
     }
     let q = contiguous(q.as_slice(), "q")?;
-    let k = contiguous(k_cache.as_slice(), "k_cache")?;
-    let v = contiguous(v_cache.as_slice(), "v_cache")?;
     let out = contiguous(out.as_slice_mut(), "out")?;
     let qsl = contiguous(query_start_loc.as_slice(), "query_start_loc")?;
     let lens = contiguous(seq_lens.as_slice(), "seq_lens")?;
     let tables = contiguous(block_tables.as_slice(), "block_tables")?;
+    let kv = match (k.slice()?, v.slice()?, &scales) {
+        (CacheSlice::F32(k), CacheSlice::F32(v), None) => attn::KvCache::F32 { k, v },
+        (CacheSlice::U16(k), CacheSlice::U16(v), None) => attn::KvCache::Bf16 { k, v },
+        (CacheSlice::I8(k), CacheSlice::I8(v), Some((ks, vs))) => attn::KvCache::Int8 {
+            k,
+            v,
+            k_scale: ks.slice()?.scales("k_scale")?,
+            v_scale: vs.slice()?.scales("v_scale")?,
+        },
+        _ => {
+            return Err(invalid(
+                "paged attention: K and V must both be float32, both bfloat16 (as uint16), or \
+                 both int8 with k_scale and v_scale"
+                    .into(),
+            ))
+        }
+    };
     let rows = attn::StepRows {
         query_start_loc: qsl,
         seq_lens: lens,
@@ -290,8 +325,72 @@ fn paged_attention(
         softcap: (softcap != 0.0).then_some(softcap),
     };
     let threads = ThreadCount::new(threads);
-    py.detach(|| attn::paged_attention(q, k, v, out, shape, rows, scoring, isa, threads))
+    py.detach(|| attn::paged_attention(q, kv, out, shape, rows, scoring, isa, threads))
         .map_err(kernel_error)
+}
+
+/// A cache (or scale) array as numpy hands it over: float32, uint16 (bfloat16's bits) or int8.
+enum CacheArray<'py> {
+    F32(PyReadonlyArrayDyn<'py, f32>),
+    U16(PyReadonlyArrayDyn<'py, u16>),
+    I8(PyReadonlyArrayDyn<'py, i8>),
+}
+
+enum CacheSlice<'a> {
+    F32(&'a [f32]),
+    U16(&'a [u16]),
+    I8(&'a [i8]),
+}
+
+impl<'py> CacheArray<'py> {
+    fn extract(array: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        let array = if let Ok(a) = array.extract::<PyReadonlyArrayDyn<'py, f32>>() {
+            CacheArray::F32(a)
+        } else if let Ok(a) = array.extract::<PyReadonlyArrayDyn<'py, u16>>() {
+            CacheArray::U16(a)
+        } else if let Ok(a) = array.extract::<PyReadonlyArrayDyn<'py, i8>>() {
+            CacheArray::I8(a)
+        } else {
+            return Err(invalid(format!(
+                "{what} must be a float32, uint16 (bfloat16 bits) or int8 array"
+            )));
+        };
+        let c = match &array {
+            CacheArray::F32(a) => a.is_c_contiguous(),
+            CacheArray::U16(a) => a.is_c_contiguous(),
+            CacheArray::I8(a) => a.is_c_contiguous(),
+        };
+        c_order(c, what)?;
+        Ok(array)
+    }
+
+    fn shape(&self) -> Vec<usize> {
+        match self {
+            CacheArray::F32(a) => a.shape().to_vec(),
+            CacheArray::U16(a) => a.shape().to_vec(),
+            CacheArray::I8(a) => a.shape().to_vec(),
+        }
+    }
+
+    fn slice(&self) -> PyResult<CacheSlice<'_>> {
+        Ok(match self {
+            CacheArray::F32(a) => CacheSlice::F32(contiguous(a.as_slice(), "a cache")?),
+            CacheArray::U16(a) => CacheSlice::U16(contiguous(a.as_slice(), "a cache")?),
+            CacheArray::I8(a) => CacheSlice::I8(contiguous(a.as_slice(), "a cache")?),
+        })
+    }
+}
+
+impl<'a> CacheSlice<'a> {
+    fn scales(self, what: &str) -> PyResult<attn::Scales<'a>> {
+        match self {
+            CacheSlice::F32(x) => Ok(attn::Scales::F32(x)),
+            CacheSlice::U16(x) => Ok(attn::Scales::Bf16(x)),
+            CacheSlice::I8(_) => Err(invalid(format!(
+                "{what} must be float32 or uint16 (bfloat16 bits), not int8"
+            ))),
+        }
+    }
 }
 
 /// Int8 operations per second of independent `vpdpbusd` chains on `threads` threads (the

@@ -1,0 +1,304 @@
+"""`RayExecutor`: tensor_parallel_size N > 1 with ranks 1..N-1 as Ray actors
+(`distributed_executor_backend="ray"`), so that one engine spans the nodes of a Ray cluster.
+
+Rank 0's worker stays in the engine's process, as with the multiprocess executor; the other
+ranks are `RankActor`s in a placement group of one bundle per rank (a CPU, and a GPU on CUDA;
+PACK: on one node when it fits). They rendezvous with rank 0 through env:// on rank 0's node
+address and a free port, then run the same worker loop as a spawned rank
+(`aieng.distributed.worker.run_worker`): torch.distributed over gloo on CPU, NCCL on GPU.
+
+Failures are the multiprocess executor's: fatal, typed (`WorkerFailedError`), and nothing is
+left behind. A watcher thread waits on every actor's `serve` call, which returns only when the
+rank leaves: one that ends while the engine runs (the actor died, or its loop raised) stops the
+group and tells the engine through `on_failure`; a step whose collective fails finds the dead
+actor the same way. Every actor is killed and the placement group removed on shutdown and on
+failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from aieng.engine_config import EngineConfig
+from aieng.executor.base import Executor, WorkerFailedError
+from aieng.executor.multiproc import (
+    FAILURE,
+    JOIN_S,
+    START_S,
+    _master_env,
+    _weak_callback,
+    free_port,
+)
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from aieng.runner_io import ModelRunnerOutput, RunnerStep
+
+logger = logging.getLogger(__name__)
+
+
+class RankActor:
+    """One tensor-parallel rank > 0 (a Ray actor with two threads: `serve` blocks for the
+    rank's life while `wait_ready` answers)."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+
+    def serve(self, config: EngineConfig, rank: int, world: int, addr: str, port: int) -> None:
+        from aieng.distributed.rank import RankPlace
+        from aieng.distributed.worker import run_worker
+
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+        place = RankPlace(rank, world, 0)  # Ray shows each actor its own device as device 0
+
+        def report(kind: str, _text: str) -> None:
+            if kind == "ready":
+                self._ready.set()
+
+        run_worker(config, place, report)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._ready.wait(timeout_s)
+
+
+class _Ranks:
+    """The actors, their placement group and the watcher; apart from the executor so that its
+    finalizer can close them without holding the executor."""
+
+    def __init__(self) -> None:
+        self.actors: list[Any] = []
+        self.serving: list[Any] = []  # each actor's `serve` ObjectRef
+        self.group: Any = None  # the placement group
+        self.failure: str | None = None
+        self.closing = False
+        self.lock = threading.Lock()
+        self.on_failure: Callable[[str], None] | None = None
+
+    def start(self, config: EngineConfig, addr: str, port: int) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        world = config.parallel.tensor_parallel_size
+        bundle = {"CPU": 1.0, **({"GPU": 1.0} if config.uses_cuda else {})}
+        self.group = placement_group([bundle] * (world - 1), strategy="PACK")
+        ready, _ = ray.wait([self.group.ready()], timeout=START_S)
+        if not ready:
+            raise WorkerFailedError(
+                f"{FAILURE} at start-up: the Ray cluster has no room for {world - 1} ranks of "
+                f"{bundle} within {START_S:g} s"
+            )
+        actor_class = ray.remote(max_concurrency=2)(RankActor)
+        for index in range(world - 1):
+            actor = actor_class.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, index),
+            ).remote()
+            self.actors.append(actor)
+            self.serving.append(actor.serve.remote(config, index + 1, world, addr, port))
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import ray
+
+        waiting = {a.wait_ready.remote(timeout_s) for a in self.actors}
+        late = WorkerFailedError(f"{FAILURE}: a rank was not ready within {timeout_s:g} s")
+        while waiting:
+            done, _ = ray.wait([*waiting, *self.serving], num_returns=1, timeout=timeout_s + 5)
+            if not done:
+                raise late
+            if done[0] in self.serving:  # it ended before it was ready
+                raise WorkerFailedError(f"{FAILURE} at start-up: {self.reason(done[0])}")
+            if not ray.get(done[0]):
+                raise late
+            waiting.discard(done[0])
+
+    def reason(self, serving: Any) -> str:
+        """Why a rank's `serve` call ended: its actor died, or its loop raised."""
+        import ray
+
+        rank = self.serving.index(serving) + 1
+        try:
+            ray.get(serving, timeout=0)
+        except ray.exceptions.RayActorError as error:
+            return f"rank {rank}'s Ray actor died ({type(error).__name__})"
+        except ray.exceptions.RayTaskError as error:
+            return f"rank {rank} failed: {type(error.cause).__name__}: {error.cause}"
+        except Exception as error:
+            return f"rank {rank}: {type(error).__name__}: {error}"
+        return f"rank {rank} left the group"
+
+    def ended(self) -> Any | None:
+        import ray
+
+        done, _ = ray.wait(self.serving, num_returns=1, timeout=0)
+        return done[0] if done else None
+
+    def watch(self) -> None:
+        threading.Thread(target=self._watch, name="aieng-tp-ray-watcher", daemon=True).start()
+
+    def _watch(self) -> None:
+        import ray
+
+        while not self.closing and self.failure is None:
+            done, _ = ray.wait(self.serving, num_returns=1, timeout=0.5)
+            if done and not self.closing and self.failure is None:
+                reason = f"{FAILURE}: {self.reason(done[0])}"
+                logger.error("%s", reason)
+                self.fail(reason)
+
+    def fail(self, reason: str) -> None:
+        with self.lock:
+            if self.failure is not None or self.closing:
+                return
+            self.failure = reason
+        self.stop()
+        if self.on_failure is not None:
+            self.on_failure(reason)
+
+    def stop(self) -> None:
+        """Every actor killed, the placement group removed: no rank outlives the engine."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        if self.group is not None:
+            remove_placement_group(self.group)
+            self.group = None
+
+    def close(self, goodbye: Callable[[], None] | None) -> None:
+        import ray
+
+        with self.lock:
+            if self.closing:
+                return
+            self.closing = True
+            failed = self.failure is not None
+        if goodbye is not None and not failed and self.serving:
+            try:
+                goodbye()
+                ray.wait(self.serving, num_returns=len(self.serving), timeout=JOIN_S)
+            except Exception as error:
+                logger.warning("tensor-parallel shutdown message failed: %s", error)
+        self.stop()
+
+
+class RayExecutor(Executor):
+    """Rank 0 of a tensor-parallel group whose other ranks are Ray actors."""
+
+    def __init__(self, config: EngineConfig, on_failure: Callable[[str], None] | None = None):
+        import ray
+        import torch
+
+        from aieng.distributed import parallel_state
+        from aieng.distributed.rank import RankPlace, cpu_threads, join_group
+        from aieng.worker import Worker
+
+        if not ray.is_initialized():
+            ray.init()  # RAY_ADDRESS's cluster, else a local one
+        self.config = config
+        self.world_size = config.parallel.tensor_parallel_size
+        self._threads = cpu_threads(config, self.world_size)
+        threads_before = torch.get_num_threads()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+        self._ranks = _Ranks()
+        self._ranks.on_failure = _weak_callback(on_failure)
+        addr = ray.util.get_node_ip_address()
+        port = free_port(addr)
+        try:
+            self._ranks.start(config, addr, port)
+            with _master_env(addr, port):
+                self._group = join_group(config, RankPlace(0, self.world_size, 0))
+            self.driver = Worker(config.for_rank(0, 0), samples=True)
+            self._ranks.wait_ready(config.parallel.distributed_timeout_s)
+        except BaseException:
+            self._ranks.close(None)
+            parallel_state.destroy_tensor_parallel()
+            torch.set_num_threads(threads_before)
+            raise
+        self._ranks.watch()
+        self._finalizer = weakref.finalize(self, _close, self._ranks, self._group, threads_before)
+        logger.info("tensor parallelism on Ray: %d ranks, this process is rank 0", self.world_size)
+
+    def execute(self, step: RunnerStep) -> ModelRunnerOutput:
+        from aieng.distributed.messages import Execute
+
+        return self._on_every_rank(Execute.of(step), lambda: self.driver.execute(step))
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        reduce: str | None = None,
+    ) -> Any:
+        from aieng.distributed.messages import Call, run_call
+
+        message = Call(method, tuple(args), dict(kwargs or {}), reduce)
+        return self._on_every_rank(message, lambda: run_call(self.driver, message))
+
+    def _on_every_rank(self, message, run_local: Callable[[], Any]) -> Any:
+        import torch
+
+        from aieng.distributed.messages import broadcast_message
+
+        if self._ranks.failure is not None:
+            raise WorkerFailedError(self._ranks.failure)
+        if self._ranks.closing:
+            raise WorkerFailedError(f"{FAILURE}: the executor was shut down")
+        if self._threads is not None and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        try:
+            broadcast_message(message, self._group)
+            return run_local()
+        except Exception as error:
+            raise self._fail(error) from error
+        except BaseException as interrupt:
+            self._ranks.fail(f"{FAILURE}: interrupted mid-step ({type(interrupt).__name__})")
+            raise
+
+    def _fail(self, error: Exception) -> WorkerFailedError:
+        """The step raised: an actor died (its `serve` call ended), hung, or this rank failed."""
+        import ray
+
+        ended = self._ranks.ended()
+        if ended is None:  # a dead actor's call can take a moment to resolve
+            ray.wait(self._ranks.serving, num_returns=1, timeout=2.0)
+            ended = self._ranks.ended()
+        if ended is not None:
+            self._ranks.fail(f"{FAILURE}: {self._ranks.reason(ended)}")
+        else:
+            limit = self.config.parallel.distributed_timeout_s
+            self._ranks.fail(
+                f"{FAILURE}: {type(error).__name__}: {error} (a rank hung past "
+                f"distributed_timeout_s = {limit:g} s, or this one failed)"
+            )
+        return WorkerFailedError(self._ranks.failure)
+
+    @property
+    def actors(self) -> list[Any]:
+        """The ranks' Ray actor handles (ranks 1..N-1)."""
+        return list(self._ranks.actors)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _close(ranks: _Ranks, group: dist.ProcessGroup, threads_before: int) -> None:
+    import torch
+
+    from aieng.distributed import parallel_state
+    from aieng.distributed.messages import Shutdown, broadcast_message
+
+    ranks.close(lambda: broadcast_message(Shutdown(), group))
+    parallel_state.destroy_tensor_parallel()
+    torch.set_num_threads(threads_before)

@@ -1,0 +1,35 @@
+"""`OpenAIIngress`: the OpenAI API of `aieng serve` (`aieng.server.app.build_app`: the same
+routes, validation, errors, streaming, auth and metrics) as the Ray Serve ingress, its engine
+the replicas behind the router (`ReplicaPoolClient`)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from aieng.ray.board import ReplicaBoard
+from aieng.ray.options import RayServeOptions
+from aieng.ray.pool_client import ReplicaPoolClient
+from aieng.server.app import build_app
+from aieng.server.config import ServerConfig
+
+
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(
+        self,
+        replicas: DeploymentHandle,
+        config: ServerConfig,
+        options: RayServeOptions,
+        board: str,
+    ):
+        self.replicas, self.config, self.options, self.board = replicas, config, options, board
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        board = ReplicaBoard.of(self.board)
+
+        def connect() -> ReplicaPoolClient:
+            return ReplicaPoolClient(self.replicas, board, self.options.max_retries)
+
+        return build_app(self.config, connect)

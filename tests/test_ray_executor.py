@@ -1,0 +1,84 @@
+"""The Ray executor (`distributed_executor_backend="ray"`): tensor-parallel ranks 1..N-1 as Ray
+actors in a placement group, on the local Ray cluster of the Ray tests (2 CPUs): the greedy
+tokens of tensor_parallel_size 2 against 1 on a GQA Llama, and a killed rank's actor stopping
+the engine with the typed error, leaving no actor behind."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import transformers
+from ray_fixtures import ray_cluster
+from test_tensor_parallel import GREEDY, LENGTHS, OPTIONS, VOCAB, check_close, prompts
+from text_fixtures import byte_level_bpe, save_model_dir
+from tiny_models import save_tiny
+
+from aieng import LLM, SamplingParams
+from aieng.engine import EngineDeadError
+from aieng.executor.ray_executor import RayExecutor
+
+TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """4 query heads over 2 KV heads: one KV head per rank."""
+    ray_cluster()
+    folder = tmp_path_factory.mktemp("llama")
+    save_model_dir(folder, byte_level_bpe(VOCAB))
+    return save_tiny(
+        transformers.LlamaConfig, transformers.LlamaForCausalLM, {"vocab_size": VOCAB}, folder
+    )
+
+
+def assert_gone(actor) -> None:
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.wait_ready.remote(0), timeout=30)
+
+
+def test_ray_ranks_give_the_tokens_of_one_rank(llama):
+    batch = prompts(0, LENGTHS)
+    with LLM(llama, **OPTIONS) as single:
+        expected = single.generate(batch, GREEDY, use_tqdm=False)
+    llm = LLM(llama, tensor_parallel_size=2, distributed_executor_backend="ray", **OPTIONS)
+    try:
+        executor = llm.engine.executor
+        assert isinstance(executor, RayExecutor)
+        [actor] = executor.actors
+        got = llm.generate(batch, GREEDY, use_tqdm=False)
+        llm.engine.check_pool_whole()
+    finally:
+        llm.shutdown()
+    check_close("llama on ray", expected, got)
+    assert_gone(actor)
+
+
+def test_a_killed_rank_actor_stops_the_engine_with_the_typed_error(llama):
+    llm = LLM(
+        llama,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        distributed_timeout_s=TIMEOUT_S,
+        **OPTIONS,
+    )
+    engine = llm.engine
+    [actor] = engine.executor.actors
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(prompts(2, [5, 9, 30])):
+        engine.add_request(str(i), prompt, long)
+    try:
+        for _ in range(3):
+            engine.step()
+        ray.kill(actor, no_restart=True)
+        with pytest.raises(EngineDeadError) as raised:
+            while engine.has_unfinished():
+                engine.step()
+        with pytest.raises(EngineDeadError):  # and every later call
+            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert "tensor-parallel group failed" in str(raised.value)
+    assert "rank 1's Ray actor died" in engine.dead_reason
+    assert_gone(actor)
+    groups = ray.util.placement_group_table().values()
+    assert all(g["state"] == "REMOVED" for g in groups)

@@ -1,0 +1,296 @@
+"""aieng on Ray Serve (`aieng.ray`): replicas behind the OpenAI ingress, on a local Ray cluster
+with this machine's 2 CPUs, reached with the openai client like a plain `aieng serve`."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import ray
+from ray_fixtures import RayApp, shutdown_cluster
+from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
+
+# 64 blocks of 4 tokens a replica (2 KiB each): its prefix cache holds 4 or 5 of the routing
+# test's 8 prefixes, so a replica that sees all 8 evicts what it will need next. Two requests
+# run at once on a replica, the others wait (not yet streaming).
+ENGINE = dict(kv_cache_memory=64 * 2048, block_size=4, max_model_len=256, max_num_seqs=2)
+GREEDY = dict(temperature=0, max_tokens=12)
+PROMPTS = ["The quick brown fox", "Once upon a time", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster_stopped_after():
+    """The last of the Ray modules (by name) leaves no Ray processes to the tests after it."""
+    yield
+    shutdown_cluster()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def pair(model):
+    """Two replicas, prefix-aware routing."""
+    app = RayApp("pair", model, ENGINE, num_replicas=2, routing="prefix")
+    yield app
+    app.delete()
+
+
+def client_of(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def answers(client: openai.OpenAI) -> list:
+    """Greedy completions and chats, whole and streamed (as text and token counts)."""
+    out = []
+    for prompt in PROMPTS:
+        whole = client.completions.create(model=MODEL_NAME, prompt=prompt, **GREEDY)
+        streamed = client.completions.create(model=MODEL_NAME, prompt=prompt, stream=True, **GREEDY)
+        chunks = list(streamed)
+        out.append((whole.choices[0].text, whole.usage.completion_tokens))
+        out.append(
+            ("".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason)
+        )
+        messages = [{"role": "user", "content": prompt}]
+        chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
+        stream = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, stream=True, **GREEDY
+        )
+        out.append(chat.choices[0].message.content)
+        out.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    return out
+
+
+def test_two_replicas_answer_as_one_plain_server(model, pair):
+    with ThreadServer(model, engine=ENGINE) as plain:
+        expected = answers(client_of(plain.url))
+    got = answers(client_of(pair.url))
+    assert got == expected
+    assert expected[0][1] == GREEDY["max_tokens"] and expected[1][1] == "length"
+
+
+def test_the_ingress_validates_like_the_server(pair):
+    with pytest.raises(openai.BadRequestError) as error:
+        client_of(pair.url).completions.create(model=MODEL_NAME, prompt="hi", max_tokens=-1)
+    assert error.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as error:  # checked by the replica's engine
+        client_of(pair.url).completions.create(model=MODEL_NAME, prompt=[5] * 300, max_tokens=4)
+    assert error.value.body["param"] == "prompt"
+
+
+def shared_prefix_workload(seed: int) -> list[list[int]]:
+    """8 prefixes of 48 tokens, each in 8 requests with their own 4-token suffix, shuffled
+    (in turn, round-robin over 2 replicas would send each prefix to one replica)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, 300) for _ in range(48)] for _ in range(8)]
+    prompts = [prefixes[i % 8] + [rng.randrange(10, 300) for _ in range(4)] for i in range(64)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def prefix_hits(app: RayApp, seed: int) -> float:
+    """Prompt tokens the replicas found in their prefix caches over the workload."""
+    client = client_of(app.url)
+    before = app.metrics()["aieng_prefix_cache_hits_total"]
+    prompts = shared_prefix_workload(seed)
+
+    def run(prompt: list[int]) -> str:
+        out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1)
+        return out.choices[0].finish_reason
+
+    with ThreadPoolExecutor(2) as pool:
+        assert set(pool.map(run, prompts)) <= {"length", "stop"}
+    time.sleep(0.6)  # the replicas' stats reach the ingress every 0.2 s
+    after = app.metrics()
+    assert after["aieng_kv_cache_num_blocks"] == 2 * 64
+    return after["aieng_prefix_cache_hits_total"] - before
+
+
+def test_prefix_aware_routing_finds_more_cached_tokens_than_round_robin(model, pair):
+    round_robin = RayApp("round-robin", model, ENGINE, num_replicas=2, routing="round_robin")
+    try:
+        rr_hits = prefix_hits(round_robin, seed=1)
+    finally:
+        round_robin.delete()
+    prefix = prefix_hits(pair, seed=2)
+    prompt_tokens = 64 * 52
+    print(
+        f"prefix-cache hits: prefix-aware {prefix / prompt_tokens:.0%}, round-robin "
+        f"{rr_hits / prompt_tokens:.0%}"
+    )
+    assert prefix > 1.3 * rr_hits
+    assert prefix > 0.6 * 56 * 48  # the first request of each prefix misses
+
+
+def test_a_killed_replica_fails_only_its_streams_cleanly_and_comes_back(pair):
+    client = client_of(pair.url)
+    first_tokens = threading.Event()
+
+    def stream(i: int) -> str:
+        try:
+            chunks = client.completions.create(
+                model=MODEL_NAME,
+                prompt=[10 + i, 20, 30, 40],
+                max_tokens=40,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            tokens, reason = 0, None
+            for chunk in chunks:
+                first_tokens.set()
+                tokens += 1 if chunk.choices and chunk.choices[0].text is not None else 0
+                reason = chunk.choices[0].finish_reason if chunk.choices else reason
+            return f"ok:{reason}"
+        except openai.APIStatusError as error:
+            return f"status:{error.status_code}"
+        except openai.APIError as error:  # the error event of a stream that had started
+            return f"event:{error.message}"
+
+    with ThreadPoolExecutor(8) as pool:
+        results = [pool.submit(stream, i) for i in range(8)]
+        assert first_tokens.wait(30)
+        victim = pair.replica_actors()[0]
+        ray.kill(victim, no_restart=True)
+        outcomes = [r.result(timeout=60) for r in results]
+    # the victim's running streams (at most max_num_seqs) end with an error event; its waiting
+    # requests are retried on the other replica and finish there, as do that one's own
+    failed = [o for o in outcomes if o != "ok:length"]
+    assert all("replica" in o and "retry the request" in o for o in failed), outcomes
+    assert len(failed) <= ENGINE["max_num_seqs"], outcomes
+
+    def replaced() -> bool:
+        actors = pair.replica_actors()
+        new = all(a._actor_id != victim._actor_id for a in actors)
+        return new and len(actors) == 2 and pair.running_replicas() == 2
+
+    assert pair.wait_for(replaced, timeout=60, step=0.5)
+    # a new request is served, and nothing is left running or holding KV blocks
+    answer = client.completions.create(model=MODEL_NAME, prompt="after", max_tokens=2)
+    assert answer.choices[0].finish_reason == "length"
+
+    def idle() -> bool:
+        m = pair.metrics()
+        return (
+            m["aieng_num_requests_running"] == 0
+            and m["aieng_num_requests_waiting"] == 0
+            and m["aieng_kv_cache_usage_perc"] == 0
+            and m["aieng_kv_cache_num_blocks"] > 0
+        )
+
+    assert pair.wait_for(idle, timeout=20, step=0.2), pair.metrics()
+
+
+def test_autoscaling_adds_a_replica_under_load_and_drains_it_after(model):
+    app = RayApp(
+        "scaling",
+        model,
+        dict(kv_cache_memory=1 << 20, block_size=4, max_num_seqs=8),
+        min_replicas=1,
+        max_replicas=2,
+        target_ongoing_requests=2,
+        upscale_delay_s=0.5,
+        downscale_delay_s=1.0,
+        look_back_period_s=1.0,
+    )
+    client = client_of(app.url)
+    streams = [4]  # load thread i sends streams while i < streams[0]
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def load(i: int) -> None:
+        while not stop.is_set():
+            if i >= streams[0]:
+                time.sleep(0.05)
+                continue
+            try:
+                chunks = client.completions.create(
+                    model=MODEL_NAME,
+                    prompt=[7, 8, 9],
+                    max_tokens=48,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+                outcomes.append(f"ok:{reasons[-1]}")
+            except openai.APIError as error:
+                outcomes.append(f"error:{error.message}")
+
+    pool = ThreadPoolExecutor(4)
+    try:
+        assert app.running_replicas() == 1
+        for i in range(4):  # 4 streams at a time: 2 per replica wanted
+            pool.submit(load, i)
+        assert app.wait_for(lambda: app.running_replicas() == 2, timeout=60, step=0.2)
+        streams[0] = 1  # 1 stream at a time: 1 replica wanted, the other drains
+        assert app.wait_for(lambda: app.running_replicas() == 1, timeout=60, step=0.2)
+    finally:
+        stop.set()
+        pool.shutdown()
+        app.delete()
+    assert outcomes and set(outcomes) == {"ok:length"}, outcomes
+
+
+def test_the_kuberay_manifest_builds_the_app_it_names(model):
+    """deploy/ray/rayservice.yaml's arguments, through `serve run`'s application builder."""
+    import yaml
+
+    from aieng.ray import app
+
+    manifest = Path(__file__).resolve().parents[1] / "deploy/ray/rayservice.yaml"
+    serve_config = yaml.safe_load(yaml.safe_load(manifest.read_text())["spec"]["serveConfigV2"])
+    [application] = serve_config["applications"]
+    assert application["import_path"] == "aieng.ray:app"
+    args = {**application["args"], "model": str(model), "enable_prefix_caching": "false"}
+    built = app(args)
+    replicas = built._bound_deployment.init_args[0]._bound_deployment
+    assert replicas._deployment_config.autoscaling_config.max_replicas == 4
+    assert replicas.ray_actor_options["num_gpus"] == 1
+    engine = replicas.init_args[0]
+    assert engine.max_num_seqs == 64 and engine.enable_prefix_caching is False
+    with pytest.raises(SystemExit):  # argparse names the bad value on stderr
+        app({**args, "routing": "random"})
+
+
+def test_prefix_hashes_chain_the_leading_full_blocks():
+    from aieng.ray.router import prefix_hashes
+
+    a = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], block_size=4, max_blocks=4)
+    b = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 0, 9, 9, 9, 9], block_size=4, max_blocks=4)
+    assert len(a) == 2 and len(b) == 3  # the partial last block is not cached, not hashed
+    assert a[0] == b[0] and a[1] != b[1]  # a block's hash names its whole prefix
+    assert prefix_hashes([4, 3, 2, 1, 5, 6, 7, 8], 4, 4)[1] != a[1]
+    assert len(prefix_hashes(list(range(100)), block_size=4, max_blocks=3)) == 3
+
+
+def test_pooled_stats_weigh_kv_usage_by_blocks():
+    from aieng.engine_client import EngineStats
+    from aieng.ray.pool_client import pooled_stats
+
+    small = EngineStats(num_running=1, kv_cache_usage=1.0, num_blocks=10, prefix_cache_hits=4)
+    large = EngineStats(num_running=2, kv_cache_usage=0.0, num_blocks=30, prefix_cache_hits=6)
+    pooled = pooled_stats([small, large])
+    assert (pooled.num_running, pooled.num_blocks, pooled.prefix_cache_hits) == (3, 40, 10)
+    assert pooled.kv_cache_usage == pytest.approx(0.25) and pooled.heartbeat > 0
+    assert pooled_stats([]).heartbeat == 0  # no replica reports: /health says dead
+
+
+def test_ray_options_refuse_what_cannot_run():
+    from aieng.ray import RayServeOptions
+
+    with pytest.raises(ValueError, match="min_replicas and max_replicas"):
+        RayServeOptions(min_replicas=1)
+    with pytest.raises(ValueError, match="routing"):
+        RayServeOptions(routing="random")
+    with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
+        RayServeOptions(min_replicas=3, max_replicas=2)
+    assert "autoscaling_config" in RayServeOptions(
+        min_replicas=0, max_replicas=2
+    ).replica_deployment(16, "board")
