@@ -3,11 +3,11 @@ runner's output on: the engine hands them to the core, every token reaches the o
 every stop check applies to each of them, and the tokens after the first are computed as the
 request's next query tokens.
 
-What this does not cover: the runner producing them. `ModelRunner.execute` samples one token per
-row (its `num_sampled` is all ones; no proposer or verification step exists yet), so the engine
-tests below add the extra tokens to the runner's output, above it — the runner's sampling table
-never sees them there. How the sampling table takes several tokens of one row is tested on the
-table itself (the last test), against a request resumed with the same outputs."""
+The runner producing them (speculative decoding's verification) is tested in
+tests/test_spec_decode.py; the engine tests below add extra tokens to the runner's output,
+above it — the runner's sampling table never sees them there. How the sampling table takes
+several tokens of one row is tested on the table itself (the last test), against a request
+resumed with the same outputs."""
 
 import numpy as np
 import pytest

@@ -246,6 +246,14 @@ class EngineCore:
         `num_sampled[i]` (>= 1, default 1 each) of them belong to the i-th sampling row, in
         order. Each token goes through every stop check; once a request stops, the rest of
         its tokens are dropped. Tokens past a row's first are computed in the next step."""
+    def set_draft(self, request_id: str, token_ids: _Tokens) -> None:
+        """Sets the draft tokens that follow the request's tokens now (speculative decoding),
+        replacing any it had. The next step that decodes it runs them after its last token,
+        every position sampling (logits_indices holds 1 + drafts rows for it, in order, with
+        the min_tokens bans of each position); update() counts as computed only the drafts
+        its tokens confirm and releases the blocks that held only rejected positions. Drafts
+        are capped by the request's length limit and the step's token budget; a request with
+        a grammar takes none."""
     def has_unfinished(self) -> bool: ...
     @property
     def num_running(self) -> int: ...

@@ -38,6 +38,8 @@ from aieng.runner_io import (
     RunnerStep,
 )
 from aieng.sampling import SamplingParams
+from aieng.spec_decode.drafts import SpeculativeDecoding
+from aieng.spec_decode.proposer import ProposalRequest
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +188,8 @@ class LLMEngine:
             tokenizer=self.tokenizer,
         )
         self.model_info = _model_info(resolved, self.executor)
+        spec = resolved.speculative
+        self.speculation = SpeculativeDecoding(spec) if spec is not None else None
         self.requests: dict[str, _Request] = {}
         self._by_core_id: dict[str, tuple[_Request, _Sequence]] = {}
         self._by_slot: dict[int, tuple[_Request, _Sequence]] = {}
@@ -397,12 +401,24 @@ class LLMEngine:
             num_preemptions=core["num_preemptions"],
             num_steps=core["num_steps"],
             num_requests=len(self.requests),
+            **self._speculation_stats(),
             kv_cache_dtype=self.model_info.kv_cache_dtype,
             block_size=self.model_info.block_size,
             max_num_seqs=self.model_info.max_num_seqs,
             kernels=self.model_info.kernels,
             heartbeat=time.monotonic(),
         )
+
+    def _speculation_stats(self) -> dict:
+        spec = self.speculation
+        if spec is None:
+            return {}
+        return {
+            "spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_decode_accepted_per_position": tuple(spec.accepted_per_position.tolist()),
+        }
 
     def gpu_memory(self):
         """Rank 0's GPU memory figures now (aieng.gpu_memory.GpuMemory); None off CUDA."""
@@ -462,7 +478,36 @@ class LLMEngine:
             failed = self._fail_rows(plan, result)
             tokens = np.where(tokens < 0, 0, tokens)  # their requests are gone from the core
         out = self.core.update(tokens, result.num_sampled)
-        return failed + self._process(plan, out, result)
+        if self.speculation is not None:
+            self._record_speculation(plan, result)
+        outputs = failed + self._process(plan, out, result)
+        if self.speculation is not None and self.speculation.wanted(self.core.num_running):
+            self._propose(np.unique(out.slots))
+        return outputs
+
+    def _record_speculation(self, plan, result: ModelRunnerOutput) -> None:
+        rows = np.unique(plan.sample_request_rows)
+        live = (self._by_slot.get(slot) for slot in plan.slots[rows].tolist())
+        ids = [entry[1].core_id if entry is not None else "" for entry in live]
+        self.speculation.record(plan.sample_request_rows, result.num_sampled, ids)
+
+    def _propose(self, slots: np.ndarray) -> None:
+        """Drafts for the live sequences that took tokens this step (a request with a grammar
+        takes none), at most as many as its max_tokens leave after the next token."""
+        asked: list[tuple[_Sequence, ProposalRequest]] = []
+        for slot in slots.tolist():
+            entry = self._by_slot.get(slot)
+            if entry is None or entry[0].grammar is not None:
+                continue
+            request, seq = entry
+            room = seq.params.max_tokens - len(seq.token_ids) - 1
+            if room > 0:
+                tokens = np.array(request.prompt_token_ids + seq.token_ids, np.int64)
+                asked.append((seq, ProposalRequest(seq.core_id, tokens, room)))
+        drafts = self.speculation.propose([p for _, p in asked]) if asked else []
+        for (seq, _), draft in zip(asked, drafts, strict=True):
+            if draft:
+                self.core.set_draft(seq.core_id, draft)
 
     def _charge_step(self, plan, seconds: float) -> None:
         """Splits a step's wall time over its requests by scheduled tokens (per slot, in
@@ -507,14 +552,16 @@ class LLMEngine:
             exc_info=error,
         )
         outputs = [self._finish_request(rid, "error", message) for rid in request_ids]
-        self.core.update(np.zeros(len(plan.logits_indices), np.int64))  # closes the step
+        sampling = len(np.unique(plan.sample_request_rows))
+        self.core.update(np.zeros(sampling, np.int64))  # closes the step
         return [o for o in outputs if o is not None]
 
     def _fail_rows(self, plan, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Rows that failed on their own end their requests with an error; the step's other
         requests go on. A sampled row without a recorded cause had no valid token."""
         causes = dict(result.failed_slots)
-        rows = plan.sample_request_rows[result.sampled_token_ids < 0]
+        token_rows = np.repeat(np.unique(plan.sample_request_rows), result.num_sampled)
+        rows = token_rows[result.sampled_token_ids < 0]
         for slot in plan.slots[rows].tolist():
             causes.setdefault(int(slot), NO_VALID_TOKEN)
         by_request: dict[str, str] = {}
@@ -554,12 +601,17 @@ class LLMEngine:
         if result.pooled is not None:
             self._record_embeddings(result.pooled)
         logprobs = result.logprobs
-        logprob_of_row: dict[int, int] = {}
+        # Logprobs by flat token index; a row's tokens start at first_token[row].
+        logprob_of_token: dict[int, int] = {}
+        first_token: dict[int, int] = {}
         if len(logprobs.rows):
-            rows = plan.sample_request_rows[logprobs.rows].tolist()
-            logprob_of_row = {row: i for i, row in enumerate(rows)}
+            logprob_of_token = {int(t): i for i, t in enumerate(logprobs.rows.tolist())}
+            starts = np.r_[0, np.cumsum(result.num_sampled)[:-1]].tolist()
+            first_token = dict(
+                zip(np.unique(plan.sample_request_rows).tolist(), starts, strict=True)
+            )
         changed: dict[str, _Request] = {}
-        last_row = -1
+        last_row, taken = -1, 0
         for row, slot, token, text in zip(
             out.rows.tolist(), out.slots.tolist(), out.token_ids.tolist(), out.texts, strict=True
         ):
@@ -573,9 +625,10 @@ class LLMEngine:
             seq.token_ids.append(token)
             if text:
                 seq.text.append(text)
-            first_of_row, last_row = row != last_row, row
+            taken = 0 if row != last_row else taken + 1
+            last_row = row
             if seq.logprobs is not None:
-                i = logprob_of_row.get(row, -1) if first_of_row else -1
+                i = logprob_of_token.get(first_token[row] + taken, -1) if row in first_token else -1
                 top: dict[int, float] = {}
                 if i >= 0:
                     k = int(logprobs.num_top[i])

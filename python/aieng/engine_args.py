@@ -22,6 +22,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aieng.spec_decode import config as spec_config
+
 # A dtype name as config.json and the --dtype flag spell it -> the torch attribute.
 DTYPES = {
     "float32": "float32",
@@ -93,8 +95,10 @@ def cli_type(kind: type, check: Check | None = None) -> Callable[[str], Any]:
 
     def parse(text: str):
         try:
-            value = kind(text)
-        except ValueError:
+            value = spec_config.parse_json(text) if kind is dict else kind(text)
+        except ValueError as error:
+            if kind is dict:
+                raise argparse.ArgumentTypeError(str(error)) from None
             raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
         reason = check(value) if check else None
         if reason is None and isinstance(value, float) and not math.isfinite(value):
@@ -236,6 +240,16 @@ class EngineArgs:
         "scale per 32 weights: 1.125 bytes a weight, against float32's 4) on the int8 kernels, "
         "the embedding lookup keeping the float rows",
         choices=CPU_LM_HEADS,
+    )
+    speculative_config: dict | None = option(  # noqa: RUF009 (None default)
+        None,
+        "speculative decoding, as vLLM's dictionary (JSON on the command line): "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}; optional "disable_by_batch_size": no drafts in a step with '
+        "more running requests than that. The output is exactly plain decoding's",
+        default_text="off",
+        check=spec_config.refusal,
+        metavar="JSON",
     )
     enforce_eager: bool = option(
         False,
@@ -403,7 +417,13 @@ def _meaning(f: dataclasses.Field) -> str:
     return f"{f.metadata['help']} (one of {', '.join(choices)})" if choices else f.metadata["help"]
 
 
-_KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "True or False"}
+_KIND_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "True or False",
+    dict: "a JSON object",
+}
 
 
 @functools.cache

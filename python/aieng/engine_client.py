@@ -68,6 +68,12 @@ class EngineStats:
     max_num_seqs: int = 0  # the batch's capacity in requests; 0 before the engine is loaded
     kernels: Mapping[str, str] = field(default_factory=dict)  # ModelInfo.kernels
     heartbeat: float = 0.0  # time.monotonic() of the loop's last turn
+    # Speculative decoding (zero without it): verified drafts, their tokens, the tokens
+    # accepted, and accepted tokens per draft position (vLLM's spec_decode figures).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
 
 
 @runtime_checkable

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aieng.config import ModelConfig
 from aieng.engine_args import DTYPES, EngineArgs, checkpoint_dtype
+from aieng.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +72,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
     def uses_cuda(self) -> bool:
@@ -155,6 +157,11 @@ def create_engine_config(args: EngineArgs, tokenizer: Any = None) -> EngineConfi
             tensor_parallel_size=args.tensor_parallel_size,
             distributed_timeout_s=args.distributed_timeout_s,
             distributed_executor_backend=args.distributed_executor_backend,
+        ),
+        speculative=(
+            SpeculativeConfig.from_dict(args.speculative_config)
+            if args.speculative_config is not None
+            else None
         ),
     )
 

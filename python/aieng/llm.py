@@ -9,6 +9,7 @@ from typing import Any
 from aieng._core import InvalidArgumentError
 from aieng.engine import LLMEngine, run_as_launched_worker
 from aieng.engine_args import EngineArgs
+from aieng.engine_client import EngineStats
 from aieng.models.default import default_model_path
 from aieng.offline_embed import embed_prompts
 from aieng.outputs import EmbeddingRequestOutput, RequestOutput
@@ -50,6 +51,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        """The engine's counters now: the batch, the KV cache, the prefix cache, preemptions,
+        and speculative decoding's drafts, draft tokens and accepted tokens (per position)."""
+        return self.engine.stats()
 
     def shutdown(self) -> None:
         """Releases everything the engine started (tensor-parallel workers included); the LLM

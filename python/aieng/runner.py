@@ -29,7 +29,7 @@ from aieng.errors import is_fatal
 from aieng.gpu_memory import log_gpu_memory
 from aieng.host_memory import available_ram
 from aieng.input_buffers import InputBuffers
-from aieng.isolated_sampling import RowRules, sample_rows
+from aieng.isolated_sampling import RowRules
 from aieng.kernels.cpu_int8 import cpu_isa
 from aieng.kv_cache import KVCacheSpec
 from aieng.models.loader import LoadTimes, load_model
@@ -37,6 +37,7 @@ from aieng.prompt_logprobs import PromptScorer
 from aieng.quantization.methods import describe_linear_kernels
 from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, RunnerStep, SampledLogprobs
 from aieng.sampler import Sampler, SamplerOutput, SamplingTable
+from aieng.spec_decode.verify import draft_tokens, sampling_groups, verify_and_sample
 from aieng.step_plan import ForwardArrays, ForwardPlan
 
 logger = logging.getLogger(__name__)
@@ -218,17 +219,23 @@ class ModelRunner:
         slots = np.asarray(plan.slots[plan.sample_request_rows], np.int64)
         banned = (plan.banned_rows, plan.banned_ids) if len(plan.banned_rows) else None
         rules = RowRules(plan.grammar_bitmask(), banned)  # masks computed while the model ran
-        tokens, logprobs, sampling_failed = sample_rows(
-            self.sampler, self.sampling, logits, slots, rules, self._to_host
+        groups = sampling_groups(plan.sample_request_rows)  # rows with drafts have several
+        tokens, counts, logprobs, sampling_failed = verify_and_sample(
+            self.sampler,
+            self.sampling,
+            logits,
+            slots,
+            draft_tokens(plan, groups),
+            groups,
+            rules,
+            self._to_host,
         )
         failed.update(sampling_failed)
         if failed:
-            tokens[np.isin(slots, list(failed))] = -1
-        accepted = tokens >= 0
-        self.sampling.append_tokens(slots[accepted], tokens[accepted])
+            tokens[np.isin(np.repeat(slots[groups[0]], counts), list(failed))] = -1
         return ModelRunnerOutput(
             sampled_token_ids=tokens,
-            num_sampled=np.ones(len(tokens), np.int32),
+            num_sampled=counts,
             logprobs=logprobs,
             prompt_logprobs=scored,
             failed_slots=failed,

@@ -43,7 +43,7 @@ class RunnerStep:
 class SampledLogprobs:
     """Logprobs of the sampled rows that asked for them (`SamplingParams.logprobs` set)."""
 
-    rows: np.ndarray  # (L,) int64: which sampling rows these are
+    rows: np.ndarray  # (L,) int64: which tokens these are (indices into the sampled tokens)
     chosen: np.ndarray  # (L,) float32: log-probability of each row's sampled token
     top_ids: np.ndarray  # (L, K) int64: K = the largest `logprobs` asked for in the step
     top_logprobs: np.ndarray  # (L, K) float32; row i is valid up to num_top[i]
@@ -85,14 +85,15 @@ class PooledEmbeddings:
 
 @dataclass
 class ModelRunnerOutput:
-    """Tokens accepted this step, sampling row after sampling row (the plan's logits rows).
+    """Tokens accepted this step, sampling request after sampling request (the distinct rows
+    of the plan's `sample_request_rows`, in order).
 
-    Row s owns `sampled_token_ids[offsets[s]:offsets[s] + num_sampled[s]]`; today every row has
-    one token, and speculative decoding may accept several."""
+    Request g owns `sampled_token_ids[offsets[g]:offsets[g] + num_sampled[g]]`: one token, or
+    with speculative decoding its accepted drafts and one more."""
 
     sampled_token_ids: np.ndarray  # (N,) int64
-    num_sampled: np.ndarray  # (S,) int32
-    logprobs: SampledLogprobs  # per sampling row's first token
+    num_sampled: np.ndarray  # (G,) int32
+    logprobs: SampledLogprobs  # its rows index sampled_token_ids
     prompt_logprobs: PromptLogprobs | None = None
     # Slots whose own sampling state or sampling failed this step, with the cause: only their
     # requests end (finish reason "error"); a sampled row of theirs holds token -1.

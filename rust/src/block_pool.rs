@@ -428,6 +428,28 @@ impl PoolInner {
         self.tables[id as usize] = Some(state);
     }
 
+    /// Gives back the blocks of table `id` past the first `num_slots` slots' (the lookahead
+    /// of rejected speculative tokens: never committed, so never cached); their KV is garbage.
+    pub(crate) fn release_tail(&mut self, id: u32, num_slots: usize) {
+        let keep = num_slots.div_ceil(self.block_size);
+        let state = self.tables[id as usize].as_mut().expect("live table");
+        if state.blocks.len() <= keep || state.hashed_blocks > keep {
+            return;
+        }
+        let tail = state.blocks.split_off(keep);
+        for block in tail.into_iter().rev() {
+            let rc = &mut self.block[block as usize].ref_count;
+            *rc -= 1;
+            if *rc == 0 {
+                if self.block[block as usize].cached.is_some() {
+                    self.free.push_back(block);
+                } else {
+                    self.free.push_front(block);
+                }
+            }
+        }
+    }
+
     pub(crate) fn free_table(&mut self, id: u32) {
         let state = self.tables[id as usize].take().expect("table freed once");
         self.free_table_ids.push(id);

@@ -721,6 +721,13 @@ impl PyEngineCore {
         Ok(PyStepOutputs::new(update))
     }
 
+    /// Sets the draft tokens that follow a request's tokens now (speculative decoding),
+    /// replacing any it had; the next step that decodes it verifies them.
+    fn set_draft(&mut self, request_id: &str, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let draft = u32_tokens(token_ids, "token_ids")?;
+        Ok(self.core.set_draft(request_id, &draft)?)
+    }
+
     fn has_unfinished(&self) -> bool {
         self.core.has_unfinished()
     }

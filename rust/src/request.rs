@@ -121,6 +121,9 @@ pub(crate) struct Request {
     /// The matcher of its structured-output grammar, advanced with every token it takes
     /// (generated tokens are kept across preemption, so the matcher never rolls back).
     pub(crate) grammar: Option<SharedMatcher>,
+    /// Speculative tokens proposed to follow `tokens`, verified by the next step that
+    /// decodes it (then cleared); never set for a request with a grammar.
+    pub(crate) draft: Vec<u32>,
 }
 
 /// When a request ends, as lengths of its whole sequence, from its params.
@@ -217,6 +220,7 @@ impl Request {
             status: Status::Waiting,
             text,
             grammar: None,
+            draft: Vec::new(),
         }
     }
 

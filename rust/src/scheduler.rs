@@ -10,6 +10,11 @@
 //!
 //! An update may append several tokens to a row; those past the first are
 //! scheduled in the next step like the rest of a prefill.
+//!
+//! Speculative decoding: a decoding request with draft tokens (`set_draft`) runs
+//! its last token and the drafts in one step, each position sampled; the update
+//! counts as computed only the drafts that the tokens it takes confirm, and gives
+//! back the blocks that held only rejected positions.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -107,6 +112,8 @@ struct Scheduled {
     /// Tokens of the request in the cache before this step.
     start: usize,
     num_new: usize,
+    /// Of `num_new`, the draft tokens at the end (each position samples).
+    num_draft: usize,
     samples: bool,
 }
 
@@ -369,11 +376,13 @@ impl EngineCore {
 
     /// Starts the masks of the sampling rows whose requests have a grammar.
     fn start_masks(&self, entries: &[Scheduled]) -> Option<PendingMasks> {
+        let mut logits_row = 0;
         let rows: Vec<_> = entries
             .iter()
             .filter(|e| e.samples)
-            .enumerate()
-            .filter_map(|(row, e)| {
+            .filter_map(|e| {
+                let row = logits_row;
+                logits_row += 1 + e.num_draft;
                 let grammar = self.req(e.slot).grammar.as_ref()?;
                 Some((row as i32, Arc::clone(grammar)))
             })
@@ -415,7 +424,10 @@ impl EngineCore {
                 decodes_left -= 1;
             }
             let n = if decoding {
-                remaining.min(*budget)
+                let drafts = self
+                    .num_drafts(slot)
+                    .min(budget.saturating_sub(1 + decodes_left));
+                (1 + drafts).min(*budget)
             } else {
                 remaining
                     .min(budget.saturating_sub(decodes_left))
@@ -446,22 +458,53 @@ impl EngineCore {
                     break 'requests;
                 }
             }
-            entries.push(self.scheduled(slot, n));
+            let num_draft = if decoding { n - 1 } else { 0 };
+            entries.push(self.scheduled(slot, n, num_draft));
             *budget -= n;
             i += 1;
         }
         preempted
     }
 
-    fn scheduled(&self, slot: u32, num_new: usize) -> Scheduled {
+    fn scheduled(&self, slot: u32, num_new: usize, num_draft: usize) -> Scheduled {
         let r = self.req(slot);
         Scheduled {
             slot,
             arrival: r.arrival,
             start: r.num_computed,
             num_new,
-            samples: r.num_computed + num_new == r.tokens.len(),
+            num_draft,
+            samples: r.num_computed + num_new - num_draft == r.tokens.len(),
         }
+    }
+
+    /// The draft tokens a decoding request may verify now: its drafts, no more than would
+    /// take it past its length limit (max_tokens, max_model_len).
+    fn num_drafts(&self, slot: u32) -> usize {
+        let r = self.req(slot);
+        r.draft
+            .len()
+            .min(r.stops.max_len.saturating_sub(r.tokens.len() + 1))
+    }
+
+    /// Sets the draft tokens that follow request `id`'s tokens now, replacing any it had;
+    /// the next step that decodes it verifies them. A request with a grammar takes none.
+    pub fn set_draft(&mut self, id: &str, draft: &[u32]) -> Result<()> {
+        let slot = *self
+            .slot_of
+            .get(id)
+            .ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
+        if self.in_flight.is_some() {
+            return Err(CoreError::State(
+                "set_draft() was called while a step is in flight".into(),
+            ));
+        }
+        let r = self.req_mut(slot);
+        r.draft.clear();
+        if r.grammar.is_none() {
+            r.draft.extend_from_slice(draft);
+        }
+        Ok(())
     }
 
     fn schedule_waiting(
@@ -504,7 +547,7 @@ impl EngineCore {
                 .running
                 .partition_point(|&s| self.req(s).order_key() < key);
             self.running.insert(at, slot);
-            entries.push(self.scheduled(slot, n));
+            entries.push(self.scheduled(slot, n, 0));
             *budget -= n;
         }
     }
@@ -587,8 +630,11 @@ impl EngineCore {
             let r = self.requests[e.slot as usize].as_mut().expect("live slot");
             let blocks = &pool.table(r.table.as_ref().expect("scheduled").id()).blocks;
             let (start, end) = (e.start, e.start + e.num_new);
+            let own_end = end - e.num_draft;
             plan.input_ids
-                .extend(r.tokens[start..end].iter().map(|&t| t as i32));
+                .extend(r.tokens[start..own_end].iter().map(|&t| t as i32));
+            plan.input_ids
+                .extend(r.draft[..e.num_draft].iter().map(|&t| t as i32));
             plan.positions.extend((start..end).map(|p| p as i32));
             let mut pos = start;
             while pos < end {
@@ -602,16 +648,21 @@ impl EngineCore {
             plan.num_computed_tokens.push(start as i32);
             plan.seq_lens.push(end as i32);
             if e.samples {
-                // The token drawn now may not end the request while min_tokens are not out.
-                if !r.may_stop() {
-                    let sample = plan.logits_indices.len() as i32;
-                    for &id in r.stop_ids() {
-                        plan.banned_rows.push(sample);
-                        plan.banned_ids.push(id as i32);
+                // Position j (0: the row's own next token, then one per draft) samples the
+                // output token that follows j more; it may not end the request while
+                // min_tokens are not out.
+                let last = plan.input_ids.len() - e.num_draft - 1;
+                for j in 0..=e.num_draft {
+                    if r.tokens.len() + j < r.stops.min_len {
+                        let sample = plan.logits_indices.len() as i32;
+                        for &id in r.stop_ids() {
+                            plan.banned_rows.push(sample);
+                            plan.banned_ids.push(id as i32);
+                        }
                     }
+                    plan.logits_indices.push((last + j) as i32);
+                    plan.sample_request_rows.push(row as i32);
                 }
-                plan.logits_indices.push(plan.input_ids.len() as i32 - 1);
-                plan.sample_request_rows.push(row as i32);
             }
             plan.slots.push(e.slot as i32);
             for (index, &block) in blocks.iter().enumerate().skip(r.reported_blocks) {
@@ -685,7 +736,15 @@ impl EngineCore {
                 continue;
             }
             let r = self.req_mut(e.slot);
-            r.num_computed += e.num_new;
+            // Drafts count as computed as far as the tokens taken confirm them.
+            let confirmed = tokens
+                .iter()
+                .zip(&r.draft[..e.num_draft])
+                .take_while(|(&t, &d)| t == d as i64)
+                .count()
+                .min(tokens.len().saturating_sub(1));
+            r.num_computed += e.num_new - e.num_draft + confirmed;
+            r.draft.clear();
             let table_id = r.table.as_ref().expect("scheduled").id();
             for &token in tokens {
                 let token = token as u32;
@@ -712,6 +771,12 @@ impl EngineCore {
             if e.start % bs + e.num_new >= bs {
                 // A block filled up: it becomes findable by later requests.
                 guard.commit(table_id, &r.tokens, r.num_computed);
+            }
+            if confirmed < e.num_draft {
+                // Blocks that held only rejected positions go back to the pool.
+                guard.release_tail(table_id, r.tokens.len());
+                let held = guard.table(table_id).blocks.len();
+                r.reported_blocks = r.reported_blocks.min(held);
             }
         }
         for (slot, (reason, stop_reason)) in finished_slots {
@@ -883,3 +948,7 @@ fn check_sampled(
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "scheduler_spec_tests.rs"]
+mod spec_tests;

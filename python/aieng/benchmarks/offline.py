@@ -33,6 +33,8 @@ class EngineRun:
     token_ids: list[list[int]]
     latency_s: list[float] = field(default_factory=list)  # per request, end to end
     ttft_s: list[float] = field(default_factory=list)  # per request (aieng only)
+    # With speculative decoding (aieng only): drafts, draft tokens, accepted tokens.
+    spec_decode: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,6 +92,12 @@ def run_aieng(
         raise RuntimeError(f"aieng produced {tokens} tokens, expected {sum(output_lens)}")
     latency = [o.metrics.finished_time - start_clock for o in outs if o.metrics]
     ttft = [o.metrics.first_token_time - start_clock for o in outs if o.metrics]
+    stats = llm.get_stats()
+    spec_decode = {
+        "drafts": stats.spec_decode_num_drafts,
+        "draft_tokens": stats.spec_decode_num_draft_tokens,
+        "accepted_tokens": stats.spec_decode_num_accepted_tokens,
+    }
     del llm
     return EngineRun(
         engine="aieng",
@@ -99,6 +107,7 @@ def run_aieng(
         token_ids=[list(o.outputs[0].token_ids) for o in outs],
         latency_s=latency,
         ttft_s=ttft,
+        spec_decode=spec_decode if engine.speculative_config is not None else {},
     )
 
 

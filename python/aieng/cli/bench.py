@@ -88,7 +88,17 @@ def run_bench(args: argparse.Namespace) -> int:
             f"{s['latency_p50_s']:.2f} / {s['latency_p90_s']:.2f} / {s['latency_p99_s']:.2f} | "
             f"{ttft} |"
         )
+    spec = runs[0].spec_decode
+    if spec and spec["draft_tokens"]:
+        print(
+            f"\nspeculative decoding: {spec['drafts']} drafts, {spec['draft_tokens']} draft "
+            f"tokens, {spec['accepted_tokens']} accepted (acceptance "
+            f"{spec['accepted_tokens'] / spec['draft_tokens']:.2f}, "
+            f"{1 + spec['accepted_tokens'] / spec['drafts']:.2f} tokens per forward)"
+        )
     result = {"model": str(folder), "machine": info, "runs": [r.summary() for r in runs]}
+    if spec:
+        result["spec_decode"] = spec
     if len(runs) == 2:
         same = offline.identical_requests(runs[0], runs[1])
         ratio = runs[0].tokens_per_s / runs[1].tokens_per_s

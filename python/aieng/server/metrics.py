@@ -58,11 +58,26 @@ class EngineCollector(Collector):
             (CounterMetricFamily, "num_preemptions", "Requests preempted for KV space.",
              stats.num_preemptions),
             (CounterMetricFamily, "engine_steps", "Engine steps run.", stats.num_steps),
+            (CounterMetricFamily, "spec_decode_num_drafts",
+             "Speculative decoding: requests' drafts verified.", stats.spec_decode_num_drafts),
+            (CounterMetricFamily, "spec_decode_num_draft_tokens",
+             "Speculative decoding: draft tokens verified.", stats.spec_decode_num_draft_tokens),
+            (CounterMetricFamily, "spec_decode_num_accepted_tokens",
+             "Speculative decoding: draft tokens accepted.",
+             stats.spec_decode_num_accepted_tokens),
         ]  # fmt: skip
         for family, name, doc, value in values:
             metric = family(f"aieng_{name}", doc, labels=labels)
             metric.add_metric([self.model_name], value)
             yield metric
+        per_position = CounterMetricFamily(
+            "aieng_spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted at each draft position (0 first).",
+            labels=[*labels, "position"],
+        )
+        for position, value in enumerate(stats.spec_decode_accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], value)
+        yield per_position
         if stats.kv_cache_dtype:  # vLLM's cache_config_info: the cache's configuration as labels
             info = GaugeMetricFamily(
                 "aieng_cache_config_info",
