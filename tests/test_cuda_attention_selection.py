@@ -135,7 +135,10 @@ def test_auto_on_the_cpu_is_not_cuda_and_cuda_is_refused() -> None:
         select_attention_backend("auto", llama(), cpu, torch.float32), CpuPagedAttention
     )
     assert isinstance(
-        select_attention_backend("auto", llama(), cpu, torch.bfloat16), TorchPagedAttention
+        select_attention_backend("auto", llama(), cpu, torch.bfloat16), CpuPagedAttention
+    )
+    assert isinstance(
+        select_attention_backend("auto", llama(), cpu, torch.float16), TorchPagedAttention
     )
     with pytest.raises(ValueError, match=r"'cuda' cannot serve this model: .*NVIDIA"):
         select_attention_backend("cuda", llama(), cpu, torch.float32)

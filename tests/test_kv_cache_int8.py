@@ -216,7 +216,10 @@ def test_float_paged_attention_is_unchanged_by_the_int8_path():
 
 def spec_for(dtype, kv_cache_dtype, head_dim=64, num_kv_heads=4, layers=6, block_size=16):
     config = SimpleNamespace(
-        num_hidden_layers=layers, num_key_value_heads=num_kv_heads, head_dim=head_dim
+        num_hidden_layers=layers,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        is_encoder=False,
     )
     return KVCacheSpec.for_model(config, block_size, dtype, kv_cache_dtype)
 

@@ -17,7 +17,7 @@ from server_fixtures import MODEL_NAME, VOCAB, ThreadServer, free_port, make_mod
 from aieng import LLM, SamplingParams
 from aieng.config import ModelConfig
 from aieng.engine import LLMEngine
-from aieng.errors import InvalidArgumentError
+from aieng.errors import InvalidArgumentError, invalid_field
 
 OUT_OF_VOCAB = 5000  # > VOCAB
 OK_BODY = {"prompt": "The", "max_tokens": 3}
@@ -88,7 +88,7 @@ def test_an_invalid_argument_from_the_engine_thread_is_a_400_naming_the_field(se
     message = f"stop_token_ids: token id {OUT_OF_VOCAB} is outside the vocabulary [0, {VOCAB})"
 
     def add_request(*_args, **_kwargs):
-        raise InvalidArgumentError(message)
+        raise invalid_field("stop_token_ids", message)  # the field travels with the error
 
     monkeypatch.setattr(engine, "add_request", add_request)
     for stream in (False, True):
