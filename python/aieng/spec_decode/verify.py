@@ -75,12 +75,12 @@ def verify_and_sample(
     if int(sizes.max(initial=1)) > 1 and not _depends_on_history(table, slots):
         return _verify_in_one_pass(sampler, table, logits, slots, drafts, groups, rules, to_host)
     num_groups = len(starts)
-    emitted: list[list[int]] = [[] for _ in range(num_groups)]
     going = np.arange(num_groups)
     failed: dict[int, str] = {}
     pieces: list[tuple[np.ndarray, np.ndarray, SampledLogprobs]] = []  # (groups, j, lp)
+    taken: list[tuple[np.ndarray, np.ndarray]] = []  # (groups, tokens) per position
     j = 0
-    while len(going):
+    while len(going):  # at most k + 1 passes, whatever the batch size
         rows = starts[going] + j
         index = torch.from_numpy(rows).to(logits.device)
         tokens, logprobs, row_failed = sample_rows(
@@ -91,13 +91,15 @@ def verify_and_sample(
         table.append_tokens(slots[rows][ok], tokens[ok])
         if len(logprobs.rows):
             pieces.append((going[logprobs.rows], np.full(len(logprobs.rows), j), logprobs))
-        for g, token in zip(going.tolist(), tokens.tolist(), strict=True):
-            emitted[g].append(token)
+        taken.append((going, tokens))
         accepted = ok & (tokens == drafts[rows])
         going = going[accepted & (j + 1 < sizes[going])]
         j += 1
-    counts = np.array([len(e) for e in emitted], np.int32)
-    flat = np.array([t for e in emitted for t in e], np.int64)
+    owners = np.concatenate([g for g, _ in taken])
+    # Request after request, each in position order (positions were appended in order).
+    order = np.argsort(owners, kind="stable")
+    flat = np.concatenate([t for _, t in taken]).astype(np.int64)[order]
+    counts = np.bincount(owners, minlength=num_groups).astype(np.int32)
     return flat, counts, _flat_logprobs(pieces, counts), failed
 
 
