@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import tempfile
 import time
@@ -28,6 +26,7 @@ import torch
 import transformers
 
 from aieng import LLM
+from aieng.benchmarks.offline import machine as machine_info
 from aieng.models.default import default_model_path
 from aieng.train.corpus import kjv_raw_text, kjv_verses
 
@@ -88,7 +87,11 @@ def main() -> None:
                 dict(batch=batch, aieng=ours, sentence_transformers=peer, min_cosine=cosine)
             )
         llm.shutdown()
-    machine = f"{cpu_name()}, {os.cpu_count()} CPUs (shared with other work while measured)"
+    info = machine_info(torch.get_num_threads())
+    machine = (
+        f"{info['cpu']} ({info['cpu_features']}), {info['nproc']} CPUs (shared with other work "
+        "while measured)"
+    )
     lines = [
         f"# bench_embeddings ({args.texts} KJV verses, bge-small-shaped BERT, float32, CPU)",
         "",
@@ -108,18 +111,6 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_embeddings.json").write_text(json.dumps(dict(rows=rows, machine=machine)))
     (out / "bench_embeddings.md").write_text("\n".join(lines) + "\n")
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), or the machine type."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import platform
 import random
 import re
 import tempfile
@@ -23,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aieng.benchmarks.offline import machine
 from kjv_rag.aieng_server import aieng_server, served_model
 from kjv_rag.app import build_pipeline
 from kjv_rag.chunks import load_verses, verse_windows
@@ -104,11 +103,13 @@ def main() -> None:
         pipeline = build_pipeline(index, embedder, url, served_model(url), answer_tokens=64)
         latencies = asyncio.run(step_latencies(pipeline, questions[: args.pipeline_questions]))
         num_chunks = len(index.chunks)
+    info = machine(threads=0)
     lines = [
         f"# KJV RAG evaluation ({len(questions)} questions from {', '.join(EVAL_BOOKS)}; "
         f"{len(verses)} verses in {num_chunks} chunks)",
         "",
-        f"Machine: {cpu_name()}, {os.cpu_count()} CPUs (shared with other work while "
+        f"Machine: {info['cpu']} ({info['cpu_features']}), {info['nproc']} CPUs (shared with "
+        "other work while "
         "measured). Embedder: the bundled aieng-kjv-6m model, mean-pooled final hidden states "
         "through `POST /v1/embeddings`; Qdrant embedded (exact search), BM25 (bm25s), hybrid = "
         "reciprocal rank fusion.",
@@ -134,18 +135,6 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), or the machine type."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 if __name__ == "__main__":
