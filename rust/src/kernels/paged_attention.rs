@@ -118,7 +118,7 @@ struct F32Rows<'a> {
 impl Rows for F32Rows<'_> {
     #[inline(always)]
     fn k_dot(&self, at: usize, q: &[f32]) -> f32 {
-        dot(q, &self.k[at..][..q.len()])
+        dot_by(q, &self.k[at..][..q.len()], |&x| x)
     }
     #[inline(always)]
     fn v_add(&self, at: usize, p: f32, acc: &mut [f32]) {
@@ -249,20 +249,6 @@ fn token_rows(
         }
     }
     Ok(out)
-}
-
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let (a16, b16) = (a.chunks_exact(16), b.chunks_exact(16));
-    let (ra, rb) = (a16.remainder(), b16.remainder());
-    for (x, y) in a16.zip(b16) {
-        for i in 0..16 {
-            lanes[i] += x[i] * y[i];
-        }
-    }
-    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
-    lanes.iter().sum::<f32>() + tail
 }
 
 /// q · k with k's elements converted by `f`.
