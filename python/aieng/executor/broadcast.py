@@ -2,16 +2,14 @@
 process, every call first broadcast to the other ranks (one message per step), and any failure
 fatal: after one the ranks are out of step.
 
-A subclass holds its other ranks in `_ranks` (a `Ranks`: spawned processes, Ray actors), its
-group in `_group`, and says in `_fail` what a failed step means for its kind of rank.
+A subclass holds its other ranks in `_ranks` (`Ranks`: spawned processes, Ray actors), its group in
+`_group`, and says in `_fail` what a failed step means for its kind of rank.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aieng.executor.base import Executor, WorkerFailedError
 
@@ -20,60 +18,18 @@ if TYPE_CHECKING:
 
     from aieng.runner_io import ModelRunnerOutput, RunnerStep
 
-logger = logging.getLogger(__name__)
-
 FAILURE = "tensor-parallel group failed"
-JOIN_S = 5.0  # how long the ranks get to leave after the shutdown message
 
 
-class Ranks:
-    """Ranks 1..N-1 as rank 0 keeps them (spawned processes, Ray actors), apart from the
-    executor so that its finalizer can close them without holding it. The rule they share:
-    the first failure is recorded, every rank stopped and the engine told once; a close says
-    goodbye (unless the group already failed), lets the ranks leave, then stops what is left."""
+class Ranks(Protocol):
+    """Ranks 1..N-1 as rank 0 keeps them."""
 
-    def __init__(self) -> None:
-        self.failure: str | None = None  # why the group failed; None while it serves
-        self.closing = False  # shutting down: a failure now is the shutdown, not news
-        self.lock = threading.Lock()
-        self.on_failure: Callable[[str], None] | None = None
+    failure: str | None  # why the group failed; None while it serves
+    closing: bool  # shutting down: a failure now is the shutdown, not news
 
-    def stop(self) -> None:
-        """Every rank still running stopped, at once."""
-        raise NotImplementedError
+    def fail(self, reason: str) -> None: ...
 
-    def _stop_watching(self) -> None:
-        """Before a close: the watcher told that the ranks' leaving is not a failure."""
-
-    def _join(self, timeout_s: float) -> None:
-        """After the goodbye: wait up to timeout_s for the ranks to leave."""
-        raise NotImplementedError
-
-    def fail(self, reason: str) -> None:
-        """Records the first failure, stops every rank, tells the engine (once)."""
-        with self.lock:
-            if self.failure is not None or self.closing:
-                return
-            self.failure = reason
-        self.stop()
-        if self.on_failure is not None:
-            self.on_failure(reason)
-
-    def close(self, goodbye: Callable[[], None] | None) -> None:
-        """A clean exit: `goodbye` broadcasts Shutdown, the ranks leave on their own."""
-        with self.lock:
-            if self.closing:
-                return
-            self.closing = True
-            failed = self.failure is not None
-        self._stop_watching()
-        if goodbye is not None and not failed:
-            try:
-                goodbye()
-                self._join(JOIN_S)
-            except Exception as error:
-                logger.warning("tensor-parallel shutdown message failed: %s", error)
-        self.stop()
+    def close(self, goodbye: Callable[[], None] | None) -> None: ...
 
 
 class BroadcastExecutor(Executor):

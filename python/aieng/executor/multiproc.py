@@ -36,7 +36,7 @@ from aieng.distributed.rank import launched_place
 from aieng.engine_args import EngineArgs
 from aieng.engine_config import EngineConfig
 from aieng.executor.base import ExecutorError, WorkerFailedError
-from aieng.executor.broadcast import FAILURE, BroadcastExecutor, Ranks, close_group
+from aieng.executor.broadcast import FAILURE, BroadcastExecutor, close_group
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+JOIN_S = 5.0  # how long a worker gets to leave after the shutdown message
 TERM_S = 1.0  # how long a worker gets after SIGTERM before SIGKILL (a stopped one never exits)
 START_S = 300.0  # how long spawned workers may take to import torch and aieng
 REPORT_WAIT_S = 2.0  # after a collective fails: how long to wait for the worker's exit
@@ -116,14 +117,18 @@ def describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-class _Workers(Ranks):
-    """The spawned ranks 1..N-1: their processes, start-up reports and the watcher thread."""
+class _Workers:
+    """The spawned ranks 1..N-1: their processes, start-up reports and the watcher thread.
+    Kept apart from the runner so a finalizer can close them without holding the runner."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.errors: dict[int, str] = {}
+        self.failure: str | None = None
+        self.closing = False
+        self.lock = threading.Lock()
+        self.on_failure: Callable[[str], None] | None = None
         self._stop_send: Connection | None = None
 
     def spawn(self, config: EngineConfig, world: int, addr: str, port: int) -> None:
@@ -231,6 +236,16 @@ class _Workers(Ranks):
         logger.error("%s", reason)
         self.fail(reason)
 
+    def fail(self, reason: str) -> None:
+        """Records the first failure, stops every worker, tells the engine (once)."""
+        with self.lock:
+            if self.failure is not None or self.closing:
+                return
+            self.failure = reason
+        self.stop()
+        if self.on_failure is not None:
+            self.on_failure(reason)
+
     def stop(self) -> None:
         """Every worker that is still running is terminated, killed if it must be, joined."""
         for proc in self.procs:
@@ -242,16 +257,26 @@ class _Workers(Ranks):
                 proc.kill()
                 proc.join()
 
-    def _stop_watching(self) -> None:
+    def close(self, goodbye: Callable[[], None] | None) -> None:
+        """A clean exit: `goodbye` broadcasts Shutdown, the workers leave on their own."""
+        with self.lock:
+            if self.closing:
+                return
+            self.closing = True
+            failed = self.failure is not None
         if self._stop_send is not None:
             try:
                 self._stop_send.send(None)
             except OSError:  # the watcher already returned, closing its end
                 pass
-
-    def _join(self, timeout_s: float) -> None:
-        for proc in self.procs:
-            proc.join(timeout_s)
+        if goodbye is not None and not failed:
+            try:
+                goodbye()
+                for proc in self.procs:
+                    proc.join(JOIN_S)
+            except Exception as error:
+                logger.warning("tensor-parallel shutdown message failed: %s", error)
+        self.stop()
 
 
 class MultiprocExecutor(BroadcastExecutor):

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from aieng.engine_config import EngineConfig
 from aieng.executor.base import WorkerFailedError
-from aieng.executor.broadcast import FAILURE, BroadcastExecutor, Ranks, close_group
+from aieng.executor.broadcast import FAILURE, BroadcastExecutor, close_group
 from aieng.executor.multiproc import (
+    JOIN_S,
     START_S,
     free_port,
     master_env,
@@ -64,14 +65,18 @@ class RankActor:
         return self._ready.wait(timeout_s)
 
 
-class _Ranks(Ranks):
-    """The actors, their placement group and the watcher."""
+class _Ranks:
+    """The actors, their placement group and the watcher; apart from the executor so that its
+    finalizer can close them without holding the executor."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.actors: list[Any] = []
         self.serving: list[Any] = []  # each actor's `serve` ObjectRef
         self.group: Any = None  # the placement group
+        self.failure: str | None = None
+        self.closing = False
+        self.lock = threading.Lock()
+        self.on_failure: Callable[[str], None] | None = None
 
     def start(self, config: EngineConfig, addr: str, port: int) -> None:
         import ray
@@ -147,6 +152,15 @@ class _Ranks(Ranks):
                 logger.error("%s", reason)
                 self.fail(reason)
 
+    def fail(self, reason: str) -> None:
+        with self.lock:
+            if self.failure is not None or self.closing:
+                return
+            self.failure = reason
+        self.stop()
+        if self.on_failure is not None:
+            self.on_failure(reason)
+
     def stop(self) -> None:
         """Every actor killed, the placement group removed: no rank outlives the engine."""
         import ray
@@ -158,11 +172,21 @@ class _Ranks(Ranks):
             remove_placement_group(self.group)
             self.group = None
 
-    def _join(self, timeout_s: float) -> None:
+    def close(self, goodbye: Callable[[], None] | None) -> None:
         import ray
 
-        if self.serving:
-            ray.wait(self.serving, num_returns=len(self.serving), timeout=timeout_s)
+        with self.lock:
+            if self.closing:
+                return
+            self.closing = True
+            failed = self.failure is not None
+        if goodbye is not None and not failed and self.serving:
+            try:
+                goodbye()
+                ray.wait(self.serving, num_returns=len(self.serving), timeout=JOIN_S)
+            except Exception as error:
+                logger.warning("tensor-parallel shutdown message failed: %s", error)
+        self.stop()
 
 
 class RayExecutor(BroadcastExecutor):
