@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
@@ -35,16 +35,17 @@ from typing import TYPE_CHECKING, Any
 from aieng.distributed.rank import launched_place
 from aieng.engine_args import EngineArgs
 from aieng.engine_config import EngineConfig
-from aieng.executor.base import ExecutorError, WorkerFailedError
-from aieng.executor.broadcast import FAILURE, BroadcastExecutor, close_group
+from aieng.executor.base import Executor, ExecutorError, WorkerFailedError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
     from aieng.distributed.rank import RankPlace
+    from aieng.runner_io import ModelRunnerOutput, RunnerStep
 
 logger = logging.getLogger(__name__)
 
+FAILURE = "tensor-parallel group failed"
 JOIN_S = 5.0  # how long a worker gets to leave after the shutdown message
 TERM_S = 1.0  # how long a worker gets after SIGTERM before SIGKILL (a stopped one never exits)
 START_S = 300.0  # how long spawned workers may take to import torch and aieng
@@ -279,7 +280,7 @@ class _Workers:
         self.stop()
 
 
-class MultiprocExecutor(BroadcastExecutor):
+class MultiprocExecutor(Executor):
     """Rank 0 of a tensor-parallel group: its worker in this process, and every call first
     broadcast to the other ranks."""
 
@@ -306,8 +307,8 @@ class MultiprocExecutor(BroadcastExecutor):
         if self._threads is not None:
             torch.set_num_threads(self._threads)
             logger.info("tensor-parallel rank 0: %d CPU threads", self._threads)
-        self._ranks = _Workers()
-        self._ranks.on_failure = weak_callback(on_failure)
+        self._workers = _Workers()
+        self._workers.on_failure = weak_callback(on_failure)
         place = RankPlace(0, self.world_size, 0)
         try:
             if launched:
@@ -317,21 +318,19 @@ class MultiprocExecutor(BroadcastExecutor):
             self.driver = Worker(config.for_rank(place.rank, place.local_rank), samples=True)
             if not launched:
                 timeout = config.parallel.distributed_timeout_s
-                self._ranks.wait_for("ready", timeout, f"distributed_timeout_s ({timeout:g} s)")
+                self._workers.wait_for("ready", timeout, f"distributed_timeout_s ({timeout:g} s)")
         except BaseException as error:
-            self._ranks.close(None)
+            self._workers.close(None)
             parallel_state.destroy_tensor_parallel()
             torch.set_num_threads(threads_before)
-            if isinstance(error, Exception) and self._ranks.procs:
+            if isinstance(error, Exception) and self._workers.procs:
                 worker_error = self._first_worker_error()
                 if worker_error is not None and not isinstance(error, ValueError):
                     raise worker_error from error
             raise
         if not launched:
-            self._ranks.watch()
-        self._finalizer = weakref.finalize(
-            self, close_group, self._ranks, self._group, threads_before
-        )
+            self._workers.watch()
+        self._finalizer = weakref.finalize(self, _close, self._workers, self._group, threads_before)
         logger.info("tensor parallelism: %d ranks, this process is rank 0", self.world_size)
 
     def _start_workers(self, config: EngineConfig, place: RankPlace) -> dist.ProcessGroup:
@@ -342,21 +341,60 @@ class MultiprocExecutor(BroadcastExecutor):
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT") or free_port(addr))
         _check_port_free(addr, port)
-        self._ranks.spawn(config, self.world_size, addr, port)
+        self._workers.spawn(config, self.world_size, addr, port)
         # Each worker first imports torch and aieng (seconds); the rendezvous, bounded by
         # distributed_timeout_s, starts once they all can join it.
-        self._ranks.wait_for("started", START_S, f"{START_S:g} s")
+        self._workers.wait_for("started", START_S, f"{START_S:g} s")
         with master_env(addr, port):
             return join_group(config, place)
 
     def _first_worker_error(self) -> Exception | None:
-        self._ranks.collect_reports()
-        for index in range(len(self._ranks.procs)):
-            if self._ranks.errors.get(index):
-                return self._ranks.start_error(index)
+        self._workers.collect_reports()
+        for index in range(len(self._workers.procs)):
+            if self._workers.errors.get(index):
+                return self._workers.start_error(index)
         return None
 
     # ------------------------------------------------------------------ the executor
+
+    def execute(self, step: RunnerStep) -> ModelRunnerOutput:
+        from aieng.distributed.messages import Execute
+
+        return self._on_every_rank(Execute.of(step), lambda: self.driver.execute(step))
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        reduce: str | None = None,
+    ) -> Any:
+        from aieng.distributed.messages import Call, run_call
+
+        message = Call(method, tuple(args), dict(kwargs or {}), reduce)
+        return self._on_every_rank(message, lambda: run_call(self.driver, message))
+
+    def _on_every_rank(self, message, run_local: Callable[[], Any]) -> Any:
+        import torch
+
+        from aieng.distributed.messages import broadcast_message
+
+        if self._workers.failure is not None:
+            raise WorkerFailedError(self._workers.failure)
+        if self._workers.closing:
+            raise WorkerFailedError(f"{FAILURE}: the executor was shut down")
+        if self._threads is not None and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)  # the engine's loop may run in its own thread
+        try:
+            broadcast_message(message, self._group)
+            return run_local()
+        except Exception as error:
+            # Whatever raised, the other ranks may be inside a collective this rank never
+            # joins: the group is out of step, and the failure is fatal.
+            raise self._fail(error) from error
+        except BaseException as interrupt:  # Ctrl-C mid-step: out of step just the same
+            self._workers.fail(f"{FAILURE}: interrupted mid-step ({type(interrupt).__name__})")
+            raise
 
     def _fail(self, error: Exception) -> WorkerFailedError:
         """The step raised: a worker died (its connection closed: wait a moment for its exit to
@@ -364,27 +402,42 @@ class MultiprocExecutor(BroadcastExecutor):
         text = f"{type(error).__name__}: {error}"
         closed = "Connection closed" in text or "Connection reset" in text
         deadline = time.monotonic() + (REPORT_WAIT_S if closed else 0.0)
-        while self._ranks.failure is None:
-            dead = [i for i, p in enumerate(self._ranks.procs) if p.exitcode is not None]
+        while self._workers.failure is None:
+            dead = [i for i, p in enumerate(self._workers.procs) if p.exitcode is not None]
             if dead:
-                self._ranks.fail(f"{FAILURE}: {self._ranks.reason(dead[0])}")
+                self._workers.fail(f"{FAILURE}: {self._workers.reason(dead[0])}")
             elif time.monotonic() < deadline:
                 time.sleep(0.05)
                 continue
             break
-        if self._ranks.failure is None:
+        if self._workers.failure is None:
             if closed:
                 cause = "a rank's connection closed: it died or left"
             else:
                 limit = self.config.parallel.distributed_timeout_s
                 cause = f"a rank hung past distributed_timeout_s = {limit:g} s, or this one failed"
-            self._ranks.fail(f"{FAILURE}: {text} ({cause})")
-        return WorkerFailedError(self._ranks.failure)
+            self._workers.fail(f"{FAILURE}: {text} ({cause})")
+        return WorkerFailedError(self._workers.failure)
 
     @property
     def worker_pids(self) -> list[int]:
         """The process ids of the ranks this process spawned (none when a launcher did)."""
-        return [proc.pid for proc in self._ranks.procs]
+        return [proc.pid for proc in self._workers.procs]
+
+    def shutdown(self) -> None:
+        """Tells the workers to leave, joins them, leaves the group. Idempotent."""
+        self._finalizer()
+
+
+def _close(workers: _Workers, group: dist.ProcessGroup, threads_before: int) -> None:
+    import torch
+
+    from aieng.distributed import parallel_state
+    from aieng.distributed.messages import Shutdown, broadcast_message
+
+    workers.close(lambda: broadcast_message(Shutdown(), group))
+    parallel_state.destroy_tensor_parallel()
+    torch.set_num_threads(threads_before)
 
 
 def _check_port_free(addr: str, port: int) -> None:

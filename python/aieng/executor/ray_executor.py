@@ -21,13 +21,13 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aieng.engine_config import EngineConfig
-from aieng.executor.base import WorkerFailedError
-from aieng.executor.broadcast import FAILURE, BroadcastExecutor, close_group
+from aieng.executor.base import Executor, WorkerFailedError
 from aieng.executor.multiproc import (
+    FAILURE,
     JOIN_S,
     START_S,
     free_port,
@@ -36,7 +36,9 @@ from aieng.executor.multiproc import (
 )
 
 if TYPE_CHECKING:
-    pass
+    import torch.distributed as dist
+
+    from aieng.runner_io import ModelRunnerOutput, RunnerStep
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +191,7 @@ class _Ranks:
         self.stop()
 
 
-class RayExecutor(BroadcastExecutor):
+class RayExecutor(Executor):
     """Rank 0 of a tensor-parallel group whose other ranks are Ray actors."""
 
     def __init__(self, config: EngineConfig, on_failure: Callable[[str], None] | None = None):
@@ -224,10 +226,45 @@ class RayExecutor(BroadcastExecutor):
             torch.set_num_threads(threads_before)
             raise
         self._ranks.watch()
-        self._finalizer = weakref.finalize(
-            self, close_group, self._ranks, self._group, threads_before
-        )
+        self._finalizer = weakref.finalize(self, _close, self._ranks, self._group, threads_before)
         logger.info("tensor parallelism on Ray: %d ranks, this process is rank 0", self.world_size)
+
+    def execute(self, step: RunnerStep) -> ModelRunnerOutput:
+        from aieng.distributed.messages import Execute
+
+        return self._on_every_rank(Execute.of(step), lambda: self.driver.execute(step))
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        reduce: str | None = None,
+    ) -> Any:
+        from aieng.distributed.messages import Call, run_call
+
+        message = Call(method, tuple(args), dict(kwargs or {}), reduce)
+        return self._on_every_rank(message, lambda: run_call(self.driver, message))
+
+    def _on_every_rank(self, message, run_local: Callable[[], Any]) -> Any:
+        import torch
+
+        from aieng.distributed.messages import broadcast_message
+
+        if self._ranks.failure is not None:
+            raise WorkerFailedError(self._ranks.failure)
+        if self._ranks.closing:
+            raise WorkerFailedError(f"{FAILURE}: the executor was shut down")
+        if self._threads is not None and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        try:
+            broadcast_message(message, self._group)
+            return run_local()
+        except Exception as error:
+            raise self._fail(error) from error
+        except BaseException as interrupt:
+            self._ranks.fail(f"{FAILURE}: interrupted mid-step ({type(interrupt).__name__})")
+            raise
 
     def _fail(self, error: Exception) -> WorkerFailedError:
         """The step raised: an actor died (its `serve` call ended), hung, or this rank failed."""
@@ -251,3 +288,17 @@ class RayExecutor(BroadcastExecutor):
     def actors(self) -> list[Any]:
         """The ranks' Ray actor handles (ranks 1..N-1)."""
         return list(self._ranks.actors)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _close(ranks: _Ranks, group: dist.ProcessGroup, threads_before: int) -> None:
+    import torch
+
+    from aieng.distributed import parallel_state
+    from aieng.distributed.messages import Shutdown, broadcast_message
+
+    ranks.close(lambda: broadcast_message(Shutdown(), group))
+    parallel_state.destroy_tensor_parallel()
+    torch.set_num_threads(threads_before)
