@@ -29,7 +29,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import CudaTimer, PathMismatch, SmokeTimer, Timer, copy_bandwidth, write_results
+from common import (
+    CudaTimer,
+    PathMismatch,
+    SmokeTimer,
+    Timer,
+    WrongOutput,
+    check_rows,
+    copy_bandwidth,
+    write_results,
+)
 
 from aieng.attention.backend import AttentionBackend
 from aieng.attention.cuda_paged import (
@@ -75,11 +84,7 @@ SMOKE = Setup(
 )
 
 
-class WrongOutput(RuntimeError):
-    """A kernel's output is not the reference's."""
-
-
-def model_config(heads: tuple[int, int, int]) -> ModelConfig:
+def model_config(heads: tuple[int, int, int], sliding_window: int | None = None) -> ModelConfig:
     """The attention-relevant part of a model the selector checks its kernels for."""
     num_heads, num_kv_heads, head_dim = heads
     return ModelConfig(
@@ -94,6 +99,7 @@ def model_config(heads: tuple[int, int, int]) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=1e-5,
         max_position_embeddings=65536,
+        sliding_window=sliding_window,
     )
 
 
@@ -109,21 +115,6 @@ def selected_backend(setup: Setup, dtype: torch.dtype, int8: bool) -> AttentionB
             f"{backend.name!r} backend: its start-up check failed (see the warning above)"
         )
     return backend
-
-
-def check_rows(got: torch.Tensor, want: torch.Tensor, tolerance: float, label: str) -> float:
-    """Largest relative error of one (token, head) row; WrongOutput beyond `tolerance`."""
-    diff = (got.double() - want.double()).norm(dim=-1)
-    scale = want.double().norm(dim=-1).clamp_min(1e-30)
-    errors = torch.where(torch.isfinite(got.double()).all(dim=-1), diff / scale, torch.inf)
-    worst = float(errors.max())
-    if not worst <= tolerance:
-        token, head = divmod(int(errors.argmax()), errors.shape[1])
-        raise WrongOutput(
-            f"{label}: row (token {token}, head {head}) has relative error {worst:.2e} > "
-            f"{tolerance:.1e} against the float32 reference"
-        )
-    return worst
 
 
 def kernel_call(

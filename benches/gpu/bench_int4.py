@@ -30,7 +30,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import CudaTimer, SmokeTimer, Timer, copy_bandwidth, write_results
+from common import (
+    CudaTimer,
+    SmokeTimer,
+    Timer,
+    WrongOutput,
+    check_rows,
+    copy_bandwidth,
+    write_results,
+)
 
 from aieng.kernels.int4 import (
     Int4Weights,
@@ -77,10 +85,6 @@ SMOKE = Setup(
 )  # fmt: skip
 
 
-class WrongOutput(RuntimeError):
-    """A kernel's output is not the reference's."""
-
-
 def random_weights(n: int, k: int, copies: int, device: torch.device) -> list[Int4Weights]:
     generator = torch.Generator(device=device).manual_seed(n + k)
     out = []
@@ -101,20 +105,6 @@ def rotating(run_one: Callable[[int], object], count: int) -> Callable[[], objec
         return run_one(state["i"])
 
     return run
-
-
-def check_rows(got: torch.Tensor, want: torch.Tensor, tolerance: float, label: str) -> float:
-    """Largest relative error of one output row; WrongOutput beyond `tolerance`."""
-    diff = (got.double() - want.double()).norm(dim=-1)
-    errors = diff / want.double().norm(dim=-1).clamp_min(1e-30)
-    errors = torch.where(torch.isfinite(got.double()).all(dim=-1), errors, torch.inf)
-    worst = float(errors.max())
-    if not worst <= tolerance:
-        raise WrongOutput(
-            f"{label}: row {int(errors.argmax())} has relative error {worst:.2e} > "
-            f"{tolerance:.1e} against the float32 reference"
-        )
-    return worst
 
 
 def bench_shape(setup: Setup, n: int, k: int, dtype: torch.dtype, l2_bytes: int) -> dict:

@@ -87,3 +87,26 @@ def write_results(name: str, result: dict, table: str, out: Path | None, record:
 
 class PathMismatch(RuntimeError):
     """A bench's kernel path is not the one it claims (a fallback, a skipped capture)."""
+
+
+class WrongOutput(RuntimeError):
+    """A kernel's output is not its reference's."""
+
+
+def check_rows(got: torch.Tensor, want: torch.Tensor, tolerance: float, label: str) -> float:
+    """The largest relative error of one row (the last dimension: an output vector, one token's
+    head) of `got` against `want`; WrongOutput naming the row beyond `tolerance`. Row by row,
+    one wrong token or head shows where a norm over the whole output would hide it."""
+    if got.shape != want.shape:
+        raise WrongOutput(f"{label}: output shape {tuple(got.shape)}, want {tuple(want.shape)}")
+    got64, want64 = got.double(), want.double()
+    errors = (got64 - want64).norm(dim=-1) / want64.norm(dim=-1).clamp_min(1e-30)
+    errors = torch.where(torch.isfinite(got64).all(dim=-1), errors, torch.inf)
+    worst = float(errors.max())
+    if not worst <= tolerance:
+        index = tuple(int(i) for i in torch.unravel_index(errors.argmax(), errors.shape))
+        raise WrongOutput(
+            f"{label}: row {index} has relative error {worst:.2e} > {tolerance:.1e} against "
+            "the float32 reference"
+        )
+    return worst
