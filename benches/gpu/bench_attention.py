@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from common import (
+    NO_GPU,
     CudaTimer,
     PathMismatch,
     SmokeTimer,
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = SMOKE if args.smoke else GPU
     if not setup.smoke and not torch.cuda.is_available():
         print(
-            "bench_attention: no GPU visible (torch.cuda.is_available() is False)", file=sys.stderr
+            f"bench_attention: {NO_GPU}",
+            file=sys.stderr,
         )
         return 2
     try:

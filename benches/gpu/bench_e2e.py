@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import PathMismatch, write_results
+from common import NO_GPU, PathMismatch, write_results
 
 # Qwen/Qwen3-0.6B's config.json (the fields that shape the model).
 QWEN3_0_6B = {
@@ -108,7 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def workload(
-    num_requests: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0
+    num_requests: int,
+    min_len: int,
+    max_len: int,
+    vocab_size: int = QWEN3_0_6B["vocab_size"],
+    seed: int = 0,
 ) -> tuple[list[list[int]], list[int]]:
     """nano-vllm's: prompt ids uniform in [0, 10000) (here from 3: no special ids, and below the
     vocabulary), prompt and output lengths uniform in [min_len, max_len]."""
@@ -293,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
-        print("bench_e2e: no GPU visible (torch.cuda.is_available() is False)", file=sys.stderr)
+        print(
+            f"bench_e2e: {NO_GPU}",
+            file=sys.stderr,
+        )
         return 2
     try:
         result = bench(args, device)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from common import (
+    NO_GPU,
     CudaTimer,
     SmokeTimer,
     Timer,
@@ -213,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup = SMOKE if args.smoke else GPU
     if not setup.smoke and not torch.cuda.is_available():
-        print("bench_int4: no GPU visible (torch.cuda.is_available() is False)", file=sys.stderr)
+        print(
+            f"bench_int4: {NO_GPU}",
+            file=sys.stderr,
+        )
         return 2
     try:
         result = run(setup, getattr(torch, args.dtype))

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+NO_GPU = "no GPU visible (needs an NVIDIA GPU; torch.cuda.is_available() is False)"
 
 
 @dataclass(frozen=True)

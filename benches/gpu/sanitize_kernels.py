@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from bench_attention import model_config
 from bench_int4 import host_emulation, random_weights
-from common import PathMismatch, WrongOutput, check_rows
+from common import NO_GPU, PathMismatch, WrongOutput, check_rows
 
 from aieng.attention.selector import select_attention_backend
 from aieng.kernels.fused import check_cases, check_fused_ops
@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = tuple(DTYPES[name] for name in args.dtypes.split(","))
     if not args.smoke and not torch.cuda.is_available():
         print(
-            "sanitize_kernels: no GPU visible (torch.cuda.is_available() is False)", file=sys.stderr
+            f"sanitize_kernels: {NO_GPU}",
+            file=sys.stderr,
         )
         return 2
     device = torch.device("cpu" if args.smoke else "cuda")
