@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from common import (
     NO_GPU,
+    ROW_TOLERANCE,
     CudaTimer,
     PathMismatch,
     SmokeTimer,
@@ -42,14 +43,8 @@ from common import (
 )
 
 from aieng.attention.backend import AttentionBackend
-from aieng.attention.cuda_paged import (
-    CudaPagedAttention,
-    build_cuda_metadata,
-    paged_cache,
-    split_plan,
-)
+from aieng.attention.cuda_paged import CudaAttentionMetadata, CudaPagedAttention, paged_cache
 from aieng.attention.cuda_self_check import (
-    TOLERANCE,
     RequestSpec,
     clone_cache,
     random_cache,
@@ -62,7 +57,6 @@ from aieng.attention.torch_paged import TorchPagedAttention
 from aieng.config import ModelConfig
 
 BLOCK_SIZE = 16
-H200_SMS = 132  # the split plan the smoke run reports (no device to ask)
 
 
 @dataclass(frozen=True)
@@ -118,6 +112,16 @@ def selected_backend(setup: Setup, dtype: torch.dtype, int8: bool) -> AttentionB
     return backend
 
 
+def splits_used(metadata: object) -> int:
+    """The split-K plan the timed decode launches used (the CUDA backend keeps it in the step's
+    metadata); 1 for a backend that does not split."""
+    if not isinstance(metadata, CudaAttentionMetadata):
+        return 1
+    assert metadata.decode is not None, "every request of the step decodes one token"
+    ((plan, _),) = metadata.decode.plans.values()
+    return plan.num_splits
+
+
 def kernel_call(
     backend: AttentionBackend, layer: Attention, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, cache, metadata,
@@ -152,7 +156,7 @@ def bench_shape(
     want = reference_attention(layer, q, k, v, clone_cache(cache), inputs)
     metadata = backend.build_metadata(inputs)
     got = backend.forward(layer, q, k, v, cache, metadata)  # writes the new K/V, as a step does
-    worst = check_rows(got.float(), want, TOLERANCE[dtype], label)
+    worst = check_rows(got.float(), want, ROW_TOLERANCE[dtype], label)
     kernel_ms = timer.time_ms(kernel_call(backend, layer, q, k, v, cache, metadata))
 
     element = 1 if int8 else dtype.itemsize
@@ -170,17 +174,14 @@ def bench_shape(
     sdpa_ms = timer.time_ms(
         lambda: F.scaled_dot_product_attention(dense_q, dense_k, dense_v, enable_gqa=True)
     )
-    decode = build_cuda_metadata(inputs).decode
-    assert decode is not None, "every request of the step decodes one token"
-    num_sms = backend.num_sms if isinstance(backend, CudaPagedAttention) else H200_SMS
-    plan = split_plan(decode, None, heads, kv_heads, head_dim, num_sms)
+    splits = splits_used(metadata)
     return {
         "batch": batch,
         "context": context,
         "dtype": str(dtype).removeprefix("torch."),
         "cache": "int8" if int8 else "model dtype",
         "backend": backend.name,
-        "splits": plan.num_splits,
+        "splits": splits,
         "worst_row_error": worst,
         "bytes_read": read,
         "kernel_ms": kernel_ms,

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from common import (
     NO_GPU,
+    ROW_TOLERANCE,
     CudaTimer,
     SmokeTimer,
     Timer,
@@ -50,7 +51,6 @@ from aieng.kernels.int4 import (
     reference_matmul,
     repack,
 )
-from aieng.quantization.cuda_int4 import TOLERANCES
 
 GROUP_SIZE = 128
 Int4Matmul = Callable[[torch.Tensor, Int4Weights, str], torch.Tensor]
@@ -116,7 +116,7 @@ def bench_shape(setup: Setup, n: int, k: int, dtype: torch.dtype, l2_bytes: int)
     dense_copies = max(2, -(-setup.l2_multiple * l2_bytes // (2 * n * k)))
     dense = [dequantize_weights(weights[i % copies]).half() for i in range(dense_copies)]
     generator = torch.Generator(device=device).manual_seed(k)
-    tolerance = TOLERANCES[dtype]
+    tolerance = ROW_TOLERANCE[dtype]
     rows = []
     for m in setup.m_values:
         x = torch.randn(m, k, generator=generator, device=device).to(dtype)

@@ -90,6 +90,14 @@ class PathMismatch(RuntimeError):
     """A bench's kernel path is not the one it claims (a fallback, a skipped capture)."""
 
 
+# The benches' acceptance bound: a row's relative error against the float32 reference. The
+# kernels compute in float32 and round their output once (a relative 2^-11 in float16, 2^-8 in
+# bfloat16 per element); the bounds leave ten times that. The engine's own start-up bounds are
+# aieng.kernels.self_check's; these only decide whether a bench's figures belong to a correct
+# kernel.
+ROW_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
+
+
 class WrongOutput(RuntimeError):
     """A kernel's output is not its reference's."""
 

@@ -27,12 +27,11 @@ from collections.abc import Callable
 import torch
 from bench_attention import model_config
 from bench_int4 import host_emulation, random_weights
-from common import NO_GPU, PathMismatch, WrongOutput, check_rows
+from common import NO_GPU, ROW_TOLERANCE, PathMismatch, WrongOutput, check_rows
 
 from aieng.attention.selector import select_attention_backend
 from aieng.kernels.fused import check_cases, check_fused_ops
 from aieng.kernels.int4 import choose_path, int4_matmul, reference_matmul
-from aieng.quantization.cuda_int4 import TOLERANCES
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # (query heads, KV heads, head_dim, sliding window): groups 1, 4 and 8, both head dims, a window
@@ -72,7 +71,7 @@ def sanitize_int4(device: torch.device, dtypes: tuple[torch.dtype, ...], smoke: 
             paths = {"gemv", choose_path(m, dtype)} - {None}
             for path in sorted(paths):
                 got = matmul(x, weights, path).float()
-                check_rows(got, want, TOLERANCES[dtype], f"int4 {path} M={m} {dtype}")
+                check_rows(got, want, ROW_TOLERANCE[dtype], f"int4 {path} M={m} {dtype}")
                 checked += 1
     return checked
 
@@ -81,9 +80,7 @@ def sanitize_fused(device: torch.device, dtypes: tuple[torch.dtype, ...], smoke:
     checked = 0
     for dtype in dtypes:
         cases = check_cases(device, dtype)
-        if smoke:  # no CUDA kernel to run: the references alone, so the cases stay buildable
-            for _, reference in cases.values():
-                reference()
+        if smoke:  # no CUDA kernel to run: the cases are built, nothing is launched
             checked += len(cases)
             continue
         failed = set(cases) - check_fused_ops(device, dtype)
