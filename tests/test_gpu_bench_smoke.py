@@ -175,11 +175,12 @@ def run_sh(*args: str, out: Path) -> subprocess.CompletedProcess:
 
 
 def test_run_sh_lists_its_parts_and_refuses_without_a_gpu(tmp_path) -> None:
-    syntax = subprocess.run(["bash", "-n", str(RUN_SH)], capture_output=True, text=True)
-    assert syntax.returncode == 0, syntax.stderr
-    if shutil.which("shellcheck"):
-        check = subprocess.run(["shellcheck", str(RUN_SH)], capture_output=True, text=True)
-        assert check.returncode == 0, check.stdout
+    for script in (RUN_SH, GPU_BENCHES / "stage.sh"):
+        syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert syntax.returncode == 0, syntax.stderr
+        if shutil.which("shellcheck"):
+            check = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+            assert check.returncode == 0, check.stdout
 
     listing = run_sh(out=tmp_path)
     assert listing.returncode == 2

@@ -5,8 +5,8 @@
 #
 # Every part:
 # 1. stops at once (exit 3) when torch sees no GPU — nothing is ever "passed" on a CPU;
-# 2. installs the abi3 wheel built elsewhere (.whl/aieng-*.whl, `maturin build --release -o .whl`;
-#    other wheels in .whl/ are dependencies the host lacks) with no network and no dependencies,
+# 2. installs the abi3 wheel built elsewhere (.whl/aieng-*.whl: benches/gpu/stage.sh puts it there;
+#    the other wheels there are pytest's, which the host lacks) with no network and no dependencies,
 #    once per wheel into ${TMPDIR:-/tmp}/aieng-site-<wheel hash>, which later parts on the same
 #    machine reuse with its NVRTC kernel cache (compiled afresh on this host);
 # 3. records the machine (nvidia-smi, versions) and runs, under a time limit (PART_LIMIT_S,
@@ -83,7 +83,7 @@ for wheel in .whl/*.whl; do
 done
 if [[ ${#ours[@]} -ne 1 ]]; then
     echo "run.sh $part: want exactly one .whl/aieng-*.whl, found ${#ours[@]}: build one with" \
-        "'maturin build --release -o .whl' (and carry .whl to the device)" | tee "$PART_OUT/run.log" >&2
+        "'bash benches/gpu/stage.sh' (and carry .whl to the device)" | tee "$PART_OUT/run.log" >&2
     finish 2
 fi
 hash="$(cat "${ours[0]}" "${others[@]}" | sha256sum | cut -c1-16)"
