@@ -25,6 +25,7 @@ Prints a table and writes bench_gpu_e2e.{json,md} to --out (and benches/results/
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import sys
 import tempfile
@@ -185,6 +186,12 @@ def check_paths(
         raise PathMismatch(f"decode CUDA graphs {'on' if graphs else 'off'}, want the other")
 
 
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run(
     folder: Path, fmt: str, path: str, prompts: list[list[int]], output_lens: list[int],
     device: str, num_layers: int,
@@ -217,11 +224,11 @@ def run(
         wall = time.perf_counter() - start
     finally:
         llm.shutdown()
+        del llm
+        release_memory()  # the next engine sizes its KV cache from the memory left free
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     if tokens != sum(output_lens):
         raise PathMismatch(f"produced {tokens} output tokens, expected {sum(output_lens)}")
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return {
         "format": fmt,
         "path": path,

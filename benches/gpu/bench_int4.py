@@ -192,7 +192,8 @@ def markdown(result: dict) -> str:
 def run(setup: Setup, dtype: torch.dtype) -> dict:
     if setup.device.type == "cuda":
         properties = torch.cuda.get_device_properties(setup.device)
-        l2_bytes, device_name = properties.L2_cache_size, torch.cuda.get_device_name()
+        l2_bytes = getattr(properties, "L2_cache_size", 60 << 20)  # an H200's, where unknown
+        device_name = torch.cuda.get_device_name()
     else:
         l2_bytes, device_name = 1 << 16, "cpu (smoke)"
     return {

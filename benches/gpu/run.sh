@@ -117,8 +117,14 @@ PY
 cat "$PART_OUT/machine.txt"
 
 # 4. the part
-limited() {  # SIGINT first: pytest then still writes its junit xml
-    timeout -s INT -k 30 "$LIMIT" "$@"
+deadline=$((started + LIMIT))
+limited() {  # what is left of the part's time; SIGINT first: pytest still writes its junit xml
+    local left=$((deadline - SECONDS))
+    if ((left < 30)); then
+        echo "run.sh $part: out of time (PART_LIMIT_S=$LIMIT) before: $*" >&2
+        return 124
+    fi
+    timeout -s INT -k 30 "$left" "$@"
 }
 
 run_tests() {  # pytest FILES... -> fails on a failure, an error, a skip or no test at all
