@@ -158,7 +158,7 @@ sanitizer() {
         2>&1 | tee "$PART_OUT/memcheck.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     limited "$tool" --tool racecheck "${args[@]}" "$PYTHON" benches/gpu/sanitize_kernels.py \
-        --kernels attention --dtypes bfloat16 2>&1 | tee "$PART_OUT/racecheck.log"
+        --kernels attention --dtypes bfloat16 --attention-models 2 2>&1 | tee "$PART_OUT/racecheck.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     return $status
 }

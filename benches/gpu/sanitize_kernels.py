@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from bench_attention import model_config
@@ -40,14 +41,22 @@ INT4_SHAPE = (256, 512)  # (N, K): two groups of 128 per row, more rows than one
 INT4_M = (1, 2, 3, 4, 5, 8, 9, 16, 17, 64)
 
 
-def sanitize_attention(device: torch.device, dtypes: tuple[torch.dtype, ...], smoke: bool) -> int:
-    wanted = "torch" if smoke else "cuda"
+@dataclass(frozen=True)
+class Scope:
+    device: torch.device
+    dtypes: tuple[torch.dtype, ...]
+    attention_models: tuple[tuple[int, int, int, int | None], ...]
+    smoke: bool
+
+
+def sanitize_attention(scope: Scope) -> int:
+    wanted = "torch" if scope.smoke else "cuda"
     checked = 0
-    for heads, kv_heads, head_dim, window in ATTENTION_MODELS:
+    for heads, kv_heads, head_dim, window in scope.attention_models:
         config = model_config((heads, kv_heads, head_dim), window)
-        for dtype in dtypes:
+        for dtype in scope.dtypes:
             for cache in ("auto", "int8"):
-                backend = select_attention_backend(wanted, config, device, dtype, cache)
+                backend = select_attention_backend(wanted, config, scope.device, dtype, cache)
                 if backend.name != wanted:
                     raise PathMismatch(
                         f"attention {heads}/{kv_heads} heads, head_dim {head_dim}, window "
@@ -58,13 +67,14 @@ def sanitize_attention(device: torch.device, dtypes: tuple[torch.dtype, ...], sm
     return checked
 
 
-def sanitize_int4(device: torch.device, dtypes: tuple[torch.dtype, ...], smoke: bool) -> int:
-    matmul: Callable = host_emulation if smoke else int4_matmul
+def sanitize_int4(scope: Scope) -> int:
+    matmul: Callable = host_emulation if scope.smoke else int4_matmul
+    device = scope.device
     n, k = INT4_SHAPE
     [weights] = random_weights(n, k, 1, device)
     generator = torch.Generator(device=device).manual_seed(0)
     checked = 0
-    for dtype in dtypes:
+    for dtype in scope.dtypes:
         for m in INT4_M:
             x = torch.randn(m, k, generator=generator, device=device).to(dtype)
             want = reference_matmul(x.float(), weights)
@@ -76,14 +86,14 @@ def sanitize_int4(device: torch.device, dtypes: tuple[torch.dtype, ...], smoke: 
     return checked
 
 
-def sanitize_fused(device: torch.device, dtypes: tuple[torch.dtype, ...], smoke: bool) -> int:
+def sanitize_fused(scope: Scope) -> int:
     checked = 0
-    for dtype in dtypes:
-        cases = check_cases(device, dtype)
-        if smoke:  # no CUDA kernel to run: the cases are built, nothing is launched
+    for dtype in scope.dtypes:
+        cases = check_cases(scope.device, dtype)
+        if scope.smoke:  # no CUDA kernel to run: the cases are built, nothing is launched
             checked += len(cases)
             continue
-        failed = set(cases) - check_fused_ops(device, dtype)
+        failed = set(cases) - check_fused_ops(scope.device, dtype)
         if failed:
             raise WrongOutput(f"fused kernels failed their check: {sorted(failed)}")
         checked += len(cases)
@@ -97,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", default=",".join(PARTS), help="comma list of " + str(PARTS))
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma list of " + str(DTYPES))
+    parser.add_argument(
+        "--attention-models", type=int, default=len(ATTENTION_MODELS),
+        help=f"the first N of {ATTENTION_MODELS} (heads, KV heads, head_dim, window)",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="the same steps on the CPU")
     args = parser.parse_args(argv)
     names = args.kernels.split(",")
@@ -104,17 +118,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kernels: unknown {unknown}; choose from {list(PARTS)}")
     if unknown := [name for name in args.dtypes.split(",") if name not in DTYPES]:
         parser.error(f"--dtypes: unknown {unknown}; choose from {list(DTYPES)}")
-    dtypes = tuple(DTYPES[name] for name in args.dtypes.split(","))
+    if not 1 <= args.attention_models <= len(ATTENTION_MODELS):
+        parser.error(f"--attention-models: 1 to {len(ATTENTION_MODELS)}")
     if not args.smoke and not torch.cuda.is_available():
         print(
             f"sanitize_kernels: {NO_GPU}",
             file=sys.stderr,
         )
         return 2
-    device = torch.device("cpu" if args.smoke else "cuda")
+    scope = Scope(
+        torch.device("cpu" if args.smoke else "cuda"),
+        tuple(DTYPES[name] for name in args.dtypes.split(",")),
+        ATTENTION_MODELS[: args.attention_models],
+        args.smoke,
+    )
     try:
         for name in names:
-            count = PARTS[name](device, dtypes, args.smoke)
+            count = PARTS[name](scope)
             print(f"sanitize_kernels: {name}: {count} cases checked", flush=True)
     except (PathMismatch, WrongOutput) as error:
         print(f"sanitize_kernels: FAILED: {error}", file=sys.stderr)
