@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU device run, one part per command (../shared/GPU.md; benches/gpu/README.md):
 #
-#     OUT=/some/dir bash benches/gpu/run.sh PART      # no PART: the parts and their budgets
+#     OUT=/some/dir bash benches/gpu/run.sh PART [ARGS...]   # no PART: the parts, their budgets
+#
+# ARGS go to pytest (test parts) or to the bench (bench parts), to narrow a part that overruns.
 #
 # Every part:
 # 1. stops at once (exit 3) when torch sees no GPU — nothing is ever "passed" on a CPU;
@@ -33,7 +35,8 @@ ORDER=(tests attention int4 e2e sanitizer engine-tests)
 ENGINE_TESTS=(tests/test_cuda_fused_model_gpu.py tests/test_cuda_graphs_gpu.py)
 
 usage() {
-    echo "usage: OUT=DIR bash benches/gpu/run.sh PART   (each part <= 8 minutes on an H200)"
+    echo "usage: OUT=DIR bash benches/gpu/run.sh PART [ARGS for pytest or the bench]"
+    echo "(each part <= 8 minutes on an H200)"
     echo "parts, in the order to run them in a short lease (minutes are estimates):"
     for part in "${ORDER[@]}"; do
         printf "  %-13s ~%s min  %s\n" "$part" "${MINUTES[$part]}" "${ABOUT[$part]}"
@@ -163,20 +166,21 @@ sanitizer() {
     return $status
 }
 
-kernel_tests() {
+kernel_tests() {  # ARGS... -> pytest's extra arguments
     local files=(tests/test_cuda_compile.py)
     for file in tests/test_cuda_*gpu.py; do
         [[ " ${ENGINE_TESTS[*]} " == *" $file "* ]] || files+=("$file")
     done
-    run_tests "${files[@]}"
+    run_tests "${files[@]}" "$@"
 }
 
+extra=("${@:2}")  # handed to pytest or the bench, e.g. `e2e --formats bfloat16`, `tests -k int4`
 case "$part" in
-    tests) kernel_tests ;;
-    engine-tests) run_tests "${ENGINE_TESTS[@]}" ;;
-    attention) run_bench benches/gpu/bench_attention.py ;;
-    int4) run_bench benches/gpu/bench_int4.py ;;
-    e2e) run_bench benches/gpu/bench_e2e.py ;;
+    tests) kernel_tests "${extra[@]}" ;;
+    engine-tests) run_tests "${ENGINE_TESTS[@]}" "${extra[@]}" ;;
+    attention) run_bench benches/gpu/bench_attention.py "${extra[@]}" ;;
+    int4) run_bench benches/gpu/bench_int4.py "${extra[@]}" ;;
+    e2e) run_bench benches/gpu/bench_e2e.py "${extra[@]}" ;;
     sanitizer) sanitizer ;;
 esac
 finish $(($? == 0 ? 0 : 1))
