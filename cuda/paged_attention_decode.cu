@@ -33,6 +33,9 @@ namespace paged_decode {
 
 constexpr int kThreads = 128;
 constexpr int kPasses = 4;  // tokens per thread per tile
+// At least four CTAs per SM (ptxas keeps every variant within 128 registers): with a tile of
+// 16 KB in flight each, 64 KB per SM, twice what Little's law asks of HBM3e (cuda/README.md).
+constexpr int kMinCtasPerSm = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <int D>
@@ -295,7 +298,8 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
 }  // namespace paged_decode
 
 #define AIENG_DECODE(NAME, T, C, D, HG)                                                           \
-  extern "C" __global__ void __launch_bounds__(paged_decode::kThreads) NAME(                      \
+  extern "C" __global__ void __launch_bounds__(paged_decode::kThreads,                           \
+                                               paged_decode::kMinCtasPerSm) NAME(                 \
       T* out, float* part_acc, float* part_ml, const T* q, int q_stride, const C* k_cache,        \
       const C* v_cache, const T* k_scale, const T* v_scale, const int* block_tables,              \
       int table_stride, const int* seq_lens, const int* rows, int num_heads, int num_kv_heads,    \

@@ -28,7 +28,6 @@ from aieng.attention.cuda_paged import (
     CudaPagedAttention,
     build_cuda_metadata,
     paged_cache,
-    split_plan,
 )
 from aieng.attention.cuda_self_check import RequestSpec, random_cache, random_step
 from aieng.attention.layer import Attention
@@ -97,7 +96,7 @@ def bench_shape(
         lambda: F.scaled_dot_product_attention(dense_q, dense_k, dense_v, enable_gqa=True)
     )
     assert metadata.decode is not None
-    plan = split_plan(metadata.decode, None, HEADS, KV_HEADS, HEAD_DIM, cuda.num_sms)
+    ((plan, _),) = metadata.decode.plans.values()  # the plan the timed launches used
     return {
         "batch": batch,
         "context": context,
