@@ -106,7 +106,7 @@ CASES = {
     # the pipeline's new paths: many splits over thousands of positions, split-K with a window,
     # each GQA group instantiation, both block sizes, contexts that end inside a tile
     "decode 11 splits of 3000 positions, group 1": (
-        2, 2, 128, 16, None, torch.bfloat16, False, (8, 4), [(2999, 1)],
+        1, 1, 128, 16, None, torch.bfloat16, False, (8, 4), [(2999, 1)],
     ),
     "decode int8 3 splits with window over 2500, group 2": (
         4, 2, 64, 32, 1000, torch.bfloat16, True, (8, 4), [(2499, 1), (700, 1)],
@@ -127,7 +127,7 @@ CASES = {
         2, 1, 128, 32, 40, torch.bfloat16, True, (132, 4), [(0, 130), (100, 3)],
     ),
     "prefill chunk after 300 cached, many steps": (
-        2, 2, 128, 32, None, torch.float16, False, (132, 4), [(300, 70)],
+        1, 1, 128, 32, None, torch.float16, False, (132, 4), [(300, 70)],
     ),
     "mixed step": (
         4, 1, 128, 16, None, torch.float16, False, (132, 4), [(0, 2), (300, 1), (17, 20), (0, 1)],
