@@ -33,8 +33,9 @@ namespace paged_decode {
 
 constexpr int kThreads = 128;
 constexpr int kPasses = 4;  // tokens per thread per tile
-// At least four CTAs per SM (ptxas keeps every variant within 128 registers): with a tile of
-// 16 KB in flight each, 64 KB per SM, twice what Little's law asks of HBM3e (cuda/README.md).
+// At least four CTAs per SM, with a tile of 16 KB in flight each: 64 KB per SM, twice what
+// Little's law asks of HBM3e (cuda/README.md). Asked of ptxas for g8 only (116-168 registers
+// unbounded); g1-g4 fit 5-8 unbounded, and an explicit minimum raises ptxas's choice for them.
 constexpr int kMinCtasPerSm = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -297,9 +298,8 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
 
 }  // namespace paged_decode
 
-#define AIENG_DECODE(NAME, T, C, D, HG)                                                           \
-  extern "C" __global__ void __launch_bounds__(paged_decode::kThreads,                           \
-                                               paged_decode::kMinCtasPerSm) NAME(                 \
+#define AIENG_DECODE(NAME, T, C, D, HG, ...)                                                      \
+  extern "C" __global__ void __launch_bounds__(__VA_ARGS__) NAME(                                 \
       T* out, float* part_acc, float* part_ml, const T* q, int q_stride, const C* k_cache,        \
       const C* v_cache, const T* k_scale, const T* v_scale, const int* block_tables,              \
       int table_stride, const int* seq_lens, const int* rows, int num_heads, int num_kv_heads,    \
@@ -312,10 +312,11 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
 
 // paged_decode_<dtype>_<cache: kv = dtype, i8 = int8>_d<head_dim>_g<query heads per CTA>
 #define AIENG_DECODE_GROUPS(DT, T, KV, C, D)                                                      \
-  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g1, T, C, D, 1)                                  \
-  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g2, T, C, D, 2)                                  \
-  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g4, T, C, D, 4)                                  \
-  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g8, T, C, D, 8)
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g1, T, C, D, 1, paged_decode::kThreads)          \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g2, T, C, D, 2, paged_decode::kThreads)          \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g4, T, C, D, 4, paged_decode::kThreads)          \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g8, T, C, D, 8, paged_decode::kThreads,          \
+               paged_decode::kMinCtasPerSm)
 
 #if AIENG_WANTS(1, 0, 64)
 AIENG_DECODE_GROUPS(f16, f16_t, kv, f16_t, 64)
