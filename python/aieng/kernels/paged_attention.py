@@ -29,7 +29,7 @@ PREFILL_BLOCK_M = 64  # queries per prefill CTA, kBM in the kernel
 PREFILL_THREADS = 128
 # Split-K: a split holds at least this many positions (fewer would spend more time combining
 # than reading) and there are at most MAX_SPLITS; within that, a batch that leaves CTA slots
-# free is split until its grid fills one wave of them (cuda/README.md, "Decode attention").
+# free is split until its grid fills one wave of them (cuda/README.md, "Attention kernels").
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 128
 
