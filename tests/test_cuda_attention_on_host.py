@@ -9,11 +9,17 @@ only runs on one (tests/test_cuda_attention_gpu.py). Small shapes: every block i
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Sequence
 
 import pytest
 import torch
-from test_cuda_kernels_on_host import COMPILER, HostKernels, host_kernels  # noqa: F401 (fixture)
+from test_cuda_kernels_on_host import (  # noqa: F401 (host_kernels: a fixture)
+    COMPILER,
+    ROOT,
+    HostKernels,
+    host_kernels,
+)
 
 from aieng.attention.backend import QuantizedKVCache
 from aieng.attention.cuda_paged import build_cuda_metadata, paged_cache, split_plan
@@ -147,3 +153,16 @@ def test_attention_kernel_source_on_the_host(host_kernels: HostKernels, case: st
     if (many := re.search(r"(\d+) splits", case)) is not None:
         assert splits == int(many.group(1)), splits
     assert_close(got, want, dtype)
+
+
+def test_the_async_load_stand_ins_behave_as_the_ptx(tmp_path) -> None:
+    """cp.async copies land only when a wait retires their group (so a kernel that reads its
+    stage too early fails the tests above), and ldmatrix hands out the PTX fragment layout."""
+    binary = tmp_path / "async_copy_probe"
+    source = ROOT / "tests/cuda_host/async_copy_probe.cpp"
+    command = [COMPILER, "-std=c++20", "-O1", "-pthread", f"-I{ROOT / 'cuda'}"]
+    command += [f"-I{ROOT / 'tests/cuda_host'}", str(source), "-o", str(binary)]
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0 failures"
