@@ -48,6 +48,8 @@ TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
 # times the mean, so dropping any one of a 4k context moves its rows past the bound.
 QUERY_SCALE = 0.5
 CHECK_BLOCK_SIZES = (16, 32, 128)  # below, at and above a decode tile (32 or 64 positions)
+# The kernels that passed `checked_cuda_backend`'s checks, by its suite's arguments.
+_PASSED: dict[tuple, frozenset[str]] = {}
 
 
 def bounds(dtype: torch.dtype) -> dict[str, RowBound]:
@@ -305,7 +307,11 @@ def checked_cuda_backend(
     shape = (heads, kv_heads, config.head_dim, dtype, int8, tuple(windows))
     kernels = [name for name, _ in attention_checks(backend, *shape, backend.device)]
     args = (backend.device, *shape, tuple(block_sizes))
-    passed = checked_names(cuda_attention_checks, args, isolate=True, label="cuda attention")
+    if args not in _PASSED:  # once per process for each device and model shape
+        _PASSED[args] = checked_names(
+            cuda_attention_checks, args, isolate=True, label="cuda attention"
+        )
+    passed = _PASSED[args]
     if failed := [name for name in kernels if name not in passed]:
         logger.warning(
             "cuda attention kernels %s did not pass their start-up check; using the torch "
