@@ -115,7 +115,10 @@ def _run_child(suite: Suite, args: tuple[Any, ...], skip: set[str], timeout_s: f
     read_fd, write_fd = os.pipe()
     # Run by path, not as aieng.kernels.check_child: the package would import torch before the
     # child has read the parent's sys.path (the suite's own imports bring what it needs).
-    command = [sys.executable, os.path.abspath(__file__), str(write_fd)]
+    # -P (3.11+): this file's folder is not put first on the path, where its modules' names
+    # could hide the standard library's.
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    command = [sys.executable, *safe_path, os.path.abspath(__file__), str(write_fd)]
     try:
         child = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(write_fd,))
     finally:
