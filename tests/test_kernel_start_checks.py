@@ -18,11 +18,17 @@ from test_cuda_kernels_on_host import COMPILER, HostKernels, host_kernels  # noq
 
 from aieng.attention.cuda_self_check import RequestSpec, bounds
 from aieng.kernels.check_child import checked_names, screen_in_child
+from aieng.kernels.fused import fused_checks
 from aieng.kernels.int4 import DTYPE_NAMES, GEMM_DTYPES, Int4Weights, launch_for
 from aieng.kernels.self_check import disagreement
 from aieng.layers.linear import Linear
 from aieng.quantization.config import WeightScheme
-from aieng.quantization.cuda_int4 import CHECK_MAX_M, CudaInt4LinearMethod, variant_rows
+from aieng.quantization.cuda_int4 import (
+    CHECK_MAX_M,
+    CudaInt4LinearMethod,
+    int4_child_checks,
+    variant_rows,
+)
 
 KINDS = ("pass", "abort", "fail", "segfault", "raise", "pass2", "hang")
 
@@ -142,3 +148,20 @@ def test_variant_rows_name_each_dispatched_kernel() -> None:
         "int4_gemv_f16_m8": (5, 8), "int4_gemv_f16_m16": (9, CHECK_MAX_M),
     }  # fmt: skip
     assert variant_rows("gemm", torch.float16, weights) == {"int4_gemm_f16": (1, CHECK_MAX_M)}
+
+
+def test_the_engines_suites_run_in_a_child(caplog: pytest.LogCaptureFixture) -> None:
+    """The fused and INT4 suites, pickled to a child as a CUDA device's would be (here on the
+    CPU, where no launch can succeed): each kernel is reported by name from the child."""
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING):
+        fused = screen_in_child(fused_checks, (cpu, torch.bfloat16), timeout_s=300)
+        int4 = screen_in_child(int4_child_checks, (cpu, torch.float16, 64, 256, 64), 300)
+    assert fused.passed == [] and set(fused.failed) == {
+        "add_rms_norm_bf16", "rope_kv_write_bf16", "silu_and_mul_bf16",
+    }  # fmt: skip
+    assert int4.passed == [] and set(int4.failed) == {
+        *(f"int4_gemv_f16_m{tile}" for tile in (1, 2, 4, 8, 16)), "int4_gemm_f16",
+    }  # fmt: skip
+    for name in (*fused.failed, *int4.failed):
+        assert f"kernel {name} cannot run" in caplog.text
