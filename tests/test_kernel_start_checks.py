@@ -16,7 +16,7 @@ from test_cuda_attention_on_host import CASES, run_step
 from test_cuda_int4 import quantized_layer_from
 from test_cuda_kernels_on_host import COMPILER, HostKernels, host_kernels  # noqa: F401 (fixture)
 
-from aieng.attention.cuda_self_check import RequestSpec, bounds
+from aieng.attention.cuda_self_check import RequestSpec, bounds, cuda_attention_checks
 from aieng.kernels.check_child import checked_names, screen_in_child
 from aieng.kernels.fused import fused_checks
 from aieng.kernels.int4 import DTYPE_NAMES, GEMM_DTYPES, Int4Weights, launch_for
@@ -151,12 +151,16 @@ def test_variant_rows_name_each_dispatched_kernel() -> None:
 
 
 def test_the_engines_suites_run_in_a_child(caplog: pytest.LogCaptureFixture) -> None:
-    """The fused and INT4 suites, pickled to a child as a CUDA device's would be (here on the
-    CPU, where no launch can succeed): each kernel is reported by name from the child."""
+    """The fused, INT4 and attention suites, pickled to a child as a CUDA device's would be
+    (here on the CPU, where no launch can succeed): each kernel is reported by name from the
+    child; the attention backend cannot even be built there, which the screening says."""
     cpu = torch.device("cpu")
     with caplog.at_level(logging.WARNING):
         fused = screen_in_child(fused_checks, (cpu, torch.bfloat16), timeout_s=300)
         int4 = screen_in_child(int4_child_checks, (cpu, torch.float16, 64, 256, 64), 300)
+        shape = (8, 2, 128, torch.bfloat16, False, (None,), (16,))
+        attention = screen_in_child(cuda_attention_checks, (cpu, *shape), 300)
+    assert "KernelError" in (attention.error or "") and attention.passed == []
     assert fused.passed == [] and set(fused.failed) == {
         "add_rms_norm_bf16", "rope_kv_write_bf16", "silu_and_mul_bf16",
     }  # fmt: skip
