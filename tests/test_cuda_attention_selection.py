@@ -106,9 +106,10 @@ def test_self_check_passes_the_reference_and_refuses_a_wrong_backend(
 ) -> None:
     cpu = torch.device("cpu")
     args = (8, 2, 64, torch.float32, int8, (window,), cpu)
-    assert self_check(TorchPagedAttention((window,)), *args)
+    blocks = {"block_sizes": (16,)}  # the torch stand-in reads any block size alike
+    assert self_check(TorchPagedAttention((window,)), *args, **blocks)
     with caplog.at_level(logging.WARNING):
-        assert not self_check(Perturbed((window,)), *args)
+        assert not self_check(Perturbed((window,)), *args, **blocks)
     assert "perturbed decode differs from its reference" in caplog.text
 
 
