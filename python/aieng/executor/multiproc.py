@@ -327,7 +327,10 @@ class MultiprocExecutor(Executor):
                 worker_error = self._first_worker_error()
                 if worker_error is not None and not isinstance(error, ValueError):
                     raise worker_error from error
-            raise
+            typed = join_failure(error, config)
+            if typed is error:
+                raise
+            raise typed from error
         if not launched:
             self._workers.watch()
         self._finalizer = weakref.finalize(self, _close, self._workers, self._group, threads_before)
@@ -427,6 +430,21 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         """Tells the workers to leave, joins them, leaves the group. Idempotent."""
         self._finalizer()
+
+
+def join_failure(error: BaseException, config: EngineConfig) -> BaseException:
+    """A start-up error as the executor raises it: a failed rendezvous (torch's DistError: a
+    rank that never came, or left while the group formed) as the typed WorkerFailedError,
+    anything else as it is."""
+    import torch.distributed as dist
+
+    if not isinstance(error, dist.DistError):
+        return error
+    limit = config.parallel.distributed_timeout_s
+    return WorkerFailedError(
+        f"{FAILURE} at start-up: the ranks did not all join the group within "
+        f"distributed_timeout_s = {limit:g} s ({type(error).__name__}: {error})"
+    )
 
 
 def _close(workers: _Workers, group: dist.ProcessGroup, threads_before: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from aieng.executor.multiproc import (
     JOIN_S,
     START_S,
     free_port,
+    join_failure,
     master_env,
     weak_callback,
 )
@@ -42,13 +44,23 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ACTOR_PREFIX = "aieng-tp-"  # the ranks' actor names: aieng-tp-<engine tag>-rank<r>
+
 
 class RankActor:
     """One tensor-parallel rank > 0 (a Ray actor with two threads: `serve` blocks for the
-    rank's life while `wait_ready` answers)."""
+    rank's life while `wait_ready` answers). Its imports (torch, the worker) are done when the
+    actor is created, so that the rendezvous, bounded by distributed_timeout_s, starts only
+    once every rank can join it at once."""
 
     def __init__(self) -> None:
+        import aieng.distributed.worker
+        import aieng.worker  # noqa: F401
+
         self._ready = threading.Event()
+
+    def started(self) -> bool:
+        return True
 
     def serve(self, config: EngineConfig, rank: int, world: int, addr: str, port: int) -> None:
         from aieng.distributed.rank import RankPlace
@@ -95,8 +107,10 @@ class _Ranks:
                 f"{bundle} within {START_S:g} s"
             )
         actor_class = ray.remote(max_concurrency=2)(RankActor)
+        tag = uuid.uuid4().hex[:8]
         for index in range(world - 1):
             actor = actor_class.options(
+                name=f"{ACTOR_PREFIX}{tag}-rank{index + 1}",
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
                 max_restarts=0,
@@ -104,6 +118,25 @@ class _Ranks:
             ).remote()
             self.actors.append(actor)
             self.serving.append(actor.serve.remote(config, index + 1, world, addr, port))
+
+    def wait_started(self, timeout_s: float) -> None:
+        """Until every actor has been created (its imports done); one that died raises."""
+        import ray
+
+        calls = [actor.started.remote() for actor in self.actors]
+        for rank, call in enumerate(calls, start=1):
+            try:
+                ray.get(call, timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise WorkerFailedError(
+                    f"{FAILURE} at start-up: rank {rank}'s Ray actor not started within "
+                    f"{timeout_s:g} s"
+                ) from None
+            except ray.exceptions.RayError as error:
+                raise WorkerFailedError(
+                    f"{FAILURE} at start-up: rank {rank}'s Ray actor died before it started "
+                    f"({type(error).__name__})"
+                ) from None
 
     def wait_ready(self, timeout_s: float) -> None:
         import ray
@@ -134,6 +167,11 @@ class _Ranks:
         except Exception as error:
             return f"rank {rank}: {type(error).__name__}: {error}"
         return f"rank {rank} left the group"
+
+    def lost_rank(self) -> str | None:
+        """Why a rank whose `serve` call has ended left (None: none has)."""
+        ended = self.ended() if self.serving else None
+        return None if ended is None else self.reason(ended)
 
     def ended(self) -> Any | None:
         import ray
@@ -216,15 +254,22 @@ class RayExecutor(Executor):
         port = free_port(addr)
         try:
             self._ranks.start(config, addr, port)
+            self._ranks.wait_started(START_S)
             with master_env(addr, port):
                 self._group = join_group(config, RankPlace(0, self.world_size, 0))
             self.driver = Worker(config.for_rank(0, 0), samples=True)
             self._ranks.wait_ready(config.parallel.distributed_timeout_s)
-        except BaseException:
+        except BaseException as error:
+            lost = self._ranks.lost_rank() if isinstance(error, Exception) else None
             self._ranks.close(None)
             parallel_state.destroy_tensor_parallel()
             torch.set_num_threads(threads_before)
-            raise
+            if lost is not None and not isinstance(error, ValueError):
+                raise WorkerFailedError(f"{FAILURE} at start-up: {lost}") from error
+            typed = join_failure(error, config)
+            if typed is error:
+                raise
+            raise typed from error
         self._ranks.watch()
         self._finalizer = weakref.finalize(self, _close, self._ranks, self._group, threads_before)
         logger.info("tensor parallelism on Ray: %d ranks, this process is rank 0", self.world_size)
