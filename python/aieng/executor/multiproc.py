@@ -15,7 +15,8 @@ Failures are fatal: after one the ranks are out of step. A worker that dies is s
 watcher thread at once (and by the collective it leaves, which raises); one that hangs makes
 the next collective raise after `distributed_timeout_s`. Either way the engine learns it through
 `on_failure` or a `WorkerFailedError` (a typed, fatal failure), the remaining workers are stopped
-and joined, and nothing waits forever.
+and joined, and nothing waits forever. The broadcast step and these rules are written once, for
+this executor and the Ray one, in `aieng.executor.broadcast`.
 """
 
 from __future__ import annotations

@@ -7,12 +7,12 @@ PACK: on one node when it fits). They rendezvous with rank 0 through env:// on r
 address and a free port, then run the same worker loop as a spawned rank
 (`aieng.distributed.worker.run_worker`): torch.distributed over gloo on CPU, NCCL on GPU.
 
-Failures are the multiprocess executor's: fatal, typed (`WorkerFailedError`), and nothing is
-left behind. A watcher thread waits on every actor's `serve` call, which returns only when the
-rank leaves: one that ends while the engine runs (the actor died, or its loop raised) stops the
-group and tells the engine through `on_failure`; a step whose collective fails finds the dead
-actor the same way. Every actor is killed and the placement group removed on shutdown and on
-failure.
+Failures are the multiprocess executor's (the rules of `aieng.executor.broadcast`): fatal,
+typed (`WorkerFailedError`), and nothing is left behind. A watcher thread waits on every
+actor's `serve` call, which returns only when the rank leaves: one that ends while the engine
+runs (the actor died, or its loop raised) stops the group and tells the engine through
+`on_failure`; a step whose collective fails finds the dead actor the same way. Every actor is
+killed and the placement group removed on shutdown and on failure.
 """
 
 from __future__ import annotations
