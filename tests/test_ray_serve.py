@@ -411,6 +411,8 @@ def test_a_rolling_upgrade_moves_every_replica_to_the_new_version_with_no_failed
         final = status()
         assert final["state"] == "done", final
         assert len(final["replicas_done"]) == 2
+        again = upgrade(second)  # the ingress knows what its replicas serve now
+        assert again.status_code == 409 and again.json()["error"]["code"] == "already_serving"
         count = len(outcomes)
         assert app.wait_for(lambda: len(outcomes) >= count + 6, timeout=30)
         time.sleep(0.6)  # the replicas' reports reach the ingress every 0.2 s

@@ -37,11 +37,18 @@ class OpenAIIngress:
             return ReplicaPoolClient(self.replicas, board, self.options.max_retries)
 
         app = build_app(self.config, connect)
-        app.state.context.metrics.registry.register(
-            ReplicaCollector(board, self.config.served_model_name)
-        )
+        ctx = app.state.context
+        ctx.metrics.registry.register(ReplicaCollector(board, self.config.served_model_name))
+
+        async def upgraded() -> None:
+            """Every replica serves the new version: its model info and generation defaults."""
+            pool = ctx.engine
+            if isinstance(pool, ReplicaPoolClient):
+                info = await pool.refresh_model_info()
+                ctx.model_defaults = dict(info.generation_defaults)
+
         app.state.rolling_upgrade = RollingUpgrade(
-            self.replicas, board, self.options.graceful_shutdown_timeout_s
+            self.replicas, board, self.options.graceful_shutdown_timeout_s, upgraded
         )
         app.include_router(upgrade_router)
         return app

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,9 +120,17 @@ class UpgradeState:
 class RollingUpgrade:
     """One rolling upgrade at a time over the replicas of one deployment."""
 
-    def __init__(self, replicas: DeploymentHandle, board: ReplicaBoard, drain_timeout_s: float):
+    def __init__(
+        self,
+        replicas: DeploymentHandle,
+        board: ReplicaBoard,
+        drain_timeout_s: float,
+        on_done: Callable[[], Awaitable[None]] | None = None,
+    ):
+        """`on_done`: awaited once every replica serves the new version (the ingress reads
+        the new version's model info)."""
         self.replicas, self.board, self.drain_timeout_s = replicas, board, drain_timeout_s
-        self.serving: Path | None = None  # the folder every replica serves (None: as deployed)
+        self.on_done = on_done
         self.status = UpgradeState()
         self._task: asyncio.Task | None = None
 
@@ -170,7 +179,8 @@ class RollingUpgrade:
                     self.board.undrain(replica)
                 status.replicas_done.append(replica)
                 logger.info("rolling upgrade: replica %s serves %s", replica, status.to_version)
-            self.serving = new
+            if self.on_done is not None:
+                await self.on_done()
             status.state = "done"
         except Exception as error:
             status.state, status.error = "failed", f"{type(error).__name__}: {error}"

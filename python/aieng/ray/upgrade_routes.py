@@ -43,7 +43,7 @@ async def start_upgrade(request: Request) -> JSONResponse:
     model = body.get("model") if isinstance(body, dict) else None
     if not isinstance(model, str) or not model:
         raise invalid("field 'model' (a versioned model folder) is required", "model")
-    serving = upgrade.serving or Path(ctx.ready_engine().model_info.model_path)
+    serving = Path(ctx.ready_engine().model_info.model_path)
     try:
         status = upgrade.start(serving, Path(model))
     except VersionError as error:
