@@ -50,11 +50,19 @@ def shutdown_cluster() -> None:
 class RayApp:
     """An aieng application deployed on the cluster under `name`, served at /`name`."""
 
-    def __init__(self, name: str, model: Path, engine: dict, **options: object):
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        engine: dict,
+        server: dict | None = None,
+        **options: object,
+    ):
+        """`server`: ServerConfig fields beyond the model's name and path."""
         port = ray_cluster()
         self.name = name
         self.url = f"http://127.0.0.1:{port}/{name}"
-        config = ServerConfig(served_model_name=MODEL_NAME, model_path=str(model))
+        config = ServerConfig(served_model_name=MODEL_NAME, model_path=str(model), **(server or {}))
         options = {"replica_num_cpus": 0, "stats_period_s": 0.2, **options}
         app = build_app(EngineArgs(model=str(model), **engine), RayServeOptions(**options), config)
         serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)

@@ -1,12 +1,17 @@
 """The Ray executor (`distributed_executor_backend="ray"`): tensor-parallel ranks 1..N-1 as Ray
 actors in a placement group, on the local Ray cluster of the Ray tests (2 CPUs): the greedy
-tokens of tensor_parallel_size 2 against 1 on a GQA Llama, and a killed rank's actor stopping
-the engine with the typed error, leaving no actor behind."""
+tokens of tensor_parallel_size 2 against 1 on a GQA Llama, and a rank's actor killed as the group
+forms or mid-generation stopping the engine with the typed error, leaving no actor, placement
+group or torch.distributed group behind."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import ray
+import torch
 import transformers
 from ray_fixtures import ray_cluster
 from test_tensor_parallel import GREEDY, LENGTHS, OPTIONS, VOCAB, check_close, prompts
@@ -15,7 +20,8 @@ from tiny_models import save_tiny
 
 from aieng import LLM, SamplingParams
 from aieng.engine import EngineDeadError
-from aieng.executor.ray_executor import RayExecutor
+from aieng.executor import WorkerFailedError
+from aieng.executor.ray_executor import ACTOR_PREFIX, RayExecutor
 
 TIMEOUT_S = 4.0
 
@@ -36,8 +42,17 @@ def assert_gone(actor) -> None:
         ray.get(actor.wait_ready.remote(0), timeout=30)
 
 
-def test_ray_ranks_give_the_tokens_of_one_rank(llama):
-    batch = prompts(0, LENGTHS)
+def assert_nothing_left() -> None:
+    """No rank actor, no placement group, no torch.distributed group outlives an engine."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert not [n for n in names if n.startswith(ACTOR_PREFIX)], names
+    groups = ray.util.placement_group_table().values()
+    assert all(g["state"] == "REMOVED" for g in groups)
+    assert not torch.distributed.is_initialized()
+
+
+def ray_ranks_match_one_rank(llama, lengths) -> None:
+    batch = prompts(0, lengths)
     with LLM(llama, **OPTIONS) as single:
         expected = single.generate(batch, GREEDY, use_tqdm=False)
     llm = LLM(llama, tensor_parallel_size=2, distributed_executor_backend="ray", **OPTIONS)
@@ -51,6 +66,49 @@ def test_ray_ranks_give_the_tokens_of_one_rank(llama):
         llm.shutdown()
     check_close("llama on ray", expected, got)
     assert_gone(actor)
+    assert_nothing_left()
+
+
+def test_ray_ranks_give_the_tokens_of_one_rank(llama):
+    ray_ranks_match_one_rank(llama, LENGTHS)
+
+
+def kill_rank_once_started(killed: list) -> None:
+    """Kills the first rank actor of an engine that starts, once it has started (its imports
+    done), while rank 0 goes on to the rendezvous."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["name"].startswith(ACTOR_PREFIX):
+                actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
+                ray.get(actor.started.remote(), timeout=120)
+                ray.kill(actor, no_restart=True)
+                killed.append(entry["name"])
+                return
+        time.sleep(0.02)
+
+
+def test_a_rank_killed_while_the_group_forms_fails_typed_and_leaves_nothing(llama):
+    """Rank 1's actor killed as the group forms: the engine's start fails with the typed error
+    (not torch's rendezvous timeout), within distributed_timeout_s and the time to say so;
+    nothing is left, and a tensor-parallel engine after it in this process serves."""
+    killed: list[str] = []
+    killer = threading.Thread(target=kill_rank_once_started, args=(killed,), daemon=True)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError, match="tensor-parallel group failed at start-up"):
+        LLM(
+            llama,
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            distributed_timeout_s=TIMEOUT_S,
+            **OPTIONS,
+        )
+    killer.join(timeout=10)
+    assert killed, "no rank actor was started"
+    assert time.monotonic() - start < 60
+    assert_nothing_left()
+    ray_ranks_match_one_rank(llama, [5, 12])
 
 
 def test_a_killed_rank_actor_stops_the_engine_with_the_typed_error(llama):
@@ -80,5 +138,4 @@ def test_a_killed_rank_actor_stops_the_engine_with_the_typed_error(llama):
     assert "tensor-parallel group failed" in str(raised.value)
     assert "rank 1's Ray actor died" in engine.dead_reason
     assert_gone(actor)
-    groups = ray.util.placement_group_table().values()
-    assert all(g["state"] == "REMOVED" for g in groups)
+    assert_nothing_left()

@@ -3,17 +3,20 @@ with this machine's 2 CPUs, reached with the openai client like a plain `aieng s
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import ray
 from ray_fixtures import RayApp, shutdown_cluster
 from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
+from test_hot_reload import version_folder
 
 # 64 blocks of 4 tokens a replica (2 KiB each): its prefix cache holds 4 or 5 of the routing
 # test's 8 prefixes, so a replica that sees all 8 evicts what it will need next. Two requests
@@ -83,6 +86,40 @@ def test_the_ingress_validates_like_the_server(pair):
     with pytest.raises(openai.BadRequestError) as error:  # checked by the replica's engine
         client_of(pair.url).completions.create(model=MODEL_NAME, prompt=[5] * 300, max_tokens=4)
     assert error.value.body["param"] == "prompt"
+
+
+def test_the_ingress_metrics_are_labelled_by_replica(pair):
+    """Each replica's load, KV cache and prefix-cache hits under its Ray Serve replica id, and
+    the pooled figures their sums."""
+    client = client_of(pair.url)
+    prompts = [list(range(10 + i, 30 + i)) for i in range(3)]
+    for prompt in prompts * 2:  # the repeats hit the prefix cache of their replica
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    actors = {n.rsplit("#", 1)[1] for n in names if n.startswith(f"SERVE_REPLICA::{pair.name}#")}
+    time.sleep(0.6)  # the replicas' stats reach the ingress every 0.2 s
+    metrics = pair.metrics()
+    prefix = "aieng_replica_kv_cache_num_blocks{replica="
+    replicas = {k[len(prefix) : -1] for k in metrics if k.startswith(prefix)}
+    assert len(replicas) == 2 and replicas <= actors, (replicas, actors)
+    labelled = {
+        r: {k: v for k, v in metrics.items() if k.endswith(f"{{replica={r}}}")} for r in replicas
+    }
+    for replica, series in labelled.items():
+        name = f"{{replica={replica}}}"
+        assert series[f"aieng_replica_kv_cache_num_blocks{name}"] == 64
+        assert series[f"aieng_replica_num_requests_running{name}"] == 0
+        assert series[f"aieng_replica_kv_cache_usage_perc{name}"] == 0
+        assert series[f"aieng_replica_draining{name}"] == 0
+        queries = series[f"aieng_replica_prefix_cache_queries_total{name}"]
+        hits = series[f"aieng_replica_prefix_cache_hits_total{name}"]
+        assert 0 <= hits <= queries
+        rate = series[f"aieng_replica_prefix_cache_hit_rate{name}"]
+        assert rate == pytest.approx(hits / queries if queries else 0.0)
+        assert metrics[f"aieng_replica_model_info{{replica={replica},version=}}"] == 1
+    for pooled in ("prefix_cache_hits_total", "prefix_cache_queries_total", "kv_cache_num_blocks"):
+        assert metrics[f"aieng_{pooled}"] == metrics[f"aieng_replica_{pooled}"]
+    assert metrics["aieng_replica_prefix_cache_hits_total"] > 0  # the repeats hit
 
 
 def shared_prefix_workload(seed: int) -> list[list[int]]:
@@ -294,3 +331,104 @@ def test_ray_options_refuse_what_cannot_run():
     assert "autoscaling_config" in RayServeOptions(
         min_replicas=0, max_replicas=2
     ).replica_deployment(16, "board")
+
+
+# ---------------------------------------------------------------------- rolling upgrade
+
+ADMIN = {"Authorization": "Bearer admin-secret"}
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory):
+    """Versions 1.0.0 and 2.0.0 of one model (other weights, one tokenizer), and two that may
+    not replace 1.0.0: another tokenizer, an output field removed."""
+    root = tmp_path_factory.mktemp("versions")
+    first = version_folder(root, "1.0.0", seed=0)
+    second = version_folder(root, "2.0.0", seed=1, tokenizer_from=first)
+    other_tokenizer = version_folder(root, "2.1.0", seed=1, tokenizer_from=first)
+    text = (other_tokenizer / "tokenizer.json").read_text()
+    (other_tokenizer / "tokenizer.json").write_text(text.replace('"unk_token"', '"unk_token" ', 1))
+    breaking = version_folder(root, "3.0.0", seed=1, tokenizer_from=first)
+    manifest = json.loads((breaking / "aieng-model.json").read_text())
+    manifest["output_schema"] = {"type": "object", "properties": {}}
+    (breaking / "aieng-model.json").write_text(json.dumps(manifest))
+    return first, second, other_tokenizer, breaking
+
+
+def test_a_rolling_upgrade_moves_every_replica_to_the_new_version_with_no_failed_request(
+    versions,
+):
+    first, second, other_tokenizer, breaking = versions
+    body = {"model": MODEL_NAME, "prompt": [5, 17, 42, 9, 77, 31], "max_tokens": 8}
+    body |= {"temperature": 0, "ignore_eos": True}
+    with ThreadServer(second, engine=ENGINE) as plain:
+        new_answer = httpx.post(f"{plain.url}/v1/completions", json=body, timeout=60).json()
+    app = RayApp("upgrade", first, ENGINE, server={"admin_key": "admin-secret"}, num_replicas=2)
+    outcomes: list[tuple[float, str]] = []  # (when the request was sent, its text or error)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                answer = httpx.post(f"{app.url}/v1/completions", json=body, timeout=60)
+                text = answer.json()["choices"][0]["text"] if answer.status_code == 200 else None
+                outcomes.append(
+                    (sent, text if text is not None else f"status {answer.status_code}")
+                )
+            except httpx.HTTPError as error:
+                outcomes.append((sent, f"error {error!r}"))
+            time.sleep(0.05)
+
+    def upgrade(model, key=ADMIN) -> httpx.Response:
+        return httpx.post(f"{app.url}/admin/upgrade", json={"model": str(model)}, headers=key)
+
+    threads = [threading.Thread(target=trickle, daemon=True) for _ in range(2)]
+    try:
+        # the gate: the admin key, one tokenizer, schemas the old clients can read
+        assert upgrade(second, {"Authorization": "Bearer wrong"}).status_code == 401
+        refused = upgrade(other_tokenizer)
+        assert (
+            refused.status_code == 409 and refused.json()["error"]["code"] == "tokenizer_mismatch"
+        )
+        refused = upgrade(breaking)
+        assert refused.status_code == 409
+        assert refused.json()["error"]["code"] == "incompatible_schema"
+        assert "output" in refused.json()["error"]["message"]
+        for thread in threads:
+            thread.start()
+        assert app.wait_for(lambda: len(outcomes) >= 4, timeout=30)
+        started = upgrade(second)
+        assert started.status_code == 202, started.text
+        assert started.json()["from_version"] == "1.0.0"
+        assert started.json()["to_version"] == "2.0.0"
+
+        def status() -> dict:
+            return httpx.get(f"{app.url}/admin/upgrade", headers=ADMIN, timeout=10).json()
+
+        assert app.wait_for(lambda: status()["state"] != "running", timeout=120, step=0.2)
+        done_at = time.monotonic()
+        final = status()
+        assert final["state"] == "done", final
+        assert len(final["replicas_done"]) == 2
+        again = upgrade(second)  # the ingress knows what its replicas serve now
+        assert again.status_code == 409 and again.json()["error"]["code"] == "already_serving"
+        count = len(outcomes)
+        assert app.wait_for(lambda: len(outcomes) >= count + 6, timeout=30)
+        time.sleep(0.6)  # the replicas' reports reach the ingress every 0.2 s
+        metrics = app.metrics()
+    finally:
+        stop.set()
+        for thread in threads:
+            if thread.is_alive():
+                thread.join(timeout=60)
+        app.delete()
+    texts = {text for _, text in outcomes}
+    new_text = new_answer["choices"][0]["text"]
+    old_text = outcomes[0][1]
+    assert old_text != new_text  # other weights: the versions answer differently
+    assert texts <= {old_text, new_text}, texts  # no failed request, no third answer
+    after = [text for sent, text in outcomes if sent > done_at]
+    assert after and set(after) == {new_text}
+    assert metrics["aieng_replica_model_info"] == 2
+    assert sum(v for k, v in metrics.items() if "version=2.0.0" in k) == 2

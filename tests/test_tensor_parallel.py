@@ -29,7 +29,7 @@ from tiny_models import QWEN3_MOE, save_tiny
 from aieng import LLM, SamplingParams
 from aieng.distributed.messages import HEAD_BYTES
 from aieng.engine import EngineDeadError
-from aieng.executor import ExecutorError
+from aieng.executor import ExecutorError, WorkerFailedError
 from aieng.runner_io import NewSamplingRow
 from aieng.structured_outputs import StructuredOutputsParams
 
@@ -351,6 +351,30 @@ def test_a_launcher_world_size_other_than_the_tp_size_is_refused(folders, monkey
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="tensor_parallel_size 2 but the launcher started"):
         LLM(folders["llama"], tensor_parallel_size=2, **OPTIONS)
+
+
+def test_a_failed_join_leaves_nothing_for_the_next_engine(folders, monkeypatch):
+    """Rank 0 of a launched group whose rank 1 never comes: the rendezvous fails after
+    distributed_timeout_s with the typed error, and leaves torch.distributed as it found it, so
+    a tensor-parallel engine after it in this process joins its ranks. (A failed rendezvous once
+    left torch's count of group names advanced: every later rank 0 here then waited for keys
+    its fresh ranks never wrote, and timed out.)"""
+    folder, batch = folders["llama"], prompts(5, [5, 12])
+    with monkeypatch.context() as env:
+        env.setenv("RANK", "0")
+        env.setenv("WORLD_SIZE", "2")
+        env.setenv("MASTER_ADDR", "127.0.0.1")
+        env.setenv("MASTER_PORT", str(free_tcp_port()))
+        with pytest.raises(WorkerFailedError, match="did not all join the group within") as raised:
+            LLM(folder, tensor_parallel_size=2, distributed_timeout_s=1.0, **OPTIONS)
+    assert "\n" not in str(raised.value) and "distributed_timeout_s = 1 s" in str(raised.value)
+    assert not torch.distributed.is_initialized()
+    with LLM(folder, **OPTIONS) as single:
+        expected = single.generate(batch, GREEDY, use_tqdm=False)
+    with LLM(folder, tensor_parallel_size=2, distributed_timeout_s=30.0, **OPTIONS) as llm:
+        got = llm.generate(batch, GREEDY, use_tqdm=False)
+    check_close("llama after a failed join", expected, got)
+    assert not tp_children()
 
 
 # ---------------------------------------------------------------------- start-up errors

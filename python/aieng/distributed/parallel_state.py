@@ -34,19 +34,49 @@ def init_tensor_parallel(
     """Join the default process group (rendezvous through `init_method`: env:// reads
     MASTER_ADDR, MASTER_PORT; tcp://host:port names it) as `rank` of `world_size`; every rank is
     one tensor-parallel rank. `timeout_s` bounds every collective: a peer that died or hangs
-    makes the others raise instead of waiting forever."""
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+    makes the others raise instead of waiting forever.
+
+    A join that fails leaves this process as it found it (no group, torch's group names counting
+    from the start again), so that a later join here can succeed."""
+    joined = not dist.is_initialized()
+    if joined:
+        try:
+            dist.init_process_group(
+                backend=backend,
+                init_method=init_method,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        except BaseException:
+            _forget_failed_init()
+            raise
+    elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        raise ValueError(
+            f"this process already belongs to a torch.distributed group as rank "
+            f"{dist.get_rank()} of {dist.get_world_size()}, not rank {rank} of {world_size}"
         )
-    group = dist.group.WORLD
-    cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo")
+    try:
+        group = dist.group.WORLD
+        cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo")
+    except BaseException:
+        if joined:
+            destroy_tensor_parallel()
+        raise
     _state.rank, _state.world_size = rank, world_size
     _state.group, _state.cpu_group = group, cpu_group
+
+
+def _forget_failed_init() -> None:
+    """torch names every process group by a process-wide count that `init_process_group`
+    advances before its rendezvous, and only `destroy_process_group` — which needs a group
+    that formed — sets it back. After a failed rendezvous the count stays advanced: this
+    process's next default group would be named "1" while the fresh ranks it meets name theirs
+    "0", and each side would wait for the other's keys until the timeout. Set it back here."""
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        distributed_c10d._world.group_count = 0
 
 
 def destroy_tensor_parallel() -> None:

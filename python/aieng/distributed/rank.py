@@ -39,9 +39,9 @@ def cpu_threads(config: EngineConfig, world_size: int) -> int | None:
 
 def join_group(config: EngineConfig, place: RankPlace) -> dist.ProcessGroup:
     """Rendezvous through env:// (MASTER_ADDR, MASTER_PORT) and set this rank's place in
-    parallel_state; returns the gloo group of step messages. The driver's end of that group
-    times out after distributed_timeout_s like every collective; a worker's waits while the
-    engine is idle."""
+    parallel_state; returns the gloo group of step messages (a failed join leaves no group).
+    The driver's end of that group times out after distributed_timeout_s like every
+    collective; a worker's waits while the engine is idle."""
     cuda = config.uses_cuda
     timeout_s = config.parallel.distributed_timeout_s
     if cuda:
@@ -54,7 +54,11 @@ def join_group(config: EngineConfig, place: RankPlace) -> dist.ProcessGroup:
         timeout_s=timeout_s,
     )
     timeout = datetime.timedelta(seconds=timeout_s) if place.rank == 0 else WORKER_IDLE_TIMEOUT
-    group = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        group = dist.new_group(backend="gloo", timeout=timeout)
+    except BaseException:  # a join that fails leaves no group behind
+        parallel_state.destroy_tensor_parallel()
+        raise
     assert isinstance(group, dist.ProcessGroup)  # every rank is a member
     return group
 

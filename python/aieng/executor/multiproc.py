@@ -15,7 +15,8 @@ Failures are fatal: after one the ranks are out of step. A worker that dies is s
 watcher thread at once (and by the collective it leaves, which raises); one that hangs makes
 the next collective raise after `distributed_timeout_s`. Either way the engine learns it through
 `on_failure` or a `WorkerFailedError` (a typed, fatal failure), the remaining workers are stopped
-and joined, and nothing waits forever.
+and joined, and nothing waits forever. The broadcast step and these rules are written once, for
+this executor and the Ray one, in `aieng.executor.broadcast`.
 """
 
 from __future__ import annotations
@@ -26,29 +27,36 @@ import signal
 import socket
 import threading
 import time
-import weakref
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from aieng.distributed.rank import launched_place
 from aieng.engine_args import EngineArgs
 from aieng.engine_config import EngineConfig
-from aieng.executor.base import Executor, ExecutorError, WorkerFailedError
+from aieng.executor.base import ExecutorError, WorkerFailedError
+from aieng.executor.broadcast import (
+    FAILURE,
+    START_S,
+    BroadcastExecutor,
+    Ranks,
+    abandon_start,
+    free_port,
+    master_env,
+    start_failure,
+    weak_callback,
+)
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
     from aieng.distributed.rank import RankPlace
-    from aieng.runner_io import ModelRunnerOutput, RunnerStep
 
 logger = logging.getLogger(__name__)
 
-FAILURE = "tensor-parallel group failed"
-JOIN_S = 5.0  # how long a worker gets to leave after the shutdown message
+__all__ = ["MultiprocExecutor", "check_size", "free_port", "run_as_launched_worker"]
+
 TERM_S = 1.0  # how long a worker gets after SIGTERM before SIGKILL (a stopped one never exits)
-START_S = 300.0  # how long spawned workers may take to import torch and aieng
 REPORT_WAIT_S = 2.0  # after a collective fails: how long to wait for the worker's exit
 
 
@@ -86,27 +94,6 @@ def check_size(config: EngineConfig) -> None:
         )
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def master_env(addr: str, port: int):
-    """MASTER_ADDR/MASTER_PORT for env:// while the driver joins, then as they were."""
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "is still running"
@@ -118,18 +105,14 @@ def describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-class _Workers:
-    """The spawned ranks 1..N-1: their processes, start-up reports and the watcher thread.
-    Kept apart from the runner so a finalizer can close them without holding the runner."""
+class _Workers(Ranks):
+    """The spawned ranks 1..N-1: their processes, start-up reports and the watcher thread."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.errors: dict[int, str] = {}
-        self.failure: str | None = None
-        self.closing = False
-        self.lock = threading.Lock()
-        self.on_failure: Callable[[str], None] | None = None
         self._stop_send: Connection | None = None
 
     def spawn(self, config: EngineConfig, world: int, addr: str, port: int) -> None:
@@ -237,16 +220,6 @@ class _Workers:
         logger.error("%s", reason)
         self.fail(reason)
 
-    def fail(self, reason: str) -> None:
-        """Records the first failure, stops every worker, tells the engine (once)."""
-        with self.lock:
-            if self.failure is not None or self.closing:
-                return
-            self.failure = reason
-        self.stop()
-        if self.on_failure is not None:
-            self.on_failure(reason)
-
     def stop(self) -> None:
         """Every worker that is still running is terminated, killed if it must be, joined."""
         for proc in self.procs:
@@ -258,29 +231,19 @@ class _Workers:
                 proc.kill()
                 proc.join()
 
-    def close(self, goodbye: Callable[[], None] | None) -> None:
-        """A clean exit: `goodbye` broadcasts Shutdown, the workers leave on their own."""
-        with self.lock:
-            if self.closing:
-                return
-            self.closing = True
-            failed = self.failure is not None
+    def join(self, timeout_s: float) -> None:
+        for proc in self.procs:
+            proc.join(timeout_s)
+
+    def stop_watching(self) -> None:
         if self._stop_send is not None:
             try:
                 self._stop_send.send(None)
             except OSError:  # the watcher already returned, closing its end
                 pass
-        if goodbye is not None and not failed:
-            try:
-                goodbye()
-                for proc in self.procs:
-                    proc.join(JOIN_S)
-            except Exception as error:
-                logger.warning("tensor-parallel shutdown message failed: %s", error)
-        self.stop()
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(BroadcastExecutor):
     """Rank 0 of a tensor-parallel group: its worker in this process, and every call first
     broadcast to the other ranks."""
 
@@ -293,22 +256,14 @@ class MultiprocExecutor(Executor):
         """on_failure(reason): called from a watcher thread when a worker dies between steps
         (held weakly, so the executor never keeps its engine alive). launched: a launcher
         started the ranks; else this spawns ranks 1..N-1."""
-        import torch
-
-        from aieng.distributed import parallel_state
-        from aieng.distributed.rank import RankPlace, cpu_threads, join_group
+        from aieng.distributed.rank import RankPlace, join_group
         from aieng.worker import Worker
 
         check_size(config)
         self.config = config
-        self.world_size = config.parallel.tensor_parallel_size
-        self._threads = cpu_threads(config, self.world_size)
-        threads_before = torch.get_num_threads()
-        if self._threads is not None:
-            torch.set_num_threads(self._threads)
-            logger.info("tensor-parallel rank 0: %d CPU threads", self._threads)
-        self._workers = _Workers()
-        self._workers.on_failure = weak_callback(on_failure)
+        threads_before = self._take_threads(config)
+        self._ranks = _Workers()
+        self._ranks.on_failure = weak_callback(on_failure)
         place = RankPlace(0, self.world_size, 0)
         try:
             if launched:
@@ -318,19 +273,16 @@ class MultiprocExecutor(Executor):
             self.driver = Worker(config.for_rank(place.rank, place.local_rank), samples=True)
             if not launched:
                 timeout = config.parallel.distributed_timeout_s
-                self._workers.wait_for("ready", timeout, f"distributed_timeout_s ({timeout:g} s)")
+                self._ranks.wait_for("ready", timeout, f"distributed_timeout_s ({timeout:g} s)")
         except BaseException as error:
-            self._workers.close(None)
-            parallel_state.destroy_tensor_parallel()
-            torch.set_num_threads(threads_before)
-            if isinstance(error, Exception) and self._workers.procs:
-                worker_error = self._first_worker_error()
-                if worker_error is not None and not isinstance(error, ValueError):
-                    raise worker_error from error
-            raise
+            abandon_start(self._ranks, threads_before)
+            raised = start_failure(error, config, self._first_worker_error())
+            if raised is error:
+                raise
+            raise raised from error
         if not launched:
-            self._workers.watch()
-        self._finalizer = weakref.finalize(self, _close, self._workers, self._group, threads_before)
+            self._ranks.watch()
+        self._started(threads_before)
         logger.info("tensor parallelism: %d ranks, this process is rank 0", self.world_size)
 
     def _start_workers(self, config: EngineConfig, place: RankPlace) -> dist.ProcessGroup:
@@ -341,60 +293,21 @@ class MultiprocExecutor(Executor):
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT") or free_port(addr))
         _check_port_free(addr, port)
-        self._workers.spawn(config, self.world_size, addr, port)
+        self._ranks.spawn(config, self.world_size, addr, port)
         # Each worker first imports torch and aieng (seconds); the rendezvous, bounded by
         # distributed_timeout_s, starts once they all can join it.
-        self._workers.wait_for("started", START_S, f"{START_S:g} s")
+        self._ranks.wait_for("started", START_S, f"{START_S:g} s")
         with master_env(addr, port):
             return join_group(config, place)
 
     def _first_worker_error(self) -> Exception | None:
-        self._workers.collect_reports()
-        for index in range(len(self._workers.procs)):
-            if self._workers.errors.get(index):
-                return self._workers.start_error(index)
+        self._ranks.collect_reports()
+        for index in range(len(self._ranks.procs)):
+            if self._ranks.errors.get(index):
+                return self._ranks.start_error(index)
         return None
 
     # ------------------------------------------------------------------ the executor
-
-    def execute(self, step: RunnerStep) -> ModelRunnerOutput:
-        from aieng.distributed.messages import Execute
-
-        return self._on_every_rank(Execute.of(step), lambda: self.driver.execute(step))
-
-    def collective_rpc(
-        self,
-        method: str,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        reduce: str | None = None,
-    ) -> Any:
-        from aieng.distributed.messages import Call, run_call
-
-        message = Call(method, tuple(args), dict(kwargs or {}), reduce)
-        return self._on_every_rank(message, lambda: run_call(self.driver, message))
-
-    def _on_every_rank(self, message, run_local: Callable[[], Any]) -> Any:
-        import torch
-
-        from aieng.distributed.messages import broadcast_message
-
-        if self._workers.failure is not None:
-            raise WorkerFailedError(self._workers.failure)
-        if self._workers.closing:
-            raise WorkerFailedError(f"{FAILURE}: the executor was shut down")
-        if self._threads is not None and torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)  # the engine's loop may run in its own thread
-        try:
-            broadcast_message(message, self._group)
-            return run_local()
-        except Exception as error:
-            # Whatever raised, the other ranks may be inside a collective this rank never
-            # joins: the group is out of step, and the failure is fatal.
-            raise self._fail(error) from error
-        except BaseException as interrupt:  # Ctrl-C mid-step: out of step just the same
-            self._workers.fail(f"{FAILURE}: interrupted mid-step ({type(interrupt).__name__})")
-            raise
 
     def _fail(self, error: Exception) -> WorkerFailedError:
         """The step raised: a worker died (its connection closed: wait a moment for its exit to
@@ -402,42 +315,27 @@ class MultiprocExecutor(Executor):
         text = f"{type(error).__name__}: {error}"
         closed = "Connection closed" in text or "Connection reset" in text
         deadline = time.monotonic() + (REPORT_WAIT_S if closed else 0.0)
-        while self._workers.failure is None:
-            dead = [i for i, p in enumerate(self._workers.procs) if p.exitcode is not None]
+        while self._ranks.failure is None:
+            dead = [i for i, p in enumerate(self._ranks.procs) if p.exitcode is not None]
             if dead:
-                self._workers.fail(f"{FAILURE}: {self._workers.reason(dead[0])}")
+                self._ranks.fail(f"{FAILURE}: {self._ranks.reason(dead[0])}")
             elif time.monotonic() < deadline:
                 time.sleep(0.05)
                 continue
             break
-        if self._workers.failure is None:
+        if self._ranks.failure is None:
             if closed:
                 cause = "a rank's connection closed: it died or left"
             else:
                 limit = self.config.parallel.distributed_timeout_s
                 cause = f"a rank hung past distributed_timeout_s = {limit:g} s, or this one failed"
-            self._workers.fail(f"{FAILURE}: {text} ({cause})")
-        return WorkerFailedError(self._workers.failure)
+            self._ranks.fail(f"{FAILURE}: {text} ({cause})")
+        return WorkerFailedError(self._ranks.failure)
 
     @property
     def worker_pids(self) -> list[int]:
         """The process ids of the ranks this process spawned (none when a launcher did)."""
-        return [proc.pid for proc in self._workers.procs]
-
-    def shutdown(self) -> None:
-        """Tells the workers to leave, joins them, leaves the group. Idempotent."""
-        self._finalizer()
-
-
-def _close(workers: _Workers, group: dist.ProcessGroup, threads_before: int) -> None:
-    import torch
-
-    from aieng.distributed import parallel_state
-    from aieng.distributed.messages import Shutdown, broadcast_message
-
-    workers.close(lambda: broadcast_message(Shutdown(), group))
-    parallel_state.destroy_tensor_parallel()
-    torch.set_num_threads(threads_before)
+        return [proc.pid for proc in self._ranks.procs]
 
 
 def _check_port_free(addr: str, port: int) -> None:
@@ -450,18 +348,3 @@ def _check_port_free(addr: str, port: int) -> None:
                 f"tensor-parallel rendezvous port {addr}:{port} (MASTER_ADDR:MASTER_PORT) cannot "
                 f"be used: {error.strerror or error}"
             ) from None
-
-
-def weak_callback(callback: Callable[[str], None] | None) -> Callable[[str], None] | None:
-    """callback, held without keeping its object alive: a bound method (the engine's) must not
-    be kept by the workers' finalizer, or the engine could never be collected."""
-    if callback is None or not hasattr(callback, "__self__"):
-        return callback
-    method = weakref.WeakMethod(callback)  # type: ignore[arg-type]
-
-    def call(reason: str) -> None:
-        target = method()
-        if target is not None:
-            target(reason)
-
-    return call

@@ -7,12 +7,12 @@ PACK: on one node when it fits). They rendezvous with rank 0 through env:// on r
 address and a free port, then run the same worker loop as a spawned rank
 (`aieng.distributed.worker.run_worker`): torch.distributed over gloo on CPU, NCCL on GPU.
 
-Failures are the multiprocess executor's: fatal, typed (`WorkerFailedError`), and nothing is
-left behind. A watcher thread waits on every actor's `serve` call, which returns only when the
-rank leaves: one that ends while the engine runs (the actor died, or its loop raised) stops the
-group and tells the engine through `on_failure`; a step whose collective fails finds the dead
-actor the same way. Every actor is killed and the placement group removed on shutdown and on
-failure.
+Failures are the multiprocess executor's (the rules of `aieng.executor.broadcast`): fatal,
+typed (`WorkerFailedError`), and nothing is left behind. A watcher thread waits on every
+actor's `serve` call, which returns only when the rank leaves: one that ends while the engine
+runs (the actor died, or its loop raised) stops the group and tells the engine through
+`on_failure`; a step whose collective fails finds the dead actor the same way. Every actor is
+killed and the placement group removed on shutdown and on failure.
 """
 
 from __future__ import annotations
@@ -20,35 +20,43 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+import uuid
+from collections.abc import Callable
+from typing import Any
 
 from aieng.engine_config import EngineConfig
-from aieng.executor.base import Executor, WorkerFailedError
-from aieng.executor.multiproc import (
+from aieng.executor.base import WorkerFailedError
+from aieng.executor.broadcast import (
     FAILURE,
-    JOIN_S,
     START_S,
+    BroadcastExecutor,
+    Ranks,
+    abandon_start,
     free_port,
     master_env,
+    start_failure,
     weak_callback,
 )
 
-if TYPE_CHECKING:
-    import torch.distributed as dist
-
-    from aieng.runner_io import ModelRunnerOutput, RunnerStep
-
 logger = logging.getLogger(__name__)
+
+ACTOR_PREFIX = "aieng-tp-"  # the ranks' actor names: aieng-tp-<engine tag>-rank<r>
 
 
 class RankActor:
     """One tensor-parallel rank > 0 (a Ray actor with two threads: `serve` blocks for the
-    rank's life while `wait_ready` answers)."""
+    rank's life while `wait_ready` answers). Its imports (torch, the worker) are done when the
+    actor is created, so that the rendezvous, bounded by distributed_timeout_s, starts only
+    once every rank can join it at once."""
 
     def __init__(self) -> None:
+        import aieng.distributed.worker
+        import aieng.worker  # noqa: F401
+
         self._ready = threading.Event()
+
+    def started(self) -> bool:
+        return True
 
     def serve(self, config: EngineConfig, rank: int, world: int, addr: str, port: int) -> None:
         from aieng.distributed.rank import RankPlace
@@ -67,18 +75,14 @@ class RankActor:
         return self._ready.wait(timeout_s)
 
 
-class _Ranks:
-    """The actors, their placement group and the watcher; apart from the executor so that its
-    finalizer can close them without holding the executor."""
+class _Actors(Ranks):
+    """The ranks' actors, their placement group and the watcher."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.actors: list[Any] = []
         self.serving: list[Any] = []  # each actor's `serve` ObjectRef
         self.group: Any = None  # the placement group
-        self.failure: str | None = None
-        self.closing = False
-        self.lock = threading.Lock()
-        self.on_failure: Callable[[str], None] | None = None
 
     def start(self, config: EngineConfig, addr: str, port: int) -> None:
         import ray
@@ -95,8 +99,10 @@ class _Ranks:
                 f"{bundle} within {START_S:g} s"
             )
         actor_class = ray.remote(max_concurrency=2)(RankActor)
+        tag = uuid.uuid4().hex[:8]
         for index in range(world - 1):
             actor = actor_class.options(
+                name=f"{ACTOR_PREFIX}{tag}-rank{index + 1}",
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
                 max_restarts=0,
@@ -104,6 +110,25 @@ class _Ranks:
             ).remote()
             self.actors.append(actor)
             self.serving.append(actor.serve.remote(config, index + 1, world, addr, port))
+
+    def wait_started(self, timeout_s: float) -> None:
+        """Until every actor has been created (its imports done); one that died raises."""
+        import ray
+
+        calls = [actor.started.remote() for actor in self.actors]
+        for rank, call in enumerate(calls, start=1):
+            try:
+                ray.get(call, timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise WorkerFailedError(
+                    f"{FAILURE} at start-up: rank {rank}'s Ray actor not started within "
+                    f"{timeout_s:g} s"
+                ) from None
+            except ray.exceptions.RayError as error:
+                raise WorkerFailedError(
+                    f"{FAILURE} at start-up: rank {rank}'s Ray actor died before it started "
+                    f"({type(error).__name__})"
+                ) from None
 
     def wait_ready(self, timeout_s: float) -> None:
         import ray
@@ -135,6 +160,11 @@ class _Ranks:
             return f"rank {rank}: {type(error).__name__}: {error}"
         return f"rank {rank} left the group"
 
+    def lost_rank(self) -> str | None:
+        """Why a rank whose `serve` call has ended left (None: none has)."""
+        ended = self.ended() if self.serving else None
+        return None if ended is None else self.reason(ended)
+
     def ended(self) -> Any | None:
         import ray
 
@@ -154,15 +184,6 @@ class _Ranks:
                 logger.error("%s", reason)
                 self.fail(reason)
 
-    def fail(self, reason: str) -> None:
-        with self.lock:
-            if self.failure is not None or self.closing:
-                return
-            self.failure = reason
-        self.stop()
-        if self.on_failure is not None:
-            self.on_failure(reason)
-
     def stop(self) -> None:
         """Every actor killed, the placement group removed: no rank outlives the engine."""
         import ray
@@ -174,97 +195,53 @@ class _Ranks:
             remove_placement_group(self.group)
             self.group = None
 
-    def close(self, goodbye: Callable[[], None] | None) -> None:
+    def stop_watching(self) -> None:
+        pass  # the watcher polls, and stops once it sees `closing`
+
+    def join(self, timeout_s: float) -> None:
         import ray
 
-        with self.lock:
-            if self.closing:
-                return
-            self.closing = True
-            failed = self.failure is not None
-        if goodbye is not None and not failed and self.serving:
-            try:
-                goodbye()
-                ray.wait(self.serving, num_returns=len(self.serving), timeout=JOIN_S)
-            except Exception as error:
-                logger.warning("tensor-parallel shutdown message failed: %s", error)
-        self.stop()
+        if self.serving:
+            ray.wait(self.serving, num_returns=len(self.serving), timeout=timeout_s)
 
 
-class RayExecutor(Executor):
+class RayExecutor(BroadcastExecutor):
     """Rank 0 of a tensor-parallel group whose other ranks are Ray actors."""
 
     def __init__(self, config: EngineConfig, on_failure: Callable[[str], None] | None = None):
         import ray
-        import torch
 
-        from aieng.distributed import parallel_state
-        from aieng.distributed.rank import RankPlace, cpu_threads, join_group
+        from aieng.distributed.rank import RankPlace, join_group
         from aieng.worker import Worker
 
         if not ray.is_initialized():
             ray.init()  # RAY_ADDRESS's cluster, else a local one
         self.config = config
-        self.world_size = config.parallel.tensor_parallel_size
-        self._threads = cpu_threads(config, self.world_size)
-        threads_before = torch.get_num_threads()
-        if self._threads is not None:
-            torch.set_num_threads(self._threads)
-        self._ranks = _Ranks()
+        threads_before = self._take_threads(config)
+        self._ranks = _Actors()
         self._ranks.on_failure = weak_callback(on_failure)
         addr = ray.util.get_node_ip_address()
         port = free_port(addr)
         try:
             self._ranks.start(config, addr, port)
+            self._ranks.wait_started(START_S)
             with master_env(addr, port):
                 self._group = join_group(config, RankPlace(0, self.world_size, 0))
             self.driver = Worker(config.for_rank(0, 0), samples=True)
             self._ranks.wait_ready(config.parallel.distributed_timeout_s)
-        except BaseException:
-            self._ranks.close(None)
-            parallel_state.destroy_tensor_parallel()
-            torch.set_num_threads(threads_before)
-            raise
+        except BaseException as error:
+            lost = self._ranks.lost_rank()  # before the close, which ends every rank
+            abandon_start(self._ranks, threads_before)
+            rank_error = (
+                None if lost is None else WorkerFailedError(f"{FAILURE} at start-up: {lost}")
+            )
+            raised = start_failure(error, config, rank_error)
+            if raised is error:
+                raise
+            raise raised from error
         self._ranks.watch()
-        self._finalizer = weakref.finalize(self, _close, self._ranks, self._group, threads_before)
+        self._started(threads_before)
         logger.info("tensor parallelism on Ray: %d ranks, this process is rank 0", self.world_size)
-
-    def execute(self, step: RunnerStep) -> ModelRunnerOutput:
-        from aieng.distributed.messages import Execute
-
-        return self._on_every_rank(Execute.of(step), lambda: self.driver.execute(step))
-
-    def collective_rpc(
-        self,
-        method: str,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        reduce: str | None = None,
-    ) -> Any:
-        from aieng.distributed.messages import Call, run_call
-
-        message = Call(method, tuple(args), dict(kwargs or {}), reduce)
-        return self._on_every_rank(message, lambda: run_call(self.driver, message))
-
-    def _on_every_rank(self, message, run_local: Callable[[], Any]) -> Any:
-        import torch
-
-        from aieng.distributed.messages import broadcast_message
-
-        if self._ranks.failure is not None:
-            raise WorkerFailedError(self._ranks.failure)
-        if self._ranks.closing:
-            raise WorkerFailedError(f"{FAILURE}: the executor was shut down")
-        if self._threads is not None and torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)
-        try:
-            broadcast_message(message, self._group)
-            return run_local()
-        except Exception as error:
-            raise self._fail(error) from error
-        except BaseException as interrupt:
-            self._ranks.fail(f"{FAILURE}: interrupted mid-step ({type(interrupt).__name__})")
-            raise
 
     def _fail(self, error: Exception) -> WorkerFailedError:
         """The step raised: an actor died (its `serve` call ended), hung, or this rank failed."""
@@ -288,17 +265,3 @@ class RayExecutor(Executor):
     def actors(self) -> list[Any]:
         """The ranks' Ray actor handles (ranks 1..N-1)."""
         return list(self._ranks.actors)
-
-    def shutdown(self) -> None:
-        self._finalizer()
-
-
-def _close(ranks: _Ranks, group: dist.ProcessGroup, threads_before: int) -> None:
-    import torch
-
-    from aieng.distributed import parallel_state
-    from aieng.distributed.messages import Shutdown, broadcast_message
-
-    ranks.close(lambda: broadcast_message(Shutdown(), group))
-    parallel_state.destroy_tensor_parallel()
-    torch.set_num_threads(threads_before)

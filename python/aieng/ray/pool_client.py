@@ -60,6 +60,11 @@ class ReplicaPoolClient:
     def model_info(self) -> ModelInfo:
         return self._model_info
 
+    async def refresh_model_info(self) -> ModelInfo:
+        """The replicas' model info asked again (after a rolling upgrade: the new version's)."""
+        self._model_info = await self.replicas.model_info.remote()
+        return self._model_info
+
     @property
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer

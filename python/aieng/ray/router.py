@@ -11,9 +11,11 @@ the deployment handle (the ingress), with the replicas that run. Two policies:
 - `round_robin`: the replicas in turn (the baseline the prefix policy is measured against).
 
 Either way a replica whose queue is full (`max_ongoing_requests`) is passed over for the next
-one in the ranking (Ray probes the queue lengths). The replicas' own figures (their
-`EngineStats`, sent by `record_routing_stats`) are kept on a `ReplicaBoard` that the ingress
-reads for its metrics.
+one in the ranking (Ray probes the queue lengths), and a replica the ingress drains (a rolling
+upgrade) gets no new request while another can take it. A call whose `replica` keyword names
+one replica goes to that one only. The replicas' own figures (their `EngineStats` and model
+version, sent by `record_routing_stats`) are kept on a `ReplicaBoard` that the ingress reads
+for its metrics.
 
 Ray ships this module to the router by value (`RequestRouterConfig`), so it holds no state of
 its own: what the ingress shares with the router lives in `aieng.ray.board`.
@@ -29,9 +31,10 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from aieng.engine_client import EngineStats
-from aieng.ray.board import STATS_KEY, ReplicaBoard
+from aieng.ray.board import STATS_KEY, VERSION_KEY, ReplicaBoard, ReplicaReport
 
 MAX_REMEMBERED_PREFIXES = 1 << 16  # prefix hashes kept (LRU); each names one replica
+TARGET_KEY = "replica"  # a call's keyword naming the one replica it is for
 
 
 def prefix_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
@@ -74,6 +77,13 @@ class EngineReplicaRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
+        target = pending_request.kwargs.get(TARGET_KEY) if pending_request is not None else None
+        if target is not None:  # a call for one replica (a rolling upgrade's reload)
+            chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            return [chosen] if chosen else []
+        draining = self.board.draining() if self.board is not None else frozenset()
+        serving = [r for r in candidate_replicas if r.replica_id.unique_id not in draining]
+        candidate_replicas = serving or candidate_replicas  # draining ones only: they queue it
         if not candidate_replicas:
             return []
         if self.policy == "round_robin":
@@ -143,7 +153,10 @@ class EngineReplicaRouter(RequestRouter):
         if self.board is not None:
             self.board.update(
                 {
-                    r.replica_id.unique_id: EngineStats(**r.routing_stats[STATS_KEY])
+                    r.replica_id.unique_id: ReplicaReport(
+                        EngineStats(**r.routing_stats[STATS_KEY]),
+                        r.routing_stats.get(VERSION_KEY, ""),
+                    )
                     for r in replicas
                     if STATS_KEY in (r.routing_stats or {})
                 }
