@@ -37,7 +37,7 @@ from aieng.model_manifest import MANIFEST, ManifestError, ModelManifest
 from aieng.ray.board import ReplicaBoard
 from aieng.ray.router import TARGET_KEY
 from aieng.schema_compat import input_problems, output_problems
-from aieng.server.model_versions import TOKENIZER_FILES, VersionError
+from aieng.server.model_versions import VersionError, differing_tokenizer_file
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +84,14 @@ def check_upgrade(serving: Path, new: Path) -> tuple[ModelManifest, ModelManifes
             f"{old_manifest.ref} -> {new_manifest.ref} breaks its clients: {'; '.join(problems)}",
             "incompatible_schema",
         )
-    for name in TOKENIZER_FILES:
-        old_file, new_file = serving / name, new / name
-        same = old_file.is_file() == new_file.is_file() and (
-            not old_file.is_file() or old_file.read_bytes() == new_file.read_bytes()
+    name = differing_tokenizer_file(serving, new)
+    if name is not None:
+        raise VersionError(
+            409,
+            f"{new_manifest.ref}: its {name} differs from the serving version's; the ingress "
+            "tokenizes for every replica, so a rolling upgrade needs one tokenizer",
+            "tokenizer_mismatch",
         )
-        if not same:
-            raise VersionError(
-                409,
-                f"{new_manifest.ref}: its {name} differs from the serving version's; the ingress "
-                "tokenizes for every replica, so a rolling upgrade needs one tokenizer",
-                "tokenizer_mismatch",
-            )
     return old_manifest, new_manifest
 
 

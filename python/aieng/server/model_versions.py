@@ -43,6 +43,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def differing_tokenizer_file(old: Path, new: Path) -> str | None:
+    """The first of the tokenizer files that two model folders do not share byte for byte (one
+    has it and the other not, or their bytes differ); None when they tokenize alike."""
+    for name in TOKENIZER_FILES:
+        old_file, new_file = old / name, new / name
+        same = old_file.is_file() == new_file.is_file() and (
+            not old_file.is_file() or old_file.read_bytes() == new_file.read_bytes()
+        )
+        if not same:
+            return name
+    return None
+
+
 SMOKE_PROMPT_TOKENS = 4
 SMOKE_MAX_TOKENS = 4
 DRAIN_POLL_S = 0.05
@@ -348,18 +363,14 @@ class ModelVersions:
                 f"{manifest.ref}'s tokenizer cannot be compared with its own; restore it",
                 "version_folder_missing",
             )
-        for name in TOKENIZER_FILES:
-            old, new = serving / name, manifest.folder / name
-            same = old.is_file() == new.is_file() and (
-                not old.is_file() or old.read_bytes() == new.read_bytes()
+        name = differing_tokenizer_file(serving, manifest.folder)
+        if name is not None:
+            raise VersionError(
+                409,
+                f"{manifest.ref}: its {name} differs from the serving version's; a hot "
+                "switch needs one tokenizer (restart the server to change it)",
+                "tokenizer_mismatch",
             )
-            if not same:
-                raise VersionError(
-                    409,
-                    f"{manifest.ref}: its {name} differs from the serving version's; a hot "
-                    "switch needs one tokenizer (restart the server to change it)",
-                    "tokenizer_mismatch",
-                )
 
     async def _load_and_switch(
         self, ctx: ServerContext, version: str, split: tuple[str, float] | None = None
