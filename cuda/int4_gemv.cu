@@ -1,34 +1,38 @@
-// Fused INT4 dequantize + matrix-vector product for decode batches: y (M, N) = x (M, K) W^T,
-// M <= 16 rows per launch tile, every packed weight byte read once (python/aieng/kernels/int4.py
-// holds the layout, the launch parameters and the pure-PyTorch reference of this math).
+// Fused INT4 dequantize + matrix-vector product for decode batches: y (M, N) = x (M, K) W^T for
+// M <= 16 rows per launch tile, every packed weight byte read once per tile
+// (python/aieng/kernels/int4.py holds the layout, the launch plan and the references; the
+// reasoning against the memory roofline is in cuda/README.md).
 //
 // Layout (aieng's CUDA INT4 layout):
 //   qweight    (N, K / 2) uint8, row-major: byte j of row n holds q[n, 2j] in its low nibble and
 //              q[n, 2j + 1] in its high nibble, so a 32-bit word holds 8 consecutive k in order.
 //   scale_zero (N, K / group_size, 2) float16: (scale, zero) of each group of each row.
-//   w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k / group_size; group_size % 32 == 0.
+//   w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k >> group_shift; group_size a power of
+//   two >= 32, so a 32-weight (16-byte) chunk lies in one group.
 //
-// A thread owns one 16-byte chunk (32 consecutive k, inside one group) of ROWS rows per step;
-// the threadIdx.x of a row group walk K in chunks, lanes reading consecutive 16 bytes
-// (coalesced 128-bit loads). A nibble becomes the float 1 + q/16 with a shift and one bit-or
-// (exponent bits of 1.0, q in the top of the mantissa), so the dot product is taken without an
-// int-to-float conversion: sum((1 + q/16) x) = sum(x) + sum(q x) / 16, hence per chunk
-//   sum((q - z) s x) = s * (16 * dot - (16 + z) * sum(x)),
-// accumulated in float32. The threads of a row group then reduce with warp shuffles and shared
-// memory. Grid: (ceil(N / (ROWS * blockDim.y)), ceil(M / M_TILE)); block (tx, 128 / tx).
-#include "dtype_convert.cuh"
+// Two kernels:
+// - int4_gemv_{f16,bf16}_m{8,16}: tensor cores (mma.sync m16n8k16, f32 accumulation) for any
+//   M <= 8 / <= 16. The weights are dequantized in registers straight into the B fragments,
+//   Marlin-style: two nibbles per lop3 and two weights per fma (common.cuh, dequant8). A lane
+//   (g = lane / 4, t = lane % 4) of a warp loads, per 128-k block and n8 tile, 16 bytes of row
+//   n0 + g: k = k0 + 32 t + [0, 32), four words; word i gives two k16 steps, whose B fragments
+//   are its pairs (0,4),(1,5) and (2,6),(3,7). The dot product does not care which physical k
+//   stands for which logical k of the MMA as long as A uses the same map, so the lane loads the
+//   same 32 activations of rows g (and g + 8) and pairs them with one prmt per pair: no shared
+//   memory, no float conversion of x, each activation loaded once per CTA. The CTA's 8 warps
+//   split K in 128-k blocks and add their fragments in shared memory; CTAs walk the row blocks
+//   of 16 rows in a grid-stride loop over a grid sized from the SM count. Rows past N and M,
+//   chunks past K: loads clamped to valid addresses (never predicated), the activations of a
+//   chunk past K zeroed, results past N or M not stored.
+// - int4_gemv_f32_m{1,2,4,8,16}: CUDA cores for float32 activations (no tensor-core type holds
+//   them exactly). A thread owns one 16-byte chunk of ROWS rows per step; a nibble becomes the
+//   float 1 + q/16 with a shift and one bit-or, and per chunk
+//   sum((q - z) s x) = s * (16 * dot - (16 + z) * sum(x)), accumulated in float32.
+#include "common.cuh"
 
-namespace {
+namespace int4_gemv_detail {
 
-constexpr int kThreads = 128;
 constexpr int kChunk = 32;  // weights per 16-byte load
-
-// Nibble i of a word as the float 1 + q/16: q moved to mantissa bits 19..22 under exponent 0.
-__device__ __forceinline__ float nibble_as_float(unsigned word, int i) {
-  const int shift = 19 - 4 * i;
-  const unsigned moved = shift >= 0 ? word << shift : word >> -shift;
-  return __uint_as_float((moved & 0x00780000u) | 0x3F800000u);
-}
 
 __device__ __forceinline__ uint4 load_streaming(const unsigned char* p) {
 #ifdef __CUDA_ARCH__
@@ -42,18 +46,134 @@ __device__ __forceinline__ uint4 load_streaming(const unsigned char* p) {
 #endif
 }
 
-template <typename T, int M_TILE, int ROWS>
-__device__ __forceinline__ void int4_gemv(const T* __restrict__ x,
-                                          const unsigned char* __restrict__ qweight,
-                                          const unsigned* __restrict__ scale_zero,
-                                          T* __restrict__ y, int M, int N, int K, int group_size) {
+// ---------------------------------------------------------------- tensor cores (f16, bf16)
+
+constexpr int kMmaWarps = 8;
+constexpr int kMmaThreads = 32 * kMmaWarps;
+constexpr int kTilesN = 2;                 // n8 tiles per warp (the CTA's rows: 16)
+constexpr int kBlockRows = 8 * kTilesN;    // rows of W per CTA step
+constexpr int kBlockK = 128;               // k per warp step: 4 lanes x 32
+
+template <typename T, bool ROWS16>
+__device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
+                                              const unsigned char* __restrict__ qweight,
+                                              const unsigned* __restrict__ scale_zero,
+                                              T* __restrict__ y, int M, int N, int K,
+                                              int group_shift) {
+  __shared__ float partial[kMmaWarps][kTilesN][4][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int m0 = blockIdx.y * (ROWS16 ? 16 : 8);
+  const int chunks = K / kChunk, groups = ((K - 1) >> group_shift) + 1;
+  const T* x_low = x + static_cast<size_t>(min(m0 + g, M - 1)) * K;
+  const T* x_high = x + static_cast<size_t>(min(m0 + g + 8, M - 1)) * K;
+  const int row_blocks = (N + kBlockRows - 1) / kBlockRows;
+
+  for (int block = blockIdx.x; block < row_blocks; block += gridDim.x) {
+    const int n0 = block * kBlockRows;
+    const unsigned char* rows[kTilesN];
+    const unsigned* groups_of[kTilesN];
+#pragma unroll
+    for (int j = 0; j < kTilesN; ++j) {
+      const int n = min(n0 + 8 * j + g, N - 1);
+      rows[j] = qweight + static_cast<size_t>(n) * (K / 2);
+      groups_of[j] = scale_zero + static_cast<size_t>(n) * groups;
+    }
+    float acc[kTilesN][4];
+#pragma unroll
+    for (int j = 0; j < kTilesN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+
+    for (int k0 = warp * kBlockK; k0 < K; k0 += kMmaWarps * kBlockK) {
+      const int wanted = k0 / kChunk + t;
+      const int chunk = min(wanted, chunks - 1);  // clamped: a chunk past K is loaded, unused
+      const bool inside = wanted < chunks;
+      uint4 w[kTilesN];
+      u32 sz[kTilesN];
+#pragma unroll
+      for (int j = 0; j < kTilesN; ++j) {
+        w[j] = load_streaming(rows[j] + chunk * (kChunk / 2));
+        sz[j] = groups_of[j][(chunk * kChunk) >> group_shift];
+      }
+      uint4 xl[4], xh[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        xl[i] = *reinterpret_cast<const uint4*>(x_low + chunk * kChunk + 8 * i);
+        if (ROWS16) xh[i] = *reinterpret_cast<const uint4*>(x_high + chunk * kChunk + 8 * i);
+        if (!inside) xl[i] = xh[i] = make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int j = 0; j < kTilesN; ++j) {
+        const Int4Group<T> group = int4_group<T>(sz[j]);
+        const u32 words[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          u32 b[4], al[4], ah[4] = {0u, 0u, 0u, 0u};
+          dequant8<T>(words[i], group, b);
+          pair_activations(xl[i], al);
+          if (ROWS16) pair_activations(xh[i], ah);
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            const u32 a[4] = {al[2 * s], ah[2 * s], al[2 * s + 1], ah[2 * s + 1]};
+            const u32 bb[2] = {b[2 * s], b[2 * s + 1]};
+            mma_16816<T>(acc[j], a, bb);
+          }
+        }
+      }
+    }
+
+    // The warps' partial sums (fragment element e of tile j at lane) into y.
+#pragma unroll
+    for (int j = 0; j < kTilesN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) partial[warp][j][e][lane] = acc[j][e];
+    __syncthreads();
+    {
+      const int j = threadIdx.x / 128, e = (threadIdx.x / 32) % 4, l = threadIdx.x % 32;
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kMmaWarps; ++w) sum += partial[w][j][e][l];
+      const int m = m0 + l / 4 + (e / 2) * 8;
+      const int n = n0 + 8 * j + 2 * (l % 4) + e % 2;
+      if (m < M && n < N) y[static_cast<size_t>(m) * N + n] = from_float<T>(sum);
+    }
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------- CUDA cores (float32)
+
+constexpr int kThreads = 128;
+
+// Nibble i of a word as the float 1 + q/16: q moved to mantissa bits 19..22 under exponent 0.
+__device__ __forceinline__ float nibble_as_float(unsigned word, int i) {
+  const int shift = 19 - 4 * i;
+  const unsigned moved = shift >= 0 ? word << shift : word >> -shift;
+  return __uint_as_float((moved & 0x00780000u) | 0x3F800000u);
+}
+
+template <int M_TILE, int ROWS>
+__device__ __forceinline__ void int4_gemv_f32(const float* __restrict__ x,
+                                              const unsigned char* __restrict__ qweight,
+                                              const unsigned* __restrict__ scale_zero,
+                                              float* __restrict__ y, int M, int N, int K,
+                                              int group_shift) {
   const int chunks = K / kChunk;
-  const int groups = K / group_size;
+  const int groups = ((K - 1) >> group_shift) + 1;  // K itself: one group
   const int row0 = (blockIdx.x * blockDim.y + threadIdx.y) * ROWS;
   const int m0 = blockIdx.y * M_TILE;
-  const T* x_rows[M_TILE];
+  const float* x_rows[M_TILE];
 #pragma unroll
   for (int m = 0; m < M_TILE; ++m) x_rows[m] = x + static_cast<size_t>(min(m0 + m, M - 1)) * K;
+  const unsigned char* rows[ROWS];
+  const unsigned* groups_of[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {  // clamped: a row past N is read and not stored
+    const int n = min(row0 + r, N - 1);
+    rows[r] = qweight + static_cast<size_t>(n) * (K / 2);
+    groups_of[r] = scale_zero + static_cast<size_t>(n) * groups;
+  }
 
   float total[M_TILE][ROWS];
 #pragma unroll
@@ -66,17 +186,10 @@ __device__ __forceinline__ void int4_gemv(const T* __restrict__ x,
     float scale[ROWS], zero[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      const int n = row0 + r;
-      if (n < N) {
-        w[r] = load_streaming(qweight + static_cast<size_t>(n) * (K / 2) + c * (kChunk / 2));
-        const unsigned sz = scale_zero[static_cast<size_t>(n) * groups + c * kChunk / group_size];
-        scale[r] = low_to_float(sz, f16_t{});
-        zero[r] = high_to_float(sz, f16_t{});
-      } else {
-        w[r] = make_uint4(0u, 0u, 0u, 0u);
-        scale[r] = 0.f;
-        zero[r] = 0.f;
-      }
+      w[r] = load_streaming(rows[r] + c * (kChunk / 2));
+      const unsigned sz = groups_of[r][(c * kChunk) >> group_shift];
+      scale[r] = low_to_float(sz, f16_t{});
+      zero[r] = high_to_float(sz, f16_t{});
     }
     float dot[M_TILE][ROWS];
     float xsum[M_TILE];
@@ -131,30 +244,38 @@ __device__ __forceinline__ void int4_gemv(const T* __restrict__ x,
     const int m = threadIdx.x / ROWS, r = threadIdx.x % ROWS;
     const int n = row0 + r;
     float sum = 0.f;
-    for (int i = 0; i < warps_per_group; ++i) sum += partial[threadIdx.y * warps_per_group + i][threadIdx.x];
-    if (m0 + m < M && n < N) y[static_cast<size_t>(m0 + m) * N + n] = from_float<T>(sum);
+    for (int i = 0; i < warps_per_group; ++i)
+      sum += partial[threadIdx.y * warps_per_group + i][threadIdx.x];
+    if (m0 + m < M && n < N) y[static_cast<size_t>(m0 + m) * N + n] = sum;
   }
 }
 
-}  // namespace
+}  // namespace int4_gemv_detail
 
-// int4_gemv_<dtype>_m<M_TILE>: M_TILE rows of x per launch tile; ROWS output rows per thread
-// (fewer for large tiles, whose accumulators would not fit in registers).
-#define AIENG_INT4_GEMV(NAME, T, M_TILE, ROWS)                                                   \
-  extern "C" __global__ void __launch_bounds__(kThreads)                                         \
+// int4_gemv_<dtype>_m<M_TILE>: up to M_TILE rows of x per launch tile (blockIdx.y).
+#define AIENG_INT4_GEMV_MMA(NAME, T, M_TILE, MIN_BLOCKS)                                         \
+  extern "C" __global__ void __launch_bounds__(int4_gemv_detail::kMmaThreads, MIN_BLOCKS)        \
       int4_gemv_##NAME##_m##M_TILE(const T* __restrict__ x, const unsigned char* __restrict__ q, \
                                    const unsigned* __restrict__ sz, T* __restrict__ y, int M,    \
-                                   int N, int K, int group_size) {                               \
-    int4_gemv<T, M_TILE, ROWS>(x, q, sz, y, M, N, K, group_size);                                \
+                                   int N, int K, int group_shift) {                              \
+    int4_gemv_detail::int4_gemv_mma<T, (M_TILE > 8)>(x, q, sz, y, M, N, K, group_shift);         \
   }
 
-#define AIENG_INT4_GEMV_TILES(NAME, T) \
-  AIENG_INT4_GEMV(NAME, T, 1, 4)       \
-  AIENG_INT4_GEMV(NAME, T, 2, 2)       \
-  AIENG_INT4_GEMV(NAME, T, 4, 2)       \
-  AIENG_INT4_GEMV(NAME, T, 8, 1)       \
-  AIENG_INT4_GEMV(NAME, T, 16, 1)
+// ROWS output rows per thread (fewer for large tiles, whose accumulators would not fit).
+#define AIENG_INT4_GEMV_F32(M_TILE, ROWS)                                                       \
+  extern "C" __global__ void __launch_bounds__(int4_gemv_detail::kThreads)                      \
+      int4_gemv_f32_m##M_TILE(const float* __restrict__ x, const unsigned char* __restrict__ q, \
+                              const unsigned* __restrict__ sz, float* __restrict__ y, int M,    \
+                              int N, int K, int group_shift) {                                  \
+    int4_gemv_detail::int4_gemv_f32<M_TILE, ROWS>(x, q, sz, y, M, N, K, group_shift);           \
+  }
 
-AIENG_INT4_GEMV_TILES(f16, f16_t)
-AIENG_INT4_GEMV_TILES(bf16, bf16_t)
-AIENG_INT4_GEMV_TILES(f32, float)
+AIENG_INT4_GEMV_MMA(f16, f16_t, 8, 4)
+AIENG_INT4_GEMV_MMA(f16, f16_t, 16, 3)
+AIENG_INT4_GEMV_MMA(bf16, bf16_t, 8, 4)
+AIENG_INT4_GEMV_MMA(bf16, bf16_t, 16, 3)
+AIENG_INT4_GEMV_F32(1, 4)
+AIENG_INT4_GEMV_F32(2, 2)
+AIENG_INT4_GEMV_F32(4, 2)
+AIENG_INT4_GEMV_F32(8, 1)
+AIENG_INT4_GEMV_F32(16, 1)
