@@ -52,7 +52,8 @@ constexpr int kMmaWarps = 8;
 constexpr int kMmaThreads = 32 * kMmaWarps;
 constexpr int kTilesN = 2;                 // n8 tiles per warp (the CTA's rows: 16)
 constexpr int kBlockRows = 8 * kTilesN;    // rows of W per CTA step
-constexpr int kBlockK = 128;               // k per warp step: 4 lanes x 32
+constexpr int kBlockK = 128;               // k per warp block: 4 lanes x 32
+constexpr int kSteps = 2;                  // blocks whose loads a warp issues together
 
 template <typename T, bool ROWS16>
 __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
@@ -85,39 +86,50 @@ __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
-    for (int k0 = warp * kBlockK; k0 < K; k0 += kMmaWarps * kBlockK) {
-      const int wanted = k0 / kChunk + t;
-      const int chunk = min(wanted, chunks - 1);  // clamped: a chunk past K is loaded, unused
-      const bool inside = wanted < chunks;
-      uint4 w[kTilesN];
-      u32 sz[kTilesN];
+    // Each step: kSteps 128-k blocks of this warp, all their weight and scale loads issued
+    // before any math (the bytes in flight, README), then block by block the activations and
+    // the MMAs.
+    for (int k0 = warp * kBlockK; k0 < K; k0 += kSteps * kMmaWarps * kBlockK) {
+      uint4 w[kSteps][kTilesN];
+      u32 sz[kSteps][kTilesN];
+      int chunk[kSteps];
+      bool inside[kSteps];
 #pragma unroll
-      for (int j = 0; j < kTilesN; ++j) {
-        w[j] = load_streaming(rows[j] + chunk * (kChunk / 2));
-        sz[j] = groups_of[j][(chunk * kChunk) >> group_shift];
+      for (int u = 0; u < kSteps; ++u) {
+        const int wanted = (k0 + u * kMmaWarps * kBlockK) / kChunk + t;
+        chunk[u] = min(wanted, chunks - 1);  // clamped: a chunk past K is loaded, unused
+        inside[u] = wanted < chunks;
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+          w[u][j] = load_streaming(rows[j] + chunk[u] * (kChunk / 2));
+          sz[u][j] = groups_of[j][(chunk[u] * kChunk) >> group_shift];
+        }
       }
-      uint4 xl[4], xh[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        xl[i] = *reinterpret_cast<const uint4*>(x_low + chunk * kChunk + 8 * i);
-        if (ROWS16) xh[i] = *reinterpret_cast<const uint4*>(x_high + chunk * kChunk + 8 * i);
-        if (!inside) xl[i] = xh[i] = make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int j = 0; j < kTilesN; ++j) {
-        const Int4Group<T> group = int4_group<T>(sz[j]);
-        const u32 words[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+      for (int u = 0; u < kSteps; ++u) {
+        uint4 xl[4], xh[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          u32 b[4], al[4], ah[4] = {0u, 0u, 0u, 0u};
-          dequant8<T>(words[i], group, b);
-          pair_activations(xl[i], al);
-          if (ROWS16) pair_activations(xh[i], ah);
+          xl[i] = *reinterpret_cast<const uint4*>(x_low + chunk[u] * kChunk + 8 * i);
+          if (ROWS16) xh[i] = *reinterpret_cast<const uint4*>(x_high + chunk[u] * kChunk + 8 * i);
+          if (!inside[u]) xl[i] = xh[i] = make_uint4(0u, 0u, 0u, 0u);
+        }
 #pragma unroll
-          for (int s = 0; s < 2; ++s) {
-            const u32 a[4] = {al[2 * s], ah[2 * s], al[2 * s + 1], ah[2 * s + 1]};
-            const u32 bb[2] = {b[2 * s], b[2 * s + 1]};
-            mma_16816<T>(acc[j], a, bb);
+        for (int j = 0; j < kTilesN; ++j) {
+          const Int4Group<T> group = int4_group<T>(sz[u][j]);
+          const u32 words[4] = {w[u][j].x, w[u][j].y, w[u][j].z, w[u][j].w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            u32 b[4], al[4], ah[4] = {0u, 0u, 0u, 0u};
+            dequant8<T>(words[i], group, b);
+            pair_activations(xl[i], al);
+            if (ROWS16) pair_activations(xh[i], ah);
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+              const u32 a[4] = {al[2 * s], ah[2 * s], al[2 * s + 1], ah[2 * s + 1]};
+              const u32 bb[2] = {b[2 * s], b[2 * s + 1]};
+              mma_16816<T>(acc[j], a, bb);
+            }
           }
         }
       }
@@ -270,10 +282,10 @@ __device__ __forceinline__ void int4_gemv_f32(const float* __restrict__ x,
     int4_gemv_detail::int4_gemv_f32<M_TILE, ROWS>(x, q, sz, y, M, N, K, group_shift);           \
   }
 
-AIENG_INT4_GEMV_MMA(f16, f16_t, 8, 4)
-AIENG_INT4_GEMV_MMA(f16, f16_t, 16, 3)
-AIENG_INT4_GEMV_MMA(bf16, bf16_t, 8, 4)
-AIENG_INT4_GEMV_MMA(bf16, bf16_t, 16, 3)
+AIENG_INT4_GEMV_MMA(f16, f16_t, 8, 3)
+AIENG_INT4_GEMV_MMA(f16, f16_t, 16, 2)
+AIENG_INT4_GEMV_MMA(bf16, bf16_t, 8, 3)
+AIENG_INT4_GEMV_MMA(bf16, bf16_t, 16, 2)
 AIENG_INT4_GEMV_F32(1, 4)
 AIENG_INT4_GEMV_F32(2, 2)
 AIENG_INT4_GEMV_F32(4, 2)

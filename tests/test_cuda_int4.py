@@ -234,7 +234,8 @@ def test_gemv_grid_is_one_wave_of_resident_ctas() -> None:
     small = gemv_launch(1, 4096, 4096, torch.float16, num_sms=132)
     assert small.grid == (4096 // MMA_ROWS, 1)  # 256 CTAs, all resident at once
     large = gemv_launch(1, 128256, 4096, torch.bfloat16, num_sms=132)
-    assert large.grid == (132 * MMA_CTAS_PER_SM, 1)
+    assert large.grid == (132 * MMA_CTAS_PER_SM[8], 1)
+    assert gemv_launch(16, 128256, 4096, torch.bfloat16, 132).grid == (132 * MMA_CTAS_PER_SM[16], 1)
     assert [gemv_tile(m, torch.float16) for m in (1, 5, 8, 9, 16, 40)] == [8, 8, 8, 16, 16, 16]
     assert [gemv_tile(m, torch.float32) for m in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
 

@@ -40,7 +40,7 @@ GEMV_ROWS = {1: 4, 2: 2, 4: 2, 8: 1, 16: 1}  # float32 kernel: output rows per t
 GEMV_THREADS = 128  # the float32 kernel's block
 MMA_THREADS = 256  # the tensor-core GEMV's block: 8 warps splitting K
 MMA_ROWS = 16  # rows of W per tensor-core CTA step (two n8 tiles)
-MMA_CTAS_PER_SM = 3  # resident tensor-core GEMV CTAs per SM (__launch_bounds__ of the m16 variant)
+MMA_CTAS_PER_SM = {8: 3, 16: 2}  # resident tensor-core GEMV CTAs per SM (__launch_bounds__)
 DEFAULT_SMS = 132  # an H100 / H200 SXM, for plans made without a device
 MAX_ZERO = 128  # |zero point| the tensor-core dequantization holds exactly (bfloat16: 128 + z)
 GEMM_TILE = 64  # rows of x and of W per GEMM block
@@ -192,8 +192,8 @@ def gemv_launch(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = DEFAU
     """The GEMV kernel and its grid for (M, K) x (N, K)^T.
 
     16-bit x (tensor cores): 256 threads, whose 8 warps split K; the CTAs walk the blocks of
-    MMA_ROWS rows in a grid-stride loop over at most MMA_CTAS_PER_SM per SM, so a large N runs
-    in one wave of resident CTAs instead of a fraction of one more.
+    MMA_ROWS rows in a grid-stride loop over at most MMA_CTAS_PER_SM[tile] per SM, so a large N
+    runs in one wave of resident CTAs instead of a fraction of one more.
     float32 x (CUDA cores): blockDim.x threads walk K in 16-byte chunks — the largest of 128, 64,
     32 not above the chunk count — and the block's other dimension takes row groups of
     GEMV_ROWS[tile] rows."""
@@ -202,7 +202,7 @@ def gemv_launch(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = DEFAU
     passes = -(-m // tile)
     if dtype in GEMM_DTYPES:
         row_blocks = -(-n // MMA_ROWS)
-        grid = (min(row_blocks, max(1, num_sms) * MMA_CTAS_PER_SM), passes)
+        grid = (min(row_blocks, max(1, num_sms) * MMA_CTAS_PER_SM[tile]), passes)
         return Launch(name, "int4_gemv", grid, (MMA_THREADS, 1))
     chunks = k // CHUNK
     threads_x = next((t for t in (128, 64) if t <= chunks), 32)
