@@ -191,7 +191,17 @@ struct Int4Magic<bf16_t> {
 // scale_zero: the float16 (scale, zero) pair of aieng's INT4 layout. The zero point must be an
 // integer with |zero| <= 128 (kernels/int4.py refuses others), so M + zero is exact in either type.
 template <typename T>
-__device__ __forceinline__ Int4Group<T> int4_group(u32 scale_zero) {
+__device__ __forceinline__ Int4Group<T> int4_group(u32 scale_zero);
+template <>  // float16: the pair is already in T; broadcast and negate in half2 arithmetic
+__device__ __forceinline__ Int4Group<f16_t> int4_group<f16_t>(u32 scale_zero) {
+  const u32 zero = permute_bytes(scale_zero, scale_zero, 0x3232u);
+  constexpr u32 kMinusOne = 0xBC00BC00u, kMinusMagic = 0xE400E400u, kMinusMagic16 = 0xD400D400u;
+  return {fma2<f16_t>(zero, kMinusOne, kMinusMagic), fma2<f16_t>(zero, kMinusOne, kMinusMagic16),
+          permute_bytes(scale_zero, scale_zero, 0x1010u)};
+}
+template <>  // bfloat16: through float32 (the float16 scale rounded once to bfloat16)
+__device__ __forceinline__ Int4Group<bf16_t> int4_group<bf16_t>(u32 scale_zero) {
+  using T = bf16_t;
   const float scale = low_to_float(scale_zero, f16_t{});
   const float zero = high_to_float(scale_zero, f16_t{});
   const float magic = Int4Magic<T>::kValue;

@@ -12,18 +12,20 @@
 //
 // Two kernels:
 // - int4_gemv_{f16,bf16}_m{8,16}: tensor cores (mma.sync m16n8k16, f32 accumulation) for any
-//   M <= 8 / <= 16. The weights are dequantized in registers straight into the B fragments,
-//   Marlin-style: two nibbles per lop3 and two weights per fma (common.cuh, dequant8). A lane
-//   (g = lane / 4, t = lane % 4) of a warp loads, per 128-k block and n8 tile, 16 bytes of row
-//   n0 + g: k = k0 + 32 t + [0, 32), four words; word i gives two k16 steps, whose B fragments
-//   are its pairs (0,4),(1,5) and (2,6),(3,7). The dot product does not care which physical k
-//   stands for which logical k of the MMA as long as A uses the same map, so the lane loads the
-//   same 32 activations of rows g (and g + 8) and pairs them with one prmt per pair: no shared
-//   memory, no float conversion of x, each activation loaded once per CTA. The CTA's 8 warps
+//   M <= 8 / <= 16, computing y^T = W x^T: W's 16 rows of a block are the MMA's A (16 x 16), x's
+//   rows its B (16 x 8; two for m16), so no fragment is padding at M <= 8. The weights are
+//   dequantized in registers straight into the A fragments, Marlin-style: two nibbles per lop3
+//   and two weights per fma (common.cuh, dequant8). A lane (g = lane / 4, t = lane % 4) loads,
+//   per 128-k block, 16 bytes of rows n0 + g and n0 + g + 8: k = k0 + 32 t + [0, 32), four
+//   words; word i gives two k16 steps, whose fragments are its pairs (0,4),(1,5) and (2,6),(3,7).
+//   The dot product does not care which physical k stands for which logical k of the MMA as
+//   long as B uses the same map, so the lane loads the same 32 activations of x row g (and
+//   g + 8) and pairs them with one prmt per pair: no shared memory, no float conversion of x,
+//   each activation loaded once per CTA. The CTA's 8 warps
 //   split K in 128-k blocks and add their fragments in shared memory; CTAs walk the row blocks
 //   of 16 rows in a grid-stride loop over a grid sized from the SM count. Rows past N and M,
-//   chunks past K: loads clamped to valid addresses (never predicated), the activations of a
-//   chunk past K zeroed, results past N or M not stored.
+//   chunks past K: loads clamped to valid addresses (never predicated), a chunk past K given
+//   scale 0, results past N or M not stored.
 // - int4_gemv_f32_m{1,2,4,8,16}: CUDA cores for float32 activations (no tensor-core type holds
 //   them exactly). A thread owns one 16-byte chunk of ROWS rows per step; a nibble becomes the
 //   float 1 + q/16 with a shift and one bit-or, and per chunk
@@ -50,7 +52,7 @@ __device__ __forceinline__ uint4 load_streaming(const unsigned char* p) {
 
 constexpr int kMmaWarps = 8;
 constexpr int kMmaThreads = 32 * kMmaWarps;
-constexpr int kTilesN = 2;                 // n8 tiles per warp (the CTA's rows: 16)
+constexpr int kTilesN = 2;                 // n8 tiles of W: the MMA's A rows g and g + 8
 constexpr int kBlockRows = 8 * kTilesN;    // rows of W per CTA step
 constexpr int kBlockK = 128;               // k per warp block: 4 lanes x 32
 constexpr int kSteps = 2;                  // blocks whose loads a warp issues together
@@ -61,13 +63,16 @@ __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
                                               const unsigned* __restrict__ scale_zero,
                                               T* __restrict__ y, int M, int N, int K,
                                               int group_shift) {
-  __shared__ float partial[kMmaWarps][kTilesN][4][32];
+  constexpr int kHalves = ROWS16 ? 2 : 1;  // n8 tiles of x rows (the MMA's B operands)
+  __shared__ float partial[kMmaWarps][kHalves][4][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
-  const int m0 = blockIdx.y * (ROWS16 ? 16 : 8);
+  const int m0 = blockIdx.y * 8 * kHalves;
   const int chunks = K / kChunk, groups = ((K - 1) >> group_shift) + 1;
-  const T* x_low = x + static_cast<size_t>(min(m0 + g, M - 1)) * K;
-  const T* x_high = x + static_cast<size_t>(min(m0 + g + 8, M - 1)) * K;
+  const T* x_rows[kHalves];
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h)
+    x_rows[h] = x + static_cast<size_t>(min(m0 + 8 * h + g, M - 1)) * K;
   const int row_blocks = (N + kBlockRows - 1) / kBlockRows;
 
   for (int block = blockIdx.x; block < row_blocks; block += gridDim.x) {
@@ -75,16 +80,16 @@ __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
     const unsigned char* rows[kTilesN];
     const unsigned* groups_of[kTilesN];
 #pragma unroll
-    for (int j = 0; j < kTilesN; ++j) {
+    for (int j = 0; j < kTilesN; ++j) {  // W rows g and g + 8 of the block: A's two halves
       const int n = min(n0 + 8 * j + g, N - 1);
       rows[j] = qweight + static_cast<size_t>(n) * (K / 2);
       groups_of[j] = scale_zero + static_cast<size_t>(n) * groups;
     }
-    float acc[kTilesN][4];
+    float acc[kHalves][4];
 #pragma unroll
-    for (int j = 0; j < kTilesN; ++j)
+    for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+      for (int e = 0; e < 4; ++e) acc[h][e] = 0.f;
 
     // Each step: kSteps 128-k blocks of this warp, all their weight and scale loads issued
     // before any math (the bytes in flight, README), then block by block the activations and
@@ -93,61 +98,62 @@ __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
       uint4 w[kSteps][kTilesN];
       u32 sz[kSteps][kTilesN];
       int chunk[kSteps];
-      bool inside[kSteps];
 #pragma unroll
       for (int u = 0; u < kSteps; ++u) {
         const int wanted = (k0 + u * kMmaWarps * kBlockK) / kChunk + t;
         chunk[u] = min(wanted, chunks - 1);  // clamped: a chunk past K is loaded, unused
-        inside[u] = wanted < chunks;
 #pragma unroll
         for (int j = 0; j < kTilesN; ++j) {
           w[u][j] = load_streaming(rows[j] + chunk[u] * (kChunk / 2));
-          sz[u][j] = groups_of[j][(chunk[u] * kChunk) >> group_shift];
+          const u32 pair = groups_of[j][(chunk[u] * kChunk) >> group_shift];
+          sz[u][j] = wanted < chunks ? pair : 0u;  // scale 0: the chunk past K adds nothing
         }
       }
 #pragma unroll
       for (int u = 0; u < kSteps; ++u) {
-        uint4 xl[4], xh[4];
+        uint4 xv[kHalves][4];
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            xv[h][i] = *reinterpret_cast<const uint4*>(x_rows[h] + chunk[u] * kChunk + 8 * i);
+        const Int4Group<T> low = int4_group<T>(sz[u][0]), high = int4_group<T>(sz[u][1]);
+        const u32 words[2][4] = {{w[u][0].x, w[u][0].y, w[u][0].z, w[u][0].w},
+                                 {w[u][1].x, w[u][1].y, w[u][1].z, w[u][1].w}};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          xl[i] = *reinterpret_cast<const uint4*>(x_low + chunk[u] * kChunk + 8 * i);
-          if (ROWS16) xh[i] = *reinterpret_cast<const uint4*>(x_high + chunk[u] * kChunk + 8 * i);
-          if (!inside[u]) xl[i] = xh[i] = make_uint4(0u, 0u, 0u, 0u);
-        }
+          u32 wl[4], wh[4], xp[kHalves][4];
+          dequant8<T>(words[0][i], low, wl);
+          dequant8<T>(words[1][i], high, wh);
 #pragma unroll
-        for (int j = 0; j < kTilesN; ++j) {
-          const Int4Group<T> group = int4_group<T>(sz[u][j]);
-          const u32 words[4] = {w[u][j].x, w[u][j].y, w[u][j].z, w[u][j].w};
+          for (int h = 0; h < kHalves; ++h) pair_activations(xv[h][i], xp[h]);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            u32 b[4], al[4], ah[4] = {0u, 0u, 0u, 0u};
-            dequant8<T>(words[i], group, b);
-            pair_activations(xl[i], al);
-            if (ROWS16) pair_activations(xh[i], ah);
+          for (int s = 0; s < 2; ++s) {
+            const u32 a[4] = {wl[2 * s], wh[2 * s], wl[2 * s + 1], wh[2 * s + 1]};
 #pragma unroll
-            for (int s = 0; s < 2; ++s) {
-              const u32 a[4] = {al[2 * s], ah[2 * s], al[2 * s + 1], ah[2 * s + 1]};
-              const u32 bb[2] = {b[2 * s], b[2 * s + 1]};
-              mma_16816<T>(acc[j], a, bb);
+            for (int h = 0; h < kHalves; ++h) {
+              const u32 b[2] = {xp[h][2 * s], xp[h][2 * s + 1]};
+              mma_16816<T>(acc[h], a, b);
             }
           }
         }
       }
     }
 
-    // The warps' partial sums (fragment element e of tile j at lane) into y.
+    // The warps' partial sums into y: fragment element e of half h at lane l is y^T row
+    // n0 + l / 4 + 8 (e / 2), column m0 + 8 h + 2 (l % 4) + e % 2.
 #pragma unroll
-    for (int j = 0; j < kTilesN; ++j)
+    for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) partial[warp][j][e][lane] = acc[j][e];
+      for (int e = 0; e < 4; ++e) partial[warp][h][e][lane] = acc[h][e];
     __syncthreads();
-    {
-      const int j = threadIdx.x / 128, e = (threadIdx.x / 32) % 4, l = threadIdx.x % 32;
+    if (threadIdx.x < kHalves * 128) {
+      const int h = threadIdx.x / 128, e = (threadIdx.x / 32) % 4, l = threadIdx.x % 32;
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < kMmaWarps; ++w) sum += partial[w][j][e][l];
-      const int m = m0 + l / 4 + (e / 2) * 8;
-      const int n = n0 + 8 * j + 2 * (l % 4) + e % 2;
+      for (int w = 0; w < kMmaWarps; ++w) sum += partial[w][h][e][l];
+      const int m = m0 + 8 * h + 2 * (l % 4) + e % 2;
+      const int n = n0 + l / 4 + 8 * (e / 2);
       if (m < M && n < N) y[static_cast<size_t>(m) * N + n] = from_float<T>(sum);
     }
     __syncthreads();
