@@ -213,7 +213,7 @@ def simulate_gemv_coverage(m: int, n: int, k: int, dtype: torch.dtype, sms: int)
 @pytest.mark.parametrize(
     ("m", "n", "k", "dtype", "kernel", "grid", "block"),
     [
-        (1, 100, 4096, torch.bfloat16, "int4_gemv_bf16_m8", (6, 1), (256, 1)),  # 7 blocks
+        (1, 100, 4096, torch.bfloat16, "int4_gemv_bf16_m8", (4, 1), (256, 1)),  # 7 blocks, 2 each
         (2, 40, 1024, torch.float16, "int4_gemv_f16_m8", (3, 1), (256, 1)),
         (9, 13, 96, torch.bfloat16, "int4_gemv_bf16_m16", (1, 1), (256, 1)),
         (37, 9, 160, torch.float16, "int4_gemv_f16_m16", (1, 3), (256, 1)),
@@ -230,12 +230,19 @@ def test_gemv_launch_covers_every_weight_once(m, n, k, dtype, kernel, grid, bloc
 
 
 def test_gemv_grid_is_one_wave_of_resident_ctas() -> None:
-    """Row blocks beyond what the SMs hold are walked by a grid-stride loop, not a new wave."""
+    """Row blocks beyond what the SMs hold are walked by a grid-stride loop, not a new wave, and
+    every CTA walks the same number of them (the last CTA fewer)."""
     small = gemv_launch(1, 4096, 4096, torch.float16, num_sms=132)
     assert small.grid == (4096 // MMA_ROWS, 1)  # 256 CTAs, all resident at once
-    large = gemv_launch(1, 128256, 4096, torch.bfloat16, num_sms=132)
-    assert large.grid == (132 * MMA_CTAS_PER_SM[8], 1)
-    assert gemv_launch(16, 128256, 4096, torch.bfloat16, 132).grid == (132 * MMA_CTAS_PER_SM[16], 1)
+    for m, n in ((1, 14336), (1, 128256), (16, 14336), (16, 128256), (9, 28672)):
+        launch = gemv_launch(m, n, 4096, torch.bfloat16, num_sms=132)
+        tile = gemv_tile(m, torch.bfloat16)
+        blocks, grid = -(-n // MMA_ROWS), launch.grid[0]
+        assert grid <= 132 * MMA_CTAS_PER_SM[tile]
+        per_cta = -(-blocks // grid)
+        assert (grid - 1) * per_cta < blocks <= grid * per_cta
+        assert per_cta == -(-blocks // (132 * MMA_CTAS_PER_SM[tile]))  # no more rounds needed
+    assert gemv_launch(1, 14336, 4096, torch.float16, 132).grid == (299, 1)  # 3 blocks each
     assert [gemv_tile(m, torch.float16) for m in (1, 5, 8, 9, 16, 40)] == [8, 8, 8, 16, 16, 16]
     assert [gemv_tile(m, torch.float32) for m in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
 

@@ -192,8 +192,10 @@ def gemv_launch(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = DEFAU
     """The GEMV kernel and its grid for (M, K) x (N, K)^T.
 
     16-bit x (tensor cores): 256 threads, whose 8 warps split K; the CTAs walk the blocks of
-    MMA_ROWS rows in a grid-stride loop over at most MMA_CTAS_PER_SM[tile] per SM, so a large N
-    runs in one wave of resident CTAs instead of a fraction of one more.
+    MMA_ROWS rows in a grid-stride loop, at most MMA_CTAS_PER_SM[tile] per SM, so a large N runs
+    in one wave of resident CTAs instead of a fraction of one more; and the grid is the fewest
+    CTAs that take the same number of blocks each, so no CTA walks one more block than the
+    others while they idle (896 blocks on 396 slots: 299 CTAs of 3, not 396 of 2 or 3).
     float32 x (CUDA cores): blockDim.x threads walk K in 16-byte chunks — the largest of 128, 64,
     32 not above the chunk count — and the block's other dimension takes row groups of
     GEMV_ROWS[tile] rows."""
@@ -202,7 +204,11 @@ def gemv_launch(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = DEFAU
     passes = -(-m // tile)
     if dtype in GEMM_DTYPES:
         row_blocks = -(-n // MMA_ROWS)
-        grid = (min(row_blocks, max(1, num_sms) * MMA_CTAS_PER_SM[tile]), passes)
+        per_cta = -(-row_blocks // (max(1, num_sms) * MMA_CTAS_PER_SM[tile]))
+        grid = (
+            -(-row_blocks // per_cta),
+            passes,
+        )  # every CTA walks per_cta blocks (the last fewer)
         return Launch(name, "int4_gemv", grid, (MMA_THREADS, 1))
     chunks = k // CHUNK
     threads_x = next((t for t in (128, 64) if t <= chunks), 32)
