@@ -209,14 +209,15 @@ __device__ __forceinline__ Int4Group<bf16_t> int4_group<bf16_t>(u32 scale_zero) 
           pack2<T>(-(magic / 16 + zero), -(magic / 16 + zero)), pack2<T>(scale, scale)};
 }
 
-// Eight nibbles of one word (k = 0..7, k in bits 4k..4k+3) -> four pairs of dequantized weights
-// (q - zero) * scale in T, paired as (0, 4), (1, 5), (2, 6), (3, 7): the order the lop3 gives;
-// the activations are paired the same way (pair_activations), which the dot product allows.
+// Eight nibbles of one word (k = 0..7, k in bits 4k..4k+3) -> four pairs of q - zero in T,
+// exact, paired as (0, 4), (1, 5), (2, 6), (3, 7): the order the lop3 gives; the activations are
+// paired the same way (pair_activations), which the dot product allows.
 template <typename T>
-__device__ __forceinline__ void dequant8(u32 word, const Int4Group<T>& group, u32 (&out)[4]);
+__device__ __forceinline__ void int4_minus_zero(u32 word, const Int4Group<T>& group,
+                                                u32 (&out)[4]);
 template <>
-__device__ __forceinline__ void dequant8<f16_t>(u32 word, const Int4Group<f16_t>& group,
-                                                u32 (&out)[4]) {
+__device__ __forceinline__ void int4_minus_zero<f16_t>(u32 word, const Int4Group<f16_t>& group,
+                                                       u32 (&out)[4]) {
   using Magic = Int4Magic<f16_t>;
   const u32 high = word >> 8;
   out[0] = fma2<f16_t>(and_or(word, 0x000F000Fu, Magic::kBits), Magic::kOne,
@@ -227,19 +228,23 @@ __device__ __forceinline__ void dequant8<f16_t>(u32 word, const Int4Group<f16_t>
                        group.minus_magic_zero);
   out[3] = fma2<f16_t>(and_or(high, 0x00F000F0u, Magic::kBits), Magic::kSixteenth,
                        group.minus_magic16_zero);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = fma2<f16_t>(out[i], group.scale, Magic::kMinusZero);
 }
 template <>
-__device__ __forceinline__ void dequant8<bf16_t>(u32 word, const Int4Group<bf16_t>& group,
-                                                 u32 (&out)[4]) {
+__device__ __forceinline__ void int4_minus_zero<bf16_t>(u32 word, const Int4Group<bf16_t>& group,
+                                                        u32 (&out)[4]) {
   using Magic = Int4Magic<bf16_t>;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32 q = and_or(word >> (4 * i), 0x000F000Fu, Magic::kBits);
-    out[i] = fma2<bf16_t>(fma2<bf16_t>(q, Magic::kOne, group.minus_magic_zero), group.scale,
-                          Magic::kMinusZero);
-  }
+  for (int i = 0; i < 4; ++i)
+    out[i] = fma2<bf16_t>(and_or(word >> (4 * i), 0x000F000Fu, Magic::kBits), Magic::kOne,
+                          group.minus_magic_zero);
+}
+
+// The same pairs dequantized: (q - zero) * scale, rounded once to T.
+template <typename T>
+__device__ __forceinline__ void dequant8(u32 word, const Int4Group<T>& group, u32 (&out)[4]) {
+  int4_minus_zero<T>(word, group, out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = fma2<T>(out[i], group.scale, Int4Magic<T>::kMinusZero);
 }
 
 // Eight consecutive 16-bit activations (one 16-byte load) paired as dequant8 pairs the weights.

@@ -25,7 +25,7 @@
 //   split K in 128-k blocks and add their fragments in shared memory; CTAs walk the row blocks
 //   of 16 rows in a grid-stride loop over a grid sized from the SM count. Rows past N and M,
 //   chunks past K: loads clamped to valid addresses (never predicated), a chunk past K given
-//   scale 0, results past N or M not stored.
+//   weights 0 and zero point 0, results past N or M not stored.
 // - int4_gemv_f32_m{1,2,4,8,16}: CUDA cores for float32 activations (no tensor-core type holds
 //   them exactly). A thread owns one 16-byte chunk of ROWS rows per step; a nibble becomes the
 //   float 1 + q/16 with a shift and one bit-or, and per chunk
@@ -57,7 +57,7 @@ constexpr int kBlockRows = 8 * kTilesN;    // rows of W per CTA step
 constexpr int kBlockK = 128;               // k per warp block: 4 lanes x 32
 constexpr int kSteps = 2;                  // blocks whose loads a warp issues together
 
-template <typename T, bool ROWS16>
+template <typename T, bool ROWS16, bool SCALE_AFTER>
 __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
                                               const unsigned char* __restrict__ qweight,
                                               const unsigned* __restrict__ scale_zero,
@@ -102,11 +102,14 @@ __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
       for (int u = 0; u < kSteps; ++u) {
         const int wanted = (k0 + u * kMmaWarps * kBlockK) / kChunk + t;
         chunk[u] = min(wanted, chunks - 1);  // clamped: a chunk past K is loaded, unused
+        // A chunk past K: weights 0 and zero point 0, so A = 0; the scale stays the row's (a
+        // 128-k block partly past K lies in the row's last group, whose scale SCALE_AFTER uses).
+        const u32 keep = wanted < chunks ? 0xFFFFFFFFu : 0u;
 #pragma unroll
         for (int j = 0; j < kTilesN; ++j) {
-          w[u][j] = load_streaming(rows[j] + chunk[u] * (kChunk / 2));
-          const u32 pair = groups_of[j][(chunk[u] * kChunk) >> group_shift];
-          sz[u][j] = wanted < chunks ? pair : 0u;  // scale 0: the chunk past K adds nothing
+          const uint4 v = load_streaming(rows[j] + chunk[u] * (kChunk / 2));
+          w[u][j] = make_uint4(v.x & keep, v.y & keep, v.z & keep, v.w & keep);
+          sz[u][j] = groups_of[j][(chunk[u] * kChunk) >> group_shift] & (keep | 0xFFFFu);
         }
       }
 #pragma unroll
@@ -120,11 +123,23 @@ __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
         const Int4Group<T> low = int4_group<T>(sz[u][0]), high = int4_group<T>(sz[u][1]);
         const u32 words[2][4] = {{w[u][0].x, w[u][0].y, w[u][0].z, w[u][0].w},
                                  {w[u][1].x, w[u][1].y, w[u][1].z, w[u][1].w}};
+        // SCALE_AFTER (groups >= 128: the block is one group): A = q - z exactly, the block's
+        // sums scaled in float32 by the rows' scales; else A = (q - z) * s in T.
+        float block_sum[kHalves][4];
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) block_sum[h][e] = 0.f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           u32 wl[4], wh[4], xp[kHalves][4];
-          dequant8<T>(words[0][i], low, wl);
-          dequant8<T>(words[1][i], high, wh);
+          if (SCALE_AFTER) {
+            int4_minus_zero<T>(words[0][i], low, wl);
+            int4_minus_zero<T>(words[1][i], high, wh);
+          } else {
+            dequant8<T>(words[0][i], low, wl);
+            dequant8<T>(words[1][i], high, wh);
+          }
 #pragma unroll
           for (int h = 0; h < kHalves; ++h) pair_activations(xv[h][i], xp[h]);
 #pragma unroll
@@ -133,9 +148,17 @@ __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
 #pragma unroll
             for (int h = 0; h < kHalves; ++h) {
               const u32 b[2] = {xp[h][2 * s], xp[h][2 * s + 1]};
-              mma_16816<T>(acc[h], a, b);
+              mma_16816<T>(SCALE_AFTER ? block_sum[h] : acc[h], a, b);
             }
           }
+        }
+        if (SCALE_AFTER) {  // fragment rows: W rows g (e = 0, 1) and g + 8 (e = 2, 3)
+          const float scale[2] = {low_to_float(sz[u][0], f16_t{}),
+                                  low_to_float(sz[u][1], f16_t{})};
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[h][e] = fmaf(scale[e / 2], block_sum[h][e], acc[h][e]);
         }
       }
     }
@@ -270,14 +293,20 @@ __device__ __forceinline__ void int4_gemv_f32(const float* __restrict__ x,
 
 }  // namespace int4_gemv_detail
 
-// int4_gemv_<dtype>_m<M_TILE>: up to M_TILE rows of x per launch tile (blockIdx.y).
-#define AIENG_INT4_GEMV_MMA(NAME, T, M_TILE, MIN_BLOCKS)                                         \
+// int4_gemv_<dtype>_m<M_TILE>[_g128]: up to M_TILE rows of x per launch tile (blockIdx.y);
+// _g128 for groups of 128 or more (or one per row), whose scales are applied after the MMA.
+#define AIENG_INT4_GEMV_MMA(NAME, T, M_TILE, MIN_BLOCKS, SUFFIX, SCALE_AFTER)                    \
   extern "C" __global__ void __launch_bounds__(int4_gemv_detail::kMmaThreads, MIN_BLOCKS)        \
-      int4_gemv_##NAME##_m##M_TILE(const T* __restrict__ x, const unsigned char* __restrict__ q, \
-                                   const unsigned* __restrict__ sz, T* __restrict__ y, int M,    \
-                                   int N, int K, int group_shift) {                              \
-    int4_gemv_detail::int4_gemv_mma<T, (M_TILE > 8)>(x, q, sz, y, M, N, K, group_shift);         \
+      int4_gemv_##NAME##_m##M_TILE##SUFFIX(const T* __restrict__ x,                              \
+                                           const unsigned char* __restrict__ q,                  \
+                                           const unsigned* __restrict__ sz, T* __restrict__ y,   \
+                                           int M, int N, int K, int group_shift) {               \
+    int4_gemv_detail::int4_gemv_mma<T, (M_TILE > 8), SCALE_AFTER>(x, q, sz, y, M, N, K,         \
+                                                                   group_shift);                 \
   }
+#define AIENG_INT4_GEMV_MMA_GROUPS(NAME, T, M_TILE, MIN_BLOCKS) \
+  AIENG_INT4_GEMV_MMA(NAME, T, M_TILE, MIN_BLOCKS, , false)     \
+  AIENG_INT4_GEMV_MMA(NAME, T, M_TILE, MIN_BLOCKS, _g128, true)
 
 // ROWS output rows per thread (fewer for large tiles, whose accumulators would not fit).
 #define AIENG_INT4_GEMV_F32(M_TILE, ROWS)                                                       \
@@ -288,10 +317,10 @@ __device__ __forceinline__ void int4_gemv_f32(const float* __restrict__ x,
     int4_gemv_detail::int4_gemv_f32<M_TILE, ROWS>(x, q, sz, y, M, N, K, group_shift);           \
   }
 
-AIENG_INT4_GEMV_MMA(f16, f16_t, 8, 3)
-AIENG_INT4_GEMV_MMA(f16, f16_t, 16, 2)
-AIENG_INT4_GEMV_MMA(bf16, bf16_t, 8, 3)
-AIENG_INT4_GEMV_MMA(bf16, bf16_t, 16, 2)
+AIENG_INT4_GEMV_MMA_GROUPS(f16, f16_t, 8, 2)
+AIENG_INT4_GEMV_MMA_GROUPS(f16, f16_t, 16, 2)
+AIENG_INT4_GEMV_MMA_GROUPS(bf16, bf16_t, 8, 2)
+AIENG_INT4_GEMV_MMA_GROUPS(bf16, bf16_t, 16, 2)
 AIENG_INT4_GEMV_F32(1, 4)
 AIENG_INT4_GEMV_F32(2, 2)
 AIENG_INT4_GEMV_F32(4, 2)

@@ -179,8 +179,8 @@ def test_kernel_math_on_the_layout_matches_dequantize(group: int | None, symmetr
 def simulate_gemv_coverage(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> torch.Tensor:
     """Counts, per (x row, output row, K chunk), how often int4_gemv.cu's indexing visits it
     over the launch's grid and block (rows and x rows past the end are not stored)."""
-    launch = gemv_launch(m, n, k, dtype, sms)
-    tile = int(launch.kernel.rsplit("_m", 1)[1])
+    launch = gemv_launch(m, n, k, dtype, 32, sms)
+    tile = gemv_tile(m, dtype)
     visits = torch.zeros(m, n, k // CHUNK, dtype=torch.int32)
     (grid_x, grid_y), (threads_x, threads_y) = launch.grid, launch.block
     for by in range(grid_y):
@@ -222,7 +222,7 @@ def simulate_gemv_coverage(m: int, n: int, k: int, dtype: torch.dtype, sms: int)
     ],
 )
 def test_gemv_launch_covers_every_weight_once(m, n, k, dtype, kernel, grid, block) -> None:
-    launch = gemv_launch(m, n, k, dtype, num_sms=2)
+    launch = gemv_launch(m, n, k, dtype, 32, num_sms=2)
     assert (launch.kernel, launch.grid, launch.block) == (kernel, grid, block)
     assert launch.source == "int4_gemv"
     visits = simulate_gemv_coverage(m, n, k, dtype, sms=2)
@@ -232,19 +232,31 @@ def test_gemv_launch_covers_every_weight_once(m, n, k, dtype, kernel, grid, bloc
 def test_gemv_grid_is_one_wave_of_resident_ctas() -> None:
     """Row blocks beyond what the SMs hold are walked by a grid-stride loop, not a new wave, and
     every CTA walks the same number of them (the last CTA fewer)."""
-    small = gemv_launch(1, 4096, 4096, torch.float16, num_sms=132)
+    small = gemv_launch(1, 4096, 4096, torch.float16, 128, num_sms=132)
     assert small.grid == (4096 // MMA_ROWS, 1)  # 256 CTAs, all resident at once
     for m, n in ((1, 14336), (1, 128256), (16, 14336), (16, 128256), (9, 28672)):
-        launch = gemv_launch(m, n, 4096, torch.bfloat16, num_sms=132)
-        tile = gemv_tile(m, torch.bfloat16)
+        launch = gemv_launch(m, n, 4096, torch.bfloat16, 128, num_sms=132)
         blocks, grid = -(-n // MMA_ROWS), launch.grid[0]
-        assert grid <= 132 * MMA_CTAS_PER_SM[tile]
+        assert grid <= 132 * MMA_CTAS_PER_SM
         per_cta = -(-blocks // grid)
         assert (grid - 1) * per_cta < blocks <= grid * per_cta
-        assert per_cta == -(-blocks // (132 * MMA_CTAS_PER_SM[tile]))  # no more rounds needed
-    assert gemv_launch(1, 14336, 4096, torch.float16, 132).grid == (299, 1)  # 3 blocks each
+        assert per_cta == -(-blocks // (132 * MMA_CTAS_PER_SM))  # no more rounds needed
+    assert gemv_launch(1, 14336, 4096, torch.float16, 128, 132).grid == (224, 1)  # 4 blocks each
     assert [gemv_tile(m, torch.float16) for m in (1, 5, 8, 9, 16, 40)] == [8, 8, 8, 16, 16, 16]
     assert [gemv_tile(m, torch.float32) for m in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
+
+
+def test_gemv_variant_by_group() -> None:
+    """Groups of 128 or more, or one per row, are scaled after the MMA ("_g128")."""
+    names = {
+        (group, k): gemv_launch(3, 64, k, torch.bfloat16, group).kernel
+        for group, k in ((32, 4096), (64, 4096), (128, 4096), (256, 4096), (96, 96), (4096, 4096))
+    }
+    assert names[(32, 4096)] == names[(64, 4096)] == "int4_gemv_bf16_m8"
+    assert {names[key] for key in ((128, 4096), (256, 4096), (96, 96), (4096, 4096))} == {
+        "int4_gemv_bf16_m8_g128"
+    }
+    assert gemv_launch(3, 64, 4096, torch.float32, 128).kernel == "int4_gemv_f32_m4"
 
 
 def test_gemm_launch_tiles_the_output() -> None:

@@ -30,6 +30,7 @@ from aieng.kernels.int4 import (
     gemm_launch,
     gemv_launch,
     gemv_reference,
+    gemv_tile,
     group_shift,
     reference_matmul,
     repack,
@@ -111,7 +112,7 @@ def int4_case(m: int, n: int, k: int, group: int, dt: str, seed: int):
 def run_gemv(host_kernels, x, weights, y, num_sms: int = DEFAULT_SMS) -> str:
     m, k = x.shape
     n = weights.out_features
-    launch = gemv_launch(m, n, k, x.dtype, num_sms)
+    launch = gemv_launch(m, n, k, x.dtype, weights.group_size, num_sms)
     args = [x, weights.qweight, weights.scale_zero, y, m, n, k, group_shift(weights)]
     host_kernels.launch(launch.kernel, launch.grid, launch.block, args)
     return launch.kernel
@@ -141,6 +142,8 @@ def row_errors(got: torch.Tensor, want: torch.Tensor, dt: str) -> torch.Tensor:
         (5, 20, 160, 32),
         (8, 16, 1152, 128),
         (9, 7, 320, 64),
+        (12, 18, 640, 128),
+        (13, 9, 1024, 256),
         (16, 23, 224, 32),
         (21, 5, 128, 64),  # two passes of 16 rows
     ],
@@ -149,8 +152,9 @@ def row_errors(got: torch.Tensor, want: torch.Tensor, dt: str) -> torch.Tensor:
 def test_int4_gemv_tensor_cores(host_kernels, m, n, k, group, dt) -> None:
     weights, x, y = int4_case(m, n, k, group, dt, seed=m * n + k)
     kernel = run_gemv(host_kernels, x, weights, y, num_sms=1)  # the grid-stride loop runs
-    assert kernel == f"int4_gemv_{dt}_m{8 if m <= 8 else 16}"
-    # The weights as dequant8 makes them, multiplied exactly and summed in float32.
+    suffix = "_g128" if group >= 128 else ""  # scaled after the MMA, in float32
+    assert kernel == f"int4_gemv_{dt}_m{8 if m <= 8 else 16}{suffix}"
+    # The weights as the kernel makes them, multiplied exactly and summed in float32.
     exact = x.double() @ staged_weights(weights, x.dtype).double().t()
     assert float(row_errors(y, exact, dt).max()) < 1e-5  # float32 sums beyond y's rounding
     bound = {"f16": 1e-3, "bf16": 6e-3}[dt]  # the GPU test's bound against float64
@@ -169,13 +173,15 @@ def test_int4_gemv_float32(host_kernels, m, n, k, group) -> None:
     assert relative(y, reference_matmul(x.double(), weights)) < 1e-5
 
 
-def test_int4_gemv_one_group_per_row(host_kernels) -> None:
-    """Per-channel scales: one group of K = 96 (not a power of two) per row."""
-    weights, x, y = int4_case(3, 10, 96, 96, "bf16", seed=4)
+@pytest.mark.parametrize(("m", "k", "dt"), [(3, 96, "bf16"), (11, 160, "f16")])
+def test_int4_gemv_one_group_per_row(host_kernels, m, k, dt) -> None:
+    """Per-channel scales: one group of K (not a power of two, the last 128-k block partly past
+    K) per row, scaled after the MMA."""
+    weights, x, y = int4_case(m, 10, k, k, dt, seed=4)
     assert group_shift(weights) == ONE_GROUP_SHIFT
-    run_gemv(host_kernels, x, weights, y)
+    assert run_gemv(host_kernels, x, weights, y) == f"int4_gemv_{dt}_m{gemv_tile(m, x.dtype)}_g128"
     exact = x.double() @ staged_weights(weights, x.dtype).double().t()
-    assert float(row_errors(y, exact, "bf16").max()) < 1e-5
+    assert float(row_errors(y, exact, dt).max()) < 1e-5
 
 
 def test_int4_gemv_catches_one_wrong_weight(host_kernels) -> None:

@@ -49,7 +49,9 @@ Call caller(void (*kernel)(T...)) {
 
 #define KERNEL(NAME) {#NAME, caller(&NAME)}
 // INT4 GEMV: tensor-core tiles for 16-bit x, CUDA-core tiles for float32.
-#define GEMV_MMA_TILES(DT) KERNEL(int4_gemv_##DT##_m8), KERNEL(int4_gemv_##DT##_m16)
+#define GEMV_MMA_TILES(DT)                                                                 \
+  KERNEL(int4_gemv_##DT##_m8), KERNEL(int4_gemv_##DT##_m16), KERNEL(int4_gemv_##DT##_m8_g128), \
+      KERNEL(int4_gemv_##DT##_m16_g128)
 #define GEMV_F32_TILES                                                                    \
   KERNEL(int4_gemv_f32_m1), KERNEL(int4_gemv_f32_m2), KERNEL(int4_gemv_f32_m4),           \
       KERNEL(int4_gemv_f32_m8), KERNEL(int4_gemv_f32_m16)

@@ -14,7 +14,8 @@ integers with |z| <= 128.
 Paths: `gemv` (M <= 16 in one pass over the weights, any M in passes of 16 rows: tensor cores
 for float16 and bfloat16, CUDA cores for float32) and `gemm` (tensor cores, 64 x 64 tiles; float16
 and bfloat16). `reference_matmul` is the math all compute, in float32; `staged_weights` is the
-weight the 16-bit GEMV multiplies ((q - z) * s rounded to x's dtype) and `gemv_reference` the
+weight the 16-bit GEMV multiplies for groups under 128 ((q - z) * s rounded to x's dtype;
+larger groups multiply q - z exactly and scale in float32) and `gemv_reference` the
 float32 GEMV's own algebra (weights read as 1 + q/16, scale and zero applied once per 32-weight
 chunk), both checked against it on the CPU.
 """
@@ -40,7 +41,8 @@ GEMV_ROWS = {1: 4, 2: 2, 4: 2, 8: 1, 16: 1}  # float32 kernel: output rows per t
 GEMV_THREADS = 128  # the float32 kernel's block
 MMA_THREADS = 256  # the tensor-core GEMV's block: 8 warps splitting K
 MMA_ROWS = 16  # rows of W per tensor-core CTA step (two n8 tiles)
-MMA_CTAS_PER_SM = {8: 3, 16: 2}  # resident tensor-core GEMV CTAs per SM (__launch_bounds__)
+MMA_CTAS_PER_SM = 2  # resident tensor-core GEMV CTAs per SM (their __launch_bounds__)
+SCALE_AFTER_GROUP = 128  # groups this large (or one per row) are scaled after the MMA: "_g128"
 DEFAULT_SMS = 132  # an H100 / H200 SXM, for plans made without a device
 MAX_ZERO = 128  # |zero point| the tensor-core dequantization holds exactly (bfloat16: 128 + z)
 GEMM_TILE = 64  # rows of x and of W per GEMM block
@@ -133,14 +135,23 @@ def reference_matmul(x: torch.Tensor, weights: Int4Weights) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def scales_after_mma(group_size: int, k: int) -> bool:
+    """Whether the tensor-core GEMV applies the scales to a 128-k block's sums (groups of 128 or
+    more, or one per row: the block lies in one group) rather than to each weight."""
+    return group_size >= SCALE_AFTER_GROUP or group_size == k
+
+
 def staged_weights(weights: Int4Weights, dtype: torch.dtype) -> torch.Tensor:
-    """(N, K) in `dtype`: the weight the tensor-core GEMV multiplies, (q - z) * s rounded once
-    to x's dtype with the scale first rounded to it (exact for float16), as dequant8 does."""
+    """(N, K) float32: the weight the tensor-core GEMV multiplies — (q - z) * s exactly when it
+    scales after the MMA, else rounded once to x's dtype with the scale first rounded to it
+    (exact for float16), as dequant8 does."""
+    if scales_after_mma(weights.group_size, weights.in_features):
+        return dequantize_weights(weights)
     q, scales, zeros = unpack(weights)
     n, k = q.shape
     grouped = q.float().view(n, -1, weights.group_size) - zeros[:, :, None]
     scale = scales.to(dtype).float()[:, :, None]
-    return (grouped * scale).to(dtype).reshape(n, k)
+    return (grouped * scale).to(dtype).float().reshape(n, k)
 
 
 def gemv_reference(x: torch.Tensor, weights: Int4Weights) -> torch.Tensor:
@@ -188,14 +199,18 @@ def gemv_tile(m: int, dtype: torch.dtype) -> int:
     return next((t for t in tiles if t >= m), tiles[-1])
 
 
-def gemv_launch(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = DEFAULT_SMS) -> Launch:
-    """The GEMV kernel and its grid for (M, K) x (N, K)^T.
+def gemv_launch(
+    m: int, n: int, k: int, dtype: torch.dtype, group_size: int, num_sms: int = DEFAULT_SMS
+) -> Launch:
+    """The GEMV kernel and its grid for (M, K) x (N, K)^T with groups of `group_size`.
 
     16-bit x (tensor cores): 256 threads, whose 8 warps split K; the CTAs walk the blocks of
-    MMA_ROWS rows in a grid-stride loop, at most MMA_CTAS_PER_SM[tile] per SM, so a large N runs
-    in one wave of resident CTAs instead of a fraction of one more; and the grid is the fewest
-    CTAs that take the same number of blocks each, so no CTA walks one more block than the
-    others while they idle (896 blocks on 396 slots: 299 CTAs of 3, not 396 of 2 or 3).
+    MMA_ROWS rows in a grid-stride loop, at most MMA_CTAS_PER_SM per SM, so a large N runs in one
+    wave of resident CTAs instead of a fraction of one more; and the grid is the fewest CTAs
+    that take the same number of blocks each, so no CTA walks one more block than the others
+    while they idle (896 blocks on 264 slots: 224 CTAs of 4, not 264 of 3 or 4). Groups of 128
+    or more (or one per row) take the `_g128` variant: a warp's 128-k block lies in one group,
+    so the scale is applied to the block's sums in float32 instead of to every weight.
     float32 x (CUDA cores): blockDim.x threads walk K in 16-byte chunks — the largest of 128, 64,
     32 not above the chunk count — and the block's other dimension takes row groups of
     GEMV_ROWS[tile] rows."""
@@ -203,8 +218,10 @@ def gemv_launch(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = DEFAU
     name = f"int4_gemv_{DTYPE_NAMES[dtype]}_m{tile}"
     passes = -(-m // tile)
     if dtype in GEMM_DTYPES:
+        if scales_after_mma(group_size, k):
+            name += "_g128"
         row_blocks = -(-n // MMA_ROWS)
-        per_cta = -(-row_blocks // (max(1, num_sms) * MMA_CTAS_PER_SM[tile]))
+        per_cta = -(-row_blocks // (max(1, num_sms) * MMA_CTAS_PER_SM))
         grid = (
             -(-row_blocks // per_cta),
             passes,
@@ -228,7 +245,7 @@ def launch_for(
     """The one dispatch: the kernel, grid and block that multiply M rows with `path`."""
     n, k = weights.out_features, weights.in_features
     if path == "gemv":
-        return gemv_launch(m, n, k, dtype, num_sms)
+        return gemv_launch(m, n, k, dtype, weights.group_size, num_sms)
     return gemm_launch(m, n, dtype)
 
 
