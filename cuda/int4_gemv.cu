@@ -57,6 +57,11 @@ constexpr int kBlockRows = 8 * kTilesN;    // rows of W per CTA step
 constexpr int kBlockK = 128;               // k per warp block: 4 lanes x 32
 constexpr int kSteps = 2;                  // blocks whose loads a warp issues together
 
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
 template <typename T, bool ROWS16, bool SCALE_AFTER>
 __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
                                               const unsigned char* __restrict__ qweight,
@@ -94,7 +99,7 @@ __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
     // Each step: kSteps 128-k blocks of this warp, all their weight and scale loads issued
     // before any math (the bytes in flight, README), then block by block the activations and
     // the MMAs.
-    for (int k0 = warp * kBlockK; k0 < K; k0 += kSteps * kMmaWarps * kBlockK) {
+    auto step = [&](int k0, auto masked) {
       uint4 w[kSteps][kTilesN];
       u32 sz[kSteps][kTilesN];
       int chunk[kSteps];
@@ -104,7 +109,7 @@ __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
         chunk[u] = min(wanted, chunks - 1);  // clamped: a chunk past K is loaded, unused
         // A chunk past K: weights 0 and zero point 0, so A = 0; the scale stays the row's (a
         // 128-k block partly past K lies in the row's last group, whose scale SCALE_AFTER uses).
-        const u32 keep = wanted < chunks ? 0xFFFFFFFFu : 0u;
+        const u32 keep = !decltype(masked)::value || wanted < chunks ? 0xFFFFFFFFu : 0u;
 #pragma unroll
         for (int j = 0; j < kTilesN; ++j) {
           const uint4 v = load_streaming(rows[j] + chunk[u] * (kChunk / 2));
@@ -161,7 +166,12 @@ __device__ __forceinline__ void int4_gemv_mma(const T* __restrict__ x,
             for (int e = 0; e < 4; ++e) acc[h][e] = fmaf(scale[e / 2], block_sum[h][e], acc[h][e]);
         }
       }
-    }
+    };
+    // Steps wholly inside K without the masks, then at most one step that reaches past K.
+    const int stride = kSteps * kMmaWarps * kBlockK, reach = stride - (kMmaWarps - 1) * kBlockK;
+    int k0 = warp * kBlockK;
+    for (; k0 + reach <= K; k0 += stride) step(k0, Flag<false>{});
+    if (k0 < K) step(k0, Flag<true>{});
 
     // The warps' partial sums into y: fragment element e of half h at lane l is y^T row
     // n0 + l / 4 + 8 (e / 2), column m0 + 8 h + 2 (l % 4) + e % 2.

@@ -130,12 +130,15 @@ def row_errors(got: torch.Tensor, want: torch.Tensor, dt: str) -> torch.Tensor:
     return error.amax(-1).clamp_min(0) / want.pow(2).mean(-1).sqrt().clamp_min(1e-30)
 
 
-# Every dispatched tensor-core variant (m8: M 1-8, m16: M 9-16, passes of 16 beyond), N not a
-# multiple of the 16-row CTA step, K not a multiple of the 128-k warp step, groups 32/64/128.
+# Every dispatched tensor-core variant (m8: M 1-8, m16: M 9-16, passes of 16 beyond; groups under
+# 128 and _g128), N not a multiple of the 16-row CTA step, K not a multiple of the 128-k warp
+# block or of the 2048-k step of the 8 warps (the masked tail step), groups 32/64/128/256.
 @pytest.mark.parametrize(
     ("m", "n", "k", "group"),
     [
         (1, 9, 96, 32),
+        (1, 5, 4096, 64),  # two full steps per warp, no tail
+        (2, 6, 3328, 128),  # full steps, then a tail step on some warps
         (2, 40, 416, 32),
         (3, 17, 256, 64),
         (4, 33, 384, 128),
