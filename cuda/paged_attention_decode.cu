@@ -1,6 +1,7 @@
 // Paged decode attention: one query token per request over its cached context, read through
 // the request's block table (python/aieng/attention/cuda_paged.py launches it; the reference is
-// paged_attention in python/aieng/attention/torch_paged.py).
+// paged_attention in python/aieng/attention/torch_paged.py; cuda/README.md gives the design's
+// bandwidth arithmetic).
 //
 // Cache layout (one layer): K and V (num_blocks, block_size, num_kv_heads, D) in the model's
 // dtype T, or int8 with one scale per token per KV head, (num_blocks, block_size, num_kv_heads)
@@ -12,12 +13,19 @@
 // query heads), and one split of the context (flash-decoding: the positions
 // [start + s * split_tokens, start + (s + 1) * split_tokens) with start the sliding window's
 // first position). It walks its split in tiles of TILE tokens, online softmax in float32:
-//   1. scores: LPT lanes per token, 8 dims (one 16-byte K load) per lane, shuffle-reduced;
+//   0. loads: each thread copies its kPasses tokens' 8 dims of K and V (16 bytes each, 8 for
+//      int8) with cp.async into its own slots of a two-stage shared buffer, positions clamped
+//      into the split so that every load is valid and none waits on another or on a branch; the
+//      next tile's copies are issued before this tile is waited for (two tiles in flight), the
+//      block-table entries one tile further ahead, an INT8 cache's scales with the copies;
+//   1. scores: LPT lanes per token, 8 dims per lane from its slots, shuffle-reduced; positions
+//      past the split (the clamped duplicates) get score -inf, so weight 0;
 //   2. per head: tile max, p = 2^(s - m), running max / sum rescaled;
-//   3. V (loaded with K in step 1): acc[h][8 dims] += p * v, each thread over its own tokens;
+//   3. acc[h][8 dims] += p * v, each thread over its own tokens;
 // then the threads' partial sums are added in shared memory. With one split the CTA writes the
 // normalized output; with several it writes the unnormalized sum and (max, sum) per split, and
 // paged_decode_reduce_* combines them: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+#include "async_copy.cuh"
 #include "common.cuh"
 
 // Named (not anonymous), so that the host emulation can build every source in one program.
@@ -25,6 +33,10 @@ namespace paged_decode {
 
 constexpr int kThreads = 128;
 constexpr int kPasses = 4;  // tokens per thread per tile
+// At least four CTAs per SM, with a tile of 16 KB in flight each: 64 KB per SM, twice what
+// Little's law asks of HBM3e (cuda/README.md). Asked of ptxas for g8 only (116-168 registers
+// unbounded); g1-g4 fit 5-8 unbounded, and an explicit minimum raises ptxas's choice for them.
+constexpr int kMinCtasPerSm = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <int D>
@@ -32,6 +44,23 @@ struct DecodeShape {
   static constexpr int kLanesPerToken = D / 8;                    // 8 dims per lane
   static constexpr int kTokenGroups = kThreads / kLanesPerToken;  // tokens per pass
   static constexpr int kTile = kTokenGroups * kPasses;            // tokens per tile
+};
+
+// Eight cache elements (one lane's dims of one token): 16 bytes of a 16-bit type, 8 of int8.
+template <typename C>
+struct Chunk {
+  using type = uint4;
+};
+template <>
+struct Chunk<signed char> {
+  using type = uint2;
+};
+
+// A buffer stage as a type, so that the tile loop's two stages index registers and shared
+// memory with constants.
+template <int S>
+struct Stage {
+  static constexpr int value = S;
 };
 
 template <typename T, typename C, int D, int HG>
@@ -43,15 +72,23 @@ __device__ __forceinline__ void decode_attention(
     const int* __restrict__ rows, int num_heads, int num_kv_heads, int group, int head_chunks,
     int block_shift, int window, float scale, int split_tokens) {
   using Shape = DecodeShape<D>;
+  using Bits = typename Chunk<C>::type;
   constexpr int LPT = Shape::kLanesPerToken;
   constexpr int NG = Shape::kTokenGroups;
   constexpr int TILE = Shape::kTile;
   constexpr bool kQuantized = sizeof(C) == 1;
+  // The K/V stages during the loop, the token groups' partial sums after it: one buffer.
+  constexpr int kStageBytes = 2 * kPasses * kThreads * static_cast<int>(sizeof(Bits));  // K, V
+  constexpr int kReduceBytes = NG * HG * D * static_cast<int>(sizeof(float));
+  constexpr int kPoolBytes = 2 * kStageBytes > kReduceBytes ? 2 * kStageBytes : kReduceBytes;
 
   __shared__ float q_s[HG][D];
   __shared__ float score_s[HG][TILE];
   __shared__ float max_s[HG], sum_s[HG], alpha_s[HG];
-  __shared__ float reduce_s[NG][HG][D];
+  __shared__ __align__(16) unsigned char pool[kPoolBytes];
+  // [stage][K = 0, V = 1][pass][thread]: a thread reads back only what it copied itself
+  auto kv_s = reinterpret_cast<Bits(*)[2][kPasses][kThreads]>(pool);
+  auto reduce_s = reinterpret_cast<float(*)[HG][D]>(pool);
 
   const int tid = threadIdx.x;
   const int kv_head = blockIdx.x / head_chunks;
@@ -72,6 +109,32 @@ __device__ __forceinline__ void decode_attention(
   }
   const int* table = block_tables + static_cast<long long>(r) * table_stride;
   const int block_mask = (1 << block_shift) - 1;
+  const int lane_d = (tid % LPT) * 8;  // this thread's 8 dims
+  const int token_group = tid / LPT;
+
+  // This thread's token of pass p in the tile at `tile`, clamped into the split.
+  auto position = [&](int tile, int p) { return min(tile + p * NG + token_group, end - 1); };
+  int blocks[kPasses];  // block-table entries of the next tile to copy
+  auto load_blocks = [&](int tile) {
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) blocks[p] = table[position(tile, p) >> block_shift];
+  };
+  T scales[2][2][kPasses];  // [stage][K, V][pass]: an INT8 cache's scales, loaded with the copy
+  auto copy_tile = [&](auto stage, int tile) {
+    constexpr int s = decltype(stage)::value;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const long long slot =
+          (static_cast<long long>(blocks[p]) << block_shift) | (position(tile, p) & block_mask);
+      const long long token_head = slot * num_kv_heads + kv_head;
+      cp_async<sizeof(Bits)>(&kv_s[s][0][p][tid], k_cache + token_head * D + lane_d);
+      cp_async<sizeof(Bits)>(&kv_s[s][1][p][tid], v_cache + token_head * D + lane_d);
+      if constexpr (kQuantized) {
+        scales[s][0][p] = k_scale[token_head];
+        scales[s][1][p] = v_scale[token_head];
+      }
+    }
+  };
 
   // q of the CTA's heads, scaled so that exp2 of a score is the softmax numerator.
   for (int i = tid; i < HG * D; i += kThreads) {
@@ -86,51 +149,42 @@ __device__ __forceinline__ void decode_attention(
     sum_s[tid] = 0.f;
   }
 
-  const int lane_d = (tid % LPT) * 8;  // this thread's 8 dims
-  const int token_group = tid / LPT;
   float acc[HG][8];
 #pragma unroll
   for (int h = 0; h < HG; ++h)
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
 
-  for (int tile = begin; tile < end; tile += TILE) {
+  // One tile, held in stage s: the next tile's copies go out, then this one's are waited for.
+  auto attend_tile = [&](auto stage, int tile) {
+    constexpr int s = decltype(stage)::value;
+    if (tile + TILE < end) copy_tile(Stage<1 - s>{}, tile + TILE);
+    cp_async_commit();  // (an empty group after the last tile keeps the count uniform)
+    load_blocks(tile + 2 * TILE);
+    cp_async_wait<1>();
+    float k_mul[kPasses], v_mul[kPasses];
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      k_mul[p] = kQuantized ? to_float(scales[s][0][p]) : 1.f;
+      v_mul[p] = kQuantized ? to_float(scales[s][1][p]) : 1.f;
+    }
     __syncthreads();  // q_s written / the previous tile's scores read
     // 1. scores of this thread's kPasses tokens, for every head
-    // K and V of the tile are both requested here, so that twice the bytes are in flight
-    // while the scores and the softmax are computed.
-    long long offset[kPasses];
-    float kf[kPasses][8], vf[kPasses][8];
-    float k_mul[kPasses], v_mul[kPasses];  // an INT8 cache's scales (1 otherwise)
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
-      const int t = tile + p * NG + token_group;
-      const int slot = t < end ? table[t >> block_shift] * (block_mask + 1) + (t & block_mask) : 0;
-      offset[p] = static_cast<long long>(slot) * num_kv_heads + kv_head;  // (slot, kv head)
-      if (t < end) {
-        load8(k_cache + offset[p] * D + lane_d, kf[p]);
-        load8(v_cache + offset[p] * D + lane_d, vf[p]);
-        k_mul[p] = kQuantized ? to_float(k_scale[offset[p]]) : 1.f;
-        v_mul[p] = kQuantized ? to_float(v_scale[offset[p]]) : 1.f;
-      } else {
-        k_mul[p] = v_mul[p] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) kf[p][i] = vf[p][i] = 0.f;
-      }
-    }
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      const int t = tile + p * NG + token_group;
+      float kf[8];
+      load8(reinterpret_cast<const C*>(&kv_s[s][0][p][tid]), kf);
+      const bool inside = tile + p * NG + token_group < end;
 #pragma unroll
       for (int h = 0; h < HG; ++h) {
         float dot = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) dot += q_s[h][lane_d + i] * kf[p][i];
+        for (int i = 0; i < 8; ++i) dot += q_s[h][lane_d + i] * kf[i];
 #pragma unroll
         for (int lanes = LPT / 2; lanes > 0; lanes >>= 1)
           dot += __shfl_xor_sync(0xffffffffu, dot, lanes);
         if (tid % LPT == 0)
-          score_s[h][p * NG + token_group] = t < end ? dot * k_mul[p] : AIENG_NEG_INF;
+          score_s[h][p * NG + token_group] = inside ? dot * k_mul[p] : AIENG_NEG_INF;
       }
     }
     __syncthreads();
@@ -155,7 +209,7 @@ __device__ __forceinline__ void decode_attention(
       }
     }
     __syncthreads();
-    // 3. acc = acc * alpha + p V
+    // 3. acc = acc * alpha + p V (a masked position's p is 0, its clamped V finite)
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
       const float alpha = alpha_s[h];
@@ -164,15 +218,27 @@ __device__ __forceinline__ void decode_attention(
     }
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
-      const int t = tile + p * NG + token_group;
+      float vf[8];
+      load8(reinterpret_cast<const C*>(&kv_s[s][1][p][tid]), vf);
 #pragma unroll
       for (int h = 0; h < HG; ++h) {
         const float weight = score_s[h][p * NG + token_group] * v_mul[p];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[h][i] += weight * vf[p][i];
+        for (int i = 0; i < 8; ++i) acc[h][i] += weight * vf[i];
       }
     }
+  };
+
+  load_blocks(begin);
+  copy_tile(Stage<0>{}, begin);
+  cp_async_commit();
+  load_blocks(begin + TILE);
+  for (int tile = begin; tile < end; tile += 2 * TILE) {
+    attend_tile(Stage<0>{}, tile);
+    if (tile + TILE < end) attend_tile(Stage<1>{}, tile + TILE);
   }
+  cp_async_wait<0>();
+  __syncthreads();  // every thread done with the stages: the pool now holds the partial sums
 
   // The token groups' partial sums, added up.
 #pragma unroll
@@ -232,8 +298,8 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
 
 }  // namespace paged_decode
 
-#define AIENG_DECODE(NAME, T, C, D, HG)                                                           \
-  extern "C" __global__ void __launch_bounds__(paged_decode::kThreads) NAME(                      \
+#define AIENG_DECODE(NAME, T, C, D, HG, ...)                                                      \
+  extern "C" __global__ void __launch_bounds__(__VA_ARGS__) NAME(                                 \
       T* out, float* part_acc, float* part_ml, const T* q, int q_stride, const C* k_cache,        \
       const C* v_cache, const T* k_scale, const T* v_scale, const int* block_tables,              \
       int table_stride, const int* seq_lens, const int* rows, int num_heads, int num_kv_heads,    \
@@ -246,10 +312,11 @@ __device__ __forceinline__ void decode_reduce(T* __restrict__ out,
 
 // paged_decode_<dtype>_<cache: kv = dtype, i8 = int8>_d<head_dim>_g<query heads per CTA>
 #define AIENG_DECODE_GROUPS(DT, T, KV, C, D)                                                      \
-  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g1, T, C, D, 1)                                  \
-  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g2, T, C, D, 2)                                  \
-  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g4, T, C, D, 4)                                  \
-  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g8, T, C, D, 8)
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g1, T, C, D, 1, paged_decode::kThreads)          \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g2, T, C, D, 2, paged_decode::kThreads)          \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g4, T, C, D, 4, paged_decode::kThreads)          \
+  AIENG_DECODE(paged_decode_##DT##_##KV##_d##D##_g8, T, C, D, 8, paged_decode::kThreads,          \
+               paged_decode::kMinCtasPerSm)
 
 #if AIENG_WANTS(1, 0, 64)
 AIENG_DECODE_GROUPS(f16, f16_t, kv, f16_t, 64)

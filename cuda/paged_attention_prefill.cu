@@ -10,10 +10,17 @@
 // Grid (query tiles, num_heads), 128 threads: a tile is BM = 64 queries of one request (the
 // host lists each tile's request and first query), one query head. Each warp owns 16 queries;
 // Q stays in registers as mma.m16n8k16 A fragments. The CTA walks the tile's positions in
-// BN = 32 token steps: K and V gathered through the block table into shared memory (an INT8
-// cache dequantized on the way, rounded to T as the reference does), S = Q K^T by MMA in float32,
-// online softmax per row in registers (a row's four threads agree through two shuffles), then
-// O += P V by MMA with P re-packed from S's accumulator fragments into A fragments.
+// BN = 32 token steps, K and V gathered through the block table into a two-stage shared buffer
+// (positions past the tile's last clamped to it, so every load is valid; masked in the math):
+// a cache in T with cp.async, the next step's copies in flight while this step is computed; an
+// INT8 cache through registers, every chunk's int8 values and scales loaded before the first is
+// dequantized to T (rounded as the reference rounds) and stored. S = Q K^T by MMA in float32
+// with K's B fragments read by ldmatrix, online softmax per row in registers (a row's four
+// threads agree through two shuffles), then O += P V by MMA with P re-packed from S's
+// accumulator fragments into A fragments. V's B fragments are read as 16-bit pairs: with
+// ldmatrix.trans ptxas hoisted all of a step's V fragments (228-244 registers on sm_90 against
+// 168, spilling under a 3-CTA bound), see cuda/README.md.
+#include "async_copy.cuh"
 #include "common.cuh"
 
 // Named (not anonymous), so that the host emulation can build every source in one program.
@@ -34,9 +41,11 @@ __device__ __forceinline__ void prefill_attention(
     int num_kv_heads, int block_shift, int window, float scale) {
   constexpr bool kQuantized = sizeof(C) == 1;
   constexpr int kStride = D + 8;  // 16-bit elements per shared row (padding against conflicts)
-  __shared__ __align__(16) unsigned short k_s[kBN * kStride];
-  __shared__ __align__(16) unsigned short v_s[kBN * kStride];
-
+  constexpr int kStage = kBN * kStride;
+  constexpr int kChunks = kBN * (D / 8) / kThreads;  // 8-element chunks of K (or V) per thread
+  static_assert(kBN * (D / 8) % kThreads == 0, "a step's chunks divide among the threads");
+  __shared__ __align__(16) unsigned short k_s[2 * kStage];
+  __shared__ __align__(16) unsigned short v_s[2 * kStage];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int r = tile_request[blockIdx.x], first = tile_first[blockIdx.x];
@@ -76,52 +85,95 @@ __device__ __forceinline__ void prefill_attention(
   float row_max[2] = {AIENG_NEG_INF, AIENG_NEG_INF};
   float row_sum[2] = {0.f, 0.f};  // this thread's part of each row's sum
 
-  for (int n0 = lo; n0 < hi; n0 += kBN) {
-    __syncthreads();  // the previous step's K/V are no longer read
-    // Gather K and V of positions [n0, n0 + kBN) into shared memory as T.
-    for (int c = tid; c < kBN * (D / 8); c += kThreads) {
-      const int j = c / (D / 8), d = (c % (D / 8)) * 8;
-      const int pos = n0 + j;
-      uint4 k_bits = {0u, 0u, 0u, 0u}, v_bits = {0u, 0u, 0u, 0u};
-      if (pos < hi) {
-        const int slot = table[pos >> block_shift] * (block_mask + 1) + (pos & block_mask);
-        const long long token_head = static_cast<long long>(slot) * num_kv_heads + kv_head;
-        if constexpr (kQuantized) {
-          float kf[8], vf[8];
-          load8(k_cache + token_head * D + d, kf);
-          load8(v_cache + token_head * D + d, vf);
-          const float ks = to_float(k_scale[token_head]), vs = to_float(v_scale[token_head]);
+  // Chunk i of this thread in the step at n0: position n0 + j (clamped to hi - 1), dims d.
+  auto chunk = [&](int n0, int i, int& j, int& d) -> long long {
+    const int c = tid + i * kThreads;
+    j = c / (D / 8), d = (c % (D / 8)) * 8;
+    const int pos = min(n0 + j, hi - 1);
+    const int slot = table[pos >> block_shift] * (block_mask + 1) + (pos & block_mask);
+    return static_cast<long long>(slot) * num_kv_heads + kv_head;  // (slot, KV head)
+  };
+  // A cache in T: the step's K and V copied as they are into stage s.
+  auto copy_step = [&](int n0, int s) {
+    long long token_head[kChunks];
+    int j[kChunks], d[kChunks];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            kf[i] *= ks;
-            vf[i] *= vs;
-          }
-          k_bits = uint4{pack2<T>(kf[0], kf[1]), pack2<T>(kf[2], kf[3]),
-                         pack2<T>(kf[4], kf[5]), pack2<T>(kf[6], kf[7])};
-          v_bits = uint4{pack2<T>(vf[0], vf[1]), pack2<T>(vf[2], vf[3]),
-                         pack2<T>(vf[4], vf[5]), pack2<T>(vf[6], vf[7])};
-        } else {  // already T: the 16 bytes as they are
-          k_bits = *reinterpret_cast<const uint4*>(k_cache + token_head * D + d);
-          v_bits = *reinterpret_cast<const uint4*>(v_cache + token_head * D + d);
-        }
-      }
-      *reinterpret_cast<uint4*>(&k_s[j * kStride + d]) = k_bits;
-      *reinterpret_cast<uint4*>(&v_s[j * kStride + d]) = v_bits;
+    for (int i = 0; i < kChunks; ++i) token_head[i] = chunk(n0, i, j[i], d[i]);
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      cp_async<16>(&k_s[s * kStage + j[i] * kStride + d[i]], k_cache + token_head[i] * D + d[i]);
+      cp_async<16>(&v_s[s * kStage + j[i] * kStride + d[i]], v_cache + token_head[i] * D + d[i]);
     }
-    __syncthreads();
+  };
+  // An INT8 cache: the step's values and scales into registers, then dequantized into stage s.
+  uint2 k_raw[kChunks], v_raw[kChunks];
+  T k_mul[kChunks], v_mul[kChunks];
+  auto load_step = [&](int n0) {
+    int j, d;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const long long token_head = chunk(n0, i, j, d);
+      k_raw[i] = *reinterpret_cast<const uint2*>(k_cache + token_head * D + d);
+      v_raw[i] = *reinterpret_cast<const uint2*>(v_cache + token_head * D + d);
+      k_mul[i] = k_scale[token_head];
+      v_mul[i] = v_scale[token_head];
+    }
+  };
+  auto store_step = [&](int s) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int c = tid + i * kThreads, j = c / (D / 8), d = (c % (D / 8)) * 8;
+      float kf[8], vf[8];
+      load8(reinterpret_cast<const signed char*>(&k_raw[i]), kf);
+      load8(reinterpret_cast<const signed char*>(&v_raw[i]), vf);
+      const float ks = to_float(k_mul[i]), vs = to_float(v_mul[i]);
+      u32 k_bits[4], v_bits[4];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        k_bits[w] = pack2<T>(kf[2 * w] * ks, kf[2 * w + 1] * ks);
+        v_bits[w] = pack2<T>(vf[2 * w] * vs, vf[2 * w + 1] * vs);
+      }
+      *reinterpret_cast<uint4*>(&k_s[s * kStage + j * kStride + d]) =
+          uint4{k_bits[0], k_bits[1], k_bits[2], k_bits[3]};
+      *reinterpret_cast<uint4*>(&v_s[s * kStage + j * kStride + d]) =
+          uint4{v_bits[0], v_bits[1], v_bits[2], v_bits[3]};
+    }
+  };
 
-    // S = Q K^T: s[nt] is the 16 x 8 block of positions n0 + 8 nt ...
-    float s[kBN / 8][4];
+  if constexpr (!kQuantized) {
+    copy_step(lo, 0);  // (lo < hi: the tile's first query attends at least its own position)
+    cp_async_commit();
+  }
+  for (int n0 = lo, s = 0; n0 < hi; n0 += kBN, s ^= 1) {
+    __syncthreads();  // the previous step is computed: its stage may be refilled
+    if constexpr (kQuantized) {
+      load_step(n0);  // every chunk's loads issued before the first is converted
+      store_step(s);
+    } else {
+      if (n0 + kBN < hi) copy_step(n0 + kBN, s ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    }
+    __syncthreads();  // this step's K and V are in stage s
+    const unsigned short* ks = &k_s[s * kStage];
+    const unsigned short* vs = &v_s[s * kStage];
+    // This lane's row address for ldmatrix: row lane % 8 of matrix lane / 8.
+    const int mat = lane / 8, mat_row = lane % 8;
+
+    // S = Q K^T: s[nt] is the 16 x 8 block of positions n0 + 8 nt ...; ldmatrix gives the B
+    // fragments of dims [16 kk, 16 kk + 32) (two k steps) for 8 positions.
+    float sc[kBN / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kBN / 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
-      const unsigned short* k_row = &k_s[(nt * 8 + g) * kStride];
+      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const u32 b[2] = {*reinterpret_cast<const u32*>(&k_row[kk * 16 + 2 * t]),
-                          *reinterpret_cast<const u32*>(&k_row[kk * 16 + 8 + 2 * t])};
-        mma_16816<T>(s[nt], qa[kk], b);
+      for (int kk = 0; kk < D / 16; kk += 2) {
+        u32 b[4];
+        ldmatrix_x4<false>(b, &ks[(nt * 8 + mat_row) * kStride + kk * 16 + mat * 8]);
+        const u32 b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_16816<T>(sc[nt], qa[kk], b0);
+        mma_16816<T>(sc[nt], qa[kk + 1], b1);
       }
     }
     // Mask, scale, online softmax (rows: e < 2 -> row0, else row1).
@@ -135,8 +187,8 @@ __device__ __forceinline__ void prefill_attention(
         const int pos_k = n0 + nt * 8 + 2 * t + (e & 1);
         const bool ok = row_ok && pos_k < hi && pos_k <= pos_q &&
                         (window <= 0 || pos_k > pos_q - window);
-        s[nt][e] = ok ? s[nt][e] * scale_log2 : AIENG_NEG_INF;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nt][e]);
+        sc[nt][e] = ok ? sc[nt][e] * scale_log2 : AIENG_NEG_INF;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], sc[nt][e]);
       }
     float alpha[2];
 #pragma unroll
@@ -153,8 +205,8 @@ __device__ __forceinline__ void prefill_attention(
       for (int nt = 0; nt < kBN / 8; ++nt)
 #pragma unroll
         for (int e = 2 * i; e < 2 * i + 2; ++e) {
-          s[nt][e] = exp2f(s[nt][e] - base);
-          row_sum[i] += s[nt][e];
+          sc[nt][e] = exp2f(sc[nt][e] - base);
+          row_sum[i] += sc[nt][e];
         }
     }
 #pragma unroll
@@ -167,11 +219,11 @@ __device__ __forceinline__ void prefill_attention(
     // O += P V: P's accumulator fragments of positions [16 kk, 16 kk + 16) are an A fragment.
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk) {
-      const u32 pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
-                         pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                         pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                         pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const unsigned short* v0 = &v_s[(kk * 16 + 2 * t) * kStride];
+      const u32 pa[4] = {pack2<T>(sc[2 * kk][0], sc[2 * kk][1]),
+                         pack2<T>(sc[2 * kk][2], sc[2 * kk][3]),
+                         pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                         pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+      const unsigned short* v0 = &vs[(kk * 16 + 2 * t) * kStride];
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
         const int col = dt * 8 + g;

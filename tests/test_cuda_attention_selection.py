@@ -83,9 +83,10 @@ def test_split_plan_of_a_decode_batch_reads_the_window() -> None:
     inputs, _ = random_step([RequestSpec(4000, 1), RequestSpec(10, 1)], 16, torch.device("cpu"))
     decode = build_cuda_metadata(inputs).decode
     assert decode is not None
-    whole = split_plan(decode, None, 32, 8, 128, num_sms=132)
+    whole = split_plan(decode, None, 32, 8, 128, num_sms=132, ctas_per_sm=4)
     assert whole.num_splits > 1 and whole.num_splits * whole.split_tokens >= 4001
-    assert split_plan(decode, 200, 32, 8, 128, num_sms=132) == SplitPlan(1, 200)
+    assert 2 * 8 * whole.num_splits <= 132 * 4  # one wave of the kernel's CTA slots
+    assert split_plan(decode, 200, 32, 8, 128, num_sms=132, ctas_per_sm=4) == SplitPlan(1, 200)
 
 
 class Perturbed(TorchPagedAttention):
@@ -105,9 +106,10 @@ def test_self_check_passes_the_reference_and_refuses_a_wrong_backend(
 ) -> None:
     cpu = torch.device("cpu")
     args = (8, 2, 64, torch.float32, int8, (window,), cpu)
-    assert self_check(TorchPagedAttention((window,)), *args)
+    blocks = {"block_sizes": (16,)}  # the torch stand-in reads any block size alike
+    assert self_check(TorchPagedAttention((window,)), *args, **blocks)
     with caplog.at_level(logging.WARNING):
-        assert not self_check(Perturbed((window,)), *args)
+        assert not self_check(Perturbed((window,)), *args, **blocks)
     assert "perturbed decode differs from its reference" in caplog.text
 
 

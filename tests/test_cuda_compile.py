@@ -27,18 +27,20 @@ from aieng.kernels import (
     CompiledModule,
     KernelCompileError,
     KernelError,
+    KernelResources,
     compile_kernel_source,
     cuda_source_dir,
     parse_ptxas_report,
 )
 from aieng.kernels import compiler as compiler_module
 from aieng.kernels.launch import check_arguments, dim3, pack_args
+from aieng.kernels.occupancy import ctas_per_sm
 from aieng.kernels.paged_attention import (
+    DECODE_THREADS,
     HEAD_DIMS,
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
     PREFILL_BLOCK_M,
-    WAVES,
     PagedCache,
     SplitPlan,
     attended_lengths,
@@ -66,11 +68,12 @@ REGISTER_BUDGETS: dict[str, int] = {
     "add_rms_norm_*": 48,
     "rope_kv_write_*": 64,
     "silu_and_mul_*": 48,
-    "paged_decode_*_g[12]": 128,  # K and V of 4 tokens (64 floats), 8 acc floats per head
-    "paged_decode_*_g4": 144,
-    "paged_decode_*_g8": 176,
+    # decode: K/V staged in shared memory (cp.async), 8 acc floats per head in registers; g8
+    # is held to 128 by __launch_bounds__(128, 4) (4 CTAs per SM)
+    "paged_decode_*_g[124]": 96,
+    "paged_decode_*_g8": 128,
     "paged_decode_reduce_*": 40,
-    "paged_prefill_*_d64": 128,  # O: D / 2 floats, Q fragments: D / 4 registers
+    "paged_prefill_*_d64": 160,  # O: D / 2 floats, Q fragments: D / 4 registers
     "paged_prefill_*_d128": 192,
 }
 
@@ -287,12 +290,13 @@ def test_split_plan_covers_every_context_once(
     rng = np.random.default_rng(context)
     seq_lens = np.concatenate([[context], rng.integers(1, context + 1, batch - 1)])
     longest = int(attended_lengths(seq_lens, window).max())
-    plan = choose_splits(batch * kv_heads, longest, num_sms, decode_tile(128))
+    plan = choose_splits(batch * kv_heads, longest, num_sms, decode_tile(128), ctas_per_sm=4)
     assert 1 <= plan.num_splits <= MAX_SPLITS
     if plan.num_splits > 1:
         assert plan.split_tokens % decode_tile(128) == 0
         assert plan.split_tokens >= MIN_SPLIT_TOKENS
-        assert batch * kv_heads < WAVES * num_sms  # split only a batch that leaves SMs idle
+        # split only a batch that leaves CTA slots idle, and into at most one wave of them
+        assert batch * kv_heads * plan.num_splits <= 4 * num_sms
     for seq_len in seq_lens:
         ranges = split_ranges(int(seq_len), window, plan)
         positions = [p for r in ranges for p in r]
@@ -302,13 +306,43 @@ def test_split_plan_covers_every_context_once(
 
 
 def test_split_plan_examples() -> None:
-    # the benchmark's shapes on an H200 (132 SMs), 8 KV heads
-    assert choose_splits(64 * 8, 1024, 132, 32).num_splits == 1
-    assert choose_splits(16 * 8, 4096, 132, 32) == SplitPlan(4, 1024)
-    assert choose_splits(1 * 8, 32768, 132, 32) == SplitPlan(49, 672)
-    assert choose_splits(8, 255, 132, 32).num_splits == 1  # too short to split
+    # the benchmark's shapes on an H200 (132 SMs), 8 KV heads, group 4: 6 CTAs per SM (below)
+    assert choose_splits(64 * 8, 1024, 132, 32, 6).num_splits == 1  # 512 of 792 slots
+    assert choose_splits(16 * 8, 4096, 132, 32, 6) == SplitPlan(6, 704)  # 768 of 792
+    assert choose_splits(1 * 8, 32768, 132, 32, 6) == SplitPlan(94, 352)  # 752 of 792
+    assert choose_splits(1 * 8, 32768, 132, 32, 4) == SplitPlan(64, 512)  # g8's 4 per SM
+    assert choose_splits(8, 255, 132, 32, 6).num_splits == 1  # too short to split
     with pytest.raises(KernelError):
-        choose_splits(0, 10, 132, 32)
+        choose_splits(0, 10, 132, 32, 4)
+    with pytest.raises(KernelError):
+        choose_splits(8, 10, 132, 32, 0)
+
+
+def test_occupancy_arithmetic() -> None:
+    def ctas(registers: int, shared: int = 0, arch: int = 90, threads: int = 128) -> int:
+        return ctas_per_sm(KernelResources(registers=registers, shared_bytes=shared), threads, arch)
+
+    assert ctas(128) == 4 and ctas(120) == 4 and ctas(136) == 3 and ctas(168) == 3
+    assert ctas(255) == 2 and ctas(32) == 16 and ctas(32, threads=1024) == 2
+    assert ctas(80, 35376) == 6 and ctas(80, 35376, arch=80) == 4  # 228 KB vs 164 KB of shared
+    assert ctas(64, 17040, arch=89) == 5  # 100 KB on sm_89
+    with pytest.raises(KernelError, match="sm_75"):
+        ctas(32, arch=75)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_kernels_fit_four_ctas_per_sm(arch: int) -> None:
+    """The design's claim (cuda/README.md): every decode variant keeps >= 4 CTAs, each with a
+    16 KB tile in flight, resident per SM; g1-g4 with a cache in T fit 6 on sm_90."""
+    resources = shipped("paged_attention_decode.cu", arch).resources
+    kernels = [name for name in resources if not name.startswith("paged_decode_reduce")]
+    assert len(kernels) == 32
+    for name in kernels:
+        assert ctas_per_sm(resources[name], DECODE_THREADS, arch) >= 4, (name, resources[name])
+    if arch == 90:
+        for group in (1, 2, 4):
+            name = decode_kernel_name(torch.bfloat16, False, 128, group)
+            assert ctas_per_sm(resources[name], DECODE_THREADS, arch) == 6, resources[name]
 
 
 def test_prefill_tiles_enumerate_every_query_block() -> None:

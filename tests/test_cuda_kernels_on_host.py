@@ -32,6 +32,7 @@ from aieng.kernels.int4 import (
     gemv_reference,
     gemv_tile,
     group_shift,
+    kernel_args,
     reference_matmul,
     repack,
     staged_weights,
@@ -113,8 +114,7 @@ def run_gemv(host_kernels, x, weights, y, num_sms: int = DEFAULT_SMS) -> str:
     m, k = x.shape
     n = weights.out_features
     launch = gemv_launch(m, n, k, x.dtype, weights.group_size, num_sms)
-    args = [x, weights.qweight, weights.scale_zero, y, m, n, k, group_shift(weights)]
-    host_kernels.launch(launch.kernel, launch.grid, launch.block, args)
+    host_kernels.launch(launch.kernel, launch.grid, launch.block, kernel_args(x, weights, y))
     return launch.kernel
 
 
@@ -219,8 +219,7 @@ def test_int4_gemm(host_kernels, m, n, k, group, dt) -> None:
     x = torch.randn(m, k, generator=generator).to(dtype)
     y = torch.full((m, n), float("nan"), dtype=dtype)
     launch = gemm_launch(m, n, dtype)
-    args = [x, weights.qweight, weights.scale_zero, y, m, n, k, group_shift(weights)]
-    host_kernels.launch(launch.kernel, launch.grid, launch.block, args)
+    host_kernels.launch(launch.kernel, launch.grid, launch.block, kernel_args(x, weights, y))
     # the dequantized weights rounded to x's dtype, as the kernel stages them for the MMA
     staged = dequantize_weights(weights).to(dtype).double()
     assert relative(y, x.double() @ staged.t()) < (2e-3 if dt == "f16" else 1e-2)

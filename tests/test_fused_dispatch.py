@@ -18,7 +18,9 @@ from aieng.attention.causal import CausalAttention, DenseBatch
 from aieng.config import ModelConfig
 from aieng.kernels import fused_dispatch
 from aieng.kernels.errors import KernelError
+from aieng.kernels.fused import CheckCase
 from aieng.kernels.fused_dispatch import FusedKernels
+from aieng.kernels.self_check import RowBound
 from aieng.layers.activation import silu_and_mul
 from aieng.layers.linear import dense_everywhere
 from aieng.layers.norm import RMSNorm
@@ -123,8 +125,12 @@ def injected_cases(failing: dict[str, str]):
         runs = {"raise": lambda: (_ for _ in ()).throw(KernelError("injected")),
                 "differ": lambda: want + 1}  # fmt: skip
         names = [fused_dispatch.kernel_name(op, dtype) for op in OPS]
+        bound = RowBound.rounding(dtype)
         return {
-            name: (runs.get(failing.get(name, ""), lambda: want), lambda: want) for name in names
+            name: (
+                CheckCase(runs.get(failing.get(name, ""), lambda: want), lambda: want, bound, ""),
+            )
+            for name in names
         }
 
     return cases

@@ -160,3 +160,54 @@ inline void launch(dim3_t grid, dim3_t block, const std::function<void()>& kerne
         for (auto& thread : pool) thread.join();
       }
 }
+
+// --- The attention kernels' asynchronous loads (cuda/async_copy.cuh) ---
+// cp.async: each thread's copies are queued, a commit closes the open group, and a wait
+// performs every group but the newest `pending`, in order. A copy is made only then, so a
+// kernel that reads its shared buffer before waiting sees the old bytes, as it could on a GPU.
+struct HostCopy {
+  void* dst;
+  const void* src;
+  int bytes;
+};
+inline thread_local std::vector<HostCopy> host_open_group;
+inline thread_local std::vector<std::vector<HostCopy>> host_committed_groups;
+
+inline void host_cp_async(void* dst, const void* src, int bytes) {
+  host_open_group.push_back({dst, src, bytes});
+}
+inline void host_cp_async_commit() {
+  host_committed_groups.push_back(std::move(host_open_group));
+  host_open_group.clear();
+}
+inline void host_cp_async_wait(int pending) {
+  const size_t done = host_committed_groups.size() > size_t(pending)
+                          ? host_committed_groups.size() - size_t(pending)
+                          : 0;
+  for (size_t g = 0; g < done; ++g)
+    for (const HostCopy& copy : host_committed_groups[g]) std::memcpy(copy.dst, copy.src, copy.bytes);
+  host_committed_groups.erase(host_committed_groups.begin(), host_committed_groups.begin() + done);
+}
+
+// ldmatrix.x4 (.trans) for the warp: every lane posts its row address, then assembles its four
+// registers from the 8x8 matrices of 16-bit elements those rows hold (layout in async_copy.cuh).
+inline std::array<const unsigned short*, 1024> host_ldmatrix_rows;
+inline void host_ldmatrix_x4(unsigned (&r)[4], const void* row, bool transpose) {
+  const int lane = linear_thread % 32, base = linear_thread - lane;
+  auto& barrier = *current_block->warps[linear_thread / 32];
+  host_ldmatrix_rows[linear_thread] = static_cast<const unsigned short*>(row);
+  barrier.arrive_and_wait();
+  for (int j = 0; j < 4; ++j) {
+    const unsigned short* const* rows = &host_ldmatrix_rows[base + 8 * j];
+    unsigned short lo, hi;
+    if (transpose) {  // column lane / 4, rows 2 (lane % 4) and the next
+      lo = rows[2 * (lane % 4)][lane / 4];
+      hi = rows[2 * (lane % 4) + 1][lane / 4];
+    } else {  // row lane / 4, columns 2 (lane % 4) and the next
+      lo = rows[lane / 4][2 * (lane % 4)];
+      hi = rows[lane / 4][2 * (lane % 4) + 1];
+    }
+    r[j] = unsigned(lo) | (unsigned(hi) << 16);
+  }
+  barrier.arrive_and_wait();
+}

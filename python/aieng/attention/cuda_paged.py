@@ -34,12 +34,14 @@ from aieng.kernels import KernelError, load_module
 from aieng.kernels.fused_dispatch import fused_kv_write
 from aieng.kernels.paged_attention import (
     DECODE_SOURCE,
+    DECODE_THREADS,
     PREFILL_SOURCE,
     PagedCache,
     SplitPlan,
     attended_lengths,
     check_supported,
     choose_splits,
+    decode_kernel_name,
     decode_launches,
     decode_tile,
     heads_per_cta,
@@ -126,13 +128,14 @@ def build_cuda_metadata(inputs: AttentionInputs) -> CudaAttentionMetadata:
 
 def split_plan(
     decode: DecodeBatch, window: int | None, num_heads: int, num_kv_heads: int, head_dim: int,
-    num_sms: int,
+    num_sms: int, ctas_per_sm: int,
 ) -> SplitPlan:  # fmt: skip
-    """The split-K plan of a decode batch for one layer shape and window."""
+    """The split-K plan of a decode batch for one layer shape and window, on `num_sms` SMs
+    that each hold `ctas_per_sm` of the decode kernel's CTAs."""
     _, chunks = heads_per_cta(num_heads // num_kv_heads)
     base_ctas = len(decode.seq_lens_host) * num_kv_heads * chunks
     longest = int(attended_lengths(decode.seq_lens_host, window).max())
-    return choose_splits(base_ctas, longest, num_sms, decode_tile(head_dim))
+    return choose_splits(base_ctas, longest, num_sms, decode_tile(head_dim), ctas_per_sm)
 
 
 def paged_cache(kv_cache: KVCache) -> PagedCache:
@@ -179,6 +182,13 @@ class CudaPagedAttention(AttentionBackend):
         self.decode = load_module(DECODE_SOURCE, options, device=index)
         self.prefill = load_module(PREFILL_SOURCE, options, device=index)
         self.num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+        self._ctas_per_sm: dict[str, int] = {}
+
+    def ctas_per_sm(self, kernel: str) -> int:
+        """CTAs of a decode kernel one SM holds at once (the driver's answer, asked once)."""
+        if kernel not in self._ctas_per_sm:
+            self._ctas_per_sm[kernel] = self.decode.max_active_ctas(kernel, DECODE_THREADS)
+        return self._ctas_per_sm[kernel]
 
     def build_metadata(self, inputs: AttentionInputs) -> CudaAttentionMetadata:
         return build_cuda_metadata(inputs)
@@ -217,7 +227,12 @@ class CudaPagedAttention(AttentionBackend):
             q = q.contiguous()
         window = layer.sliding_window
         if (decode := metadata.decode) is not None:
-            plan, partials = self._plan(decode, window, num_heads, cache.k.shape[2], head_dim)
+            kernel = decode_kernel_name(
+                q.dtype, cache.int8, head_dim, num_heads // cache.k.shape[2]
+            )
+            plan, partials = self._plan(
+                decode, window, num_heads, cache.k.shape[2], head_dim, self.ctas_per_sm(kernel)
+            )
             launches = decode_launches(
                 out, q, cache, decode.block_tables, decode.seq_lens, decode.rows, plan,
                 layer.scale, window, (partials[0], partials[1]) if partials else None,
@@ -232,11 +247,13 @@ class CudaPagedAttention(AttentionBackend):
 
     def _plan(
         self, decode: DecodeBatch, window: int | None, num_heads: int, num_kv_heads: int,
-        head_dim: int,
+        head_dim: int, ctas_per_sm: int,
     ) -> tuple[SplitPlan, tuple[torch.Tensor, ...]]:  # fmt: skip
         key = (window, num_heads, num_kv_heads, head_dim)
         if key not in decode.plans:
-            plan = split_plan(decode, window, num_heads, num_kv_heads, head_dim, self.num_sms)
+            plan = split_plan(
+                decode, window, num_heads, num_kv_heads, head_dim, self.num_sms, ctas_per_sm
+            )
             partials: tuple[torch.Tensor, ...] = ()
             if plan.num_splits > 1:
                 shape = (len(decode.seq_lens_host), num_heads, plan.num_splits)

@@ -1,18 +1,21 @@
 """The start-up check of the `cuda` attention backend, and the random steps it (and the GPU
 tests and benchmarks) run on.
 
-Before the selector hands out a `CudaPagedAttention`, each of its kernels runs once, for the
-model's head shape, dtype, cache dtype and sliding windows, on small random paged caches
-(block sizes 16 and 32) — a decode batch long enough to be split, one short enough not to be,
-and fresh and chunked prefills — against the torch reference computed in float32 over the same
-cache contents. A kernel that cannot be compiled, loaded or launched, or that disagrees, is
-reported by name in a warning and the engine runs on the reference instead.
+Before the selector hands out a `CudaPagedAttention`, each of its kernels runs, for the model's
+head shape, dtype, cache dtype and sliding windows, on random paged caches of each block size in
+`CHECK_BLOCK_SIZES` — decode batches split more than twice (a 4k context), split with a window,
+short enough not to be split, and fresh, chunked and long-prefix prefills — against the torch
+reference computed in float32 over the same cache contents, each (token, head) row within a
+`RowBound` (`bounds`): tight enough that one dropped position or one wrong output dimension
+fails it. The checks run first in a child process (`aieng.kernels.check_child`), so a kernel that
+faults costs a warning, not the engine. A kernel that cannot be compiled, loaded or launched,
+faults, or disagrees, is reported by name in a warning and the engine runs on the reference.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,22 +27,39 @@ from aieng.attention.cuda_paged import CudaPagedAttention
 from aieng.attention.torch_paged import TorchPagedAttention
 from aieng.config import ModelConfig
 from aieng.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
+from aieng.kernels.check_child import checked_names
 from aieng.kernels.paged_attention import (
     DTYPE_NAMES,
     HEAD_DIMS,
     decode_kernel_name,
     prefill_kernel_name,
 )
-from aieng.kernels.self_check import passes_check
+from aieng.kernels.self_check import Bound, RowBound, passes_check
 
 if TYPE_CHECKING:
     from aieng.attention.layer import Attention
 
 logger = logging.getLogger(__name__)
 
-# Relative (norm) error of a kernel's output against the float32 reference: the kernels round
-# P (prefill), dequantized INT8 values (prefill) and the output to the model's dtype.
+# Relative (norm) error against the float32 reference of the CPU kernel's check (which reuses
+# these cases); the CUDA kernels are held to `bounds`, per row.
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
+# Queries scaled so that scores spread by about 0.5: every position's weight lies within a few
+# times the mean, so dropping any one of a 4k context moves its rows past the bound.
+QUERY_SCALE = 0.5
+CHECK_BLOCK_SIZES = (16, 32, 128)  # below, at and above a decode tile (32 or 64 positions)
+# The kernels that passed `checked_cuda_backend`'s checks, by its suite's arguments.
+_PASSED: dict[tuple, frozenset[str]] = {}
+
+
+def bounds(dtype: torch.dtype) -> dict[str, RowBound]:
+    """Per kernel kind, each (token, head) row's bound: decode works in float32 and rounds the
+    output once; prefill also rounds P (and an INT8 cache's dequantized values) to the model's
+    dtype for the tensor cores."""
+    return {
+        "decode": RowBound.rounding(dtype, output=1, inner=1 / 8),
+        "prefill": RowBound.rounding(dtype, output=1, inner=1),
+    }
 
 
 @dataclass(frozen=True)
@@ -141,7 +161,7 @@ def run_case(
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=generator, device=device).to(dtype)
 
-    q = randn(num_tokens, heads, head_dim)
+    q = randn(num_tokens, heads, head_dim) * QUERY_SCALE
     k, v = randn(num_tokens, kv_heads, head_dim), randn(num_tokens, kv_heads, head_dim)
     cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, int8, device, generator)
     want = reference_attention(layer, q, k, v, clone_cache(cache), inputs)
@@ -154,15 +174,31 @@ SPLIT_DECODES = (RequestSpec(699, 1), RequestSpec(4, 1), RequestSpec(31, 1), Req
 WHOLE_DECODES = (RequestSpec(10, 1), RequestSpec(100, 1), RequestSpec(200, 1))
 # Prefills: fresh (odd length), a chunk after a cached prefix, several query tiles.
 PREFILLS = (RequestSpec(0, 37), RequestSpec(50, 70), RequestSpec(0, 130))
+# A 4k context alone (as many splits as the GPU allows), and with shorter ones beside it.
+LONG_DECODES = (RequestSpec(4095, 1),)
+MIXED_DECODES = (RequestSpec(2999, 1), RequestSpec(700, 1), RequestSpec(255, 1), RequestSpec(0, 1))
+LONG_PREFILLS = (RequestSpec(3000, 70), RequestSpec(0, 3))
+
+
+def check_cases(window: int | None) -> dict[str, tuple[tuple[RequestSpec, ...], ...]]:
+    """The steps each kernel kind is checked on; with a window, contexts past it too (a split
+    decode reading only the window, a prefill chunk crossing its edge)."""
+    decodes = [SPLIT_DECODES, WHOLE_DECODES, LONG_DECODES, MIXED_DECODES]
+    prefills = [PREFILLS, LONG_PREFILLS]
+    if window is not None:
+        decodes.append((RequestSpec(window + 1000, 1), RequestSpec(window, 1)))
+        prefills.append((RequestSpec(window + 30, 50), RequestSpec(max(0, window - 20), 40)))
+    return {"decode": tuple(decodes), "prefill": tuple(prefills)}
 
 
 def check_case(
     backend: AttentionBackend, name: str, layer: Attention, specs: Sequence[RequestSpec],
     block_size: int, dtype: torch.dtype, int8: bool, device: torch.device, seed: int,
-    where: str,
+    where: str, bound: Bound | None = None,
 ) -> bool:  # fmt: skip
-    """One random step through `backend` against the reference, within TOLERANCE; a failure
-    (or any exception) logs a warning naming `name`."""
+    """One random step through `backend` against the reference, within `bound` (None: the
+    relative norm TOLERANCE of the CPU kernel's check); a failure (or any exception) logs a
+    warning naming `name`."""
     wanted: list[torch.Tensor] = []
 
     def run() -> torch.Tensor:
@@ -171,36 +207,69 @@ def check_case(
         return got
 
     label = f"{where} (block size {block_size}, window {layer.sliding_window})"
-    return passes_check(name, run, lambda: wanted[0], TOLERANCE.get(dtype, 1e-5), label)
+    if bound is None:
+        bound = TOLERANCE.get(dtype, 1e-5)
+    return passes_check(name, run, lambda: wanted[0], bound, label)
+
+
+def attention_checks(
+    backend: AttentionBackend, num_heads: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, int8: bool, windows: Sequence[int | None], device: torch.device,
+    block_sizes: Sequence[int] = CHECK_BLOCK_SIZES, where: str = "cuda attention self-check",
+) -> Iterator[tuple[str, Callable[[], bool]]]:  # fmt: skip
+    """(kernel name, its check) for the decode and the prefill kernel the model will use: every
+    case of `check_cases`, for each window and block size, against the reference in float32."""
+    from aieng.attention.layer import Attention
+
+    supported = dtype in DTYPE_NAMES and head_dim in HEAD_DIMS
+    names = {
+        "decode": decode_kernel_name(dtype, int8, head_dim, num_heads // num_kv_heads)
+        if supported
+        else f"{backend.name} decode",
+        "prefill": prefill_kernel_name(dtype, int8, head_dim)
+        if supported
+        else f"{backend.name} prefill",
+    }
+    for kind, name in names.items():
+
+        def check(kind: str = kind, name: str = name) -> bool:
+            for window in dict.fromkeys(windows):
+                layer = Attention(num_heads, num_kv_heads, head_dim, 0, sliding_window=window)
+                for block_size in block_sizes:
+                    for seed, specs in enumerate(check_cases(window)[kind]):
+                        args = (layer, specs, block_size, dtype, int8, device, seed, where)
+                        if not check_case(backend, name, *args, bounds(dtype)[kind]):
+                            return False
+            return True
+
+        yield name, check
 
 
 def self_check(
     backend: AttentionBackend, num_heads: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, int8: bool, windows: Sequence[int | None], device: torch.device,
-    where: str = "cuda attention self-check",
+    where: str = "cuda attention self-check", block_sizes: Sequence[int] = CHECK_BLOCK_SIZES,
 ) -> bool:  # fmt: skip
-    """Every kernel the model will use, once per block size and window, against the reference
-    in float32; False (after a warning naming the kernel) at the first failure."""
-    from aieng.attention.layer import Attention
+    """Every kernel the model will use, in this process, against the reference in float32;
+    False (after a warning naming the kernel) at the first failure."""
+    checks = attention_checks(
+        backend, num_heads, num_kv_heads, head_dim, dtype, int8, windows, device, block_sizes,
+        where,
+    )  # fmt: skip
+    return all(check() for _, check in checks)
 
-    supported = dtype in DTYPE_NAMES and head_dim in HEAD_DIMS
-    kernels = {
-        decode_kernel_name(dtype, int8, head_dim, num_heads // num_kv_heads)
-        if supported
-        else f"{backend.name} decode": (SPLIT_DECODES, WHOLE_DECODES),
-        prefill_kernel_name(dtype, int8, head_dim) if supported else f"{backend.name} prefill": (
-            PREFILLS,
-        ),
-    }
-    for name, cases in kernels.items():
-        for window in dict.fromkeys(windows):
-            layer = Attention(num_heads, num_kv_heads, head_dim, 0, sliding_window=window)
-            for block_size in (16, 32):
-                for seed, specs in enumerate(cases):
-                    args = (layer, specs, block_size, dtype, int8, device, seed, where)
-                    if not check_case(backend, name, *args):
-                        return False
-    return True
+
+def cuda_attention_checks(
+    device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    int8: bool, windows: tuple[int | None, ...], block_sizes: tuple[int, ...],
+) -> Iterator[tuple[str, Callable[[], bool]]]:  # fmt: skip
+    """The check suite of `checked_cuda_backend` (run in a child process, then here): the
+    backend's kernels (loaded from the compile cache after the first time) and their checks."""
+    backend = CudaPagedAttention(device, dtype, int8, head_dim)
+    yield from attention_checks(
+        backend, num_heads, num_kv_heads, head_dim, dtype, int8, windows, backend.device,
+        block_sizes,
+    )  # fmt: skip
 
 
 def cuda_unsupported_reason(
@@ -221,24 +290,33 @@ def cuda_unsupported_reason(
 
 
 def checked_cuda_backend(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str
-) -> CudaPagedAttention | None:
-    """A `CudaPagedAttention` whose kernels compiled and passed the self-check for this model,
-    or None after a warning naming what failed."""
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str,
+    block_sizes: Sequence[int] = CHECK_BLOCK_SIZES,
+) -> CudaPagedAttention | None:  # fmt: skip
+    """A `CudaPagedAttention` whose kernels compiled and passed the self-check for this model
+    (first in a child process, then here), or None after a warning naming what failed."""
+    int8 = kv_cache_dtype == "int8"
     try:
-        backend = CudaPagedAttention(device, dtype, kv_cache_dtype == "int8", config.head_dim)
+        backend = CudaPagedAttention(device, dtype, int8, config.head_dim)
     except Exception as error:  # NVRTC, the driver, a torch without CUDA: the reference serves
         logger.warning("cuda attention kernels unavailable, using the torch reference: %s", error)
         return None
     windows = getattr(config, "layer_sliding_windows", ()) or (config.sliding_window,)
-    ok = self_check(  # on the heads this tensor-parallel rank's layers hold
-        backend,
-        heads_per_rank(config.num_attention_heads),
-        kv_heads_per_rank(config.num_key_value_heads),
-        config.head_dim,
-        dtype,
-        kv_cache_dtype == "int8",
-        windows,
-        backend.device,
-    )
-    return backend if ok else None
+    heads = heads_per_rank(config.num_attention_heads)  # those this tensor-parallel rank holds
+    kv_heads = kv_heads_per_rank(config.num_key_value_heads)
+    shape = (heads, kv_heads, config.head_dim, dtype, int8, tuple(windows))
+    kernels = [name for name, _ in attention_checks(backend, *shape, backend.device)]
+    args = (backend.device, *shape, tuple(block_sizes))
+    if args not in _PASSED:  # once per process for each device and model shape
+        _PASSED[args] = checked_names(
+            cuda_attention_checks, args, isolate=True, label="cuda attention"
+        )
+    passed = _PASSED[args]
+    if failed := [name for name in kernels if name not in passed]:
+        logger.warning(
+            "cuda attention kernels %s did not pass their start-up check; using the torch "
+            "reference",
+            ", ".join(failed),
+        )
+        return None
+    return backend

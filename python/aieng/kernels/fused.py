@@ -14,10 +14,12 @@ references (the model's own functions, step for step) and their start-up check.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
+from aieng.kernels.check_child import checked_names
 from aieng.kernels.errors import KernelError
 from aieng.kernels.int4 import DTYPE_NAMES
 from aieng.kernels.reference import (
@@ -29,15 +31,13 @@ from aieng.kernels.reference import (
     write_quantized_kv_cache,
 )
 from aieng.kernels.reference import silu_and_mul_torch as silu_and_mul_reference
-from aieng.kernels.self_check import passes_check
+from aieng.kernels.self_check import Bound, Outputs, RowBound, passes_check
 
 SOURCE = "fused_ops"
 NORM_THREADS = 256  # most threads of an add_rms_norm block (fused_ops.cu's kNormThreads)
 MAX_HEAD_DIM = 256  # rope_kv_write: 4 pairs per lane of a warp
 ELEMENTWISE_THREADS = 256
 MAX_ELEMENTWISE_BLOCKS = 65535
-# Relative error of each kernel against its reference beyond which it is turned off.
-TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def _kernel(op: str, dtype: torch.dtype) -> str:
@@ -227,76 +227,149 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 # ------------------------------------------------------------------ the start-up check
 
 
-def check_cases(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
-    """Per kernel: (run it, run its reference), each returning one tensor to compare."""
+@dataclass(frozen=True)
+class CheckCase:
+    """One start-up check of a kernel: `run` it, run its `reference`, compare within `bound`
+    (per row, `self_check.RowBound`); `label` says which shape and form it was."""
+
+    run: Callable[[], Outputs]
+    reference: Callable[[], Outputs]
+    bound: Bound
+    label: str
+
+
+def dequantized(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """An INT8 cache's K and V as float32 values (q * scale); a float cache's K and V widened."""
+    if isinstance(cache, QuantizedKVCache):
+        return cache.k.float() * cache.k_scale.float(), cache.v.float() * cache.v_scale.float()
+    return cache[0].float(), cache[1].float()
+
+
+def check_cases(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[CheckCase, ...]]:
+    """Per kernel, its checks: add_rms_norm with and without a branch (the residual it writes
+    in place compared too), in the float32-weight form, on rows of one warp's width and of
+    several per thread; rope_kv_write into an INT8 and a model-dtype cache (the cache compared
+    dequantized: one quantization step of a row may differ by rounding) for head_dim 64 and 128;
+    kv_write; silu_and_mul on short and long rows."""
     generator = torch.Generator().manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
-    x, branch, weight = randn(5, 200), randn(5, 200), randn(200)
-    tokens, heads, kv_heads, head_dim, block = 6, 4, 2, 64, 4
+    # The kernels compute in float32 and round once; the references round each step: two
+    # roundings of the output apart.
+    rounded = RowBound.rounding(dtype, output=2)
+    norm_cases = []
+    for rows, hidden, with_branch, in_float32 in (
+        (5, 200, True, False), (3, 4160, True, False), (2, 4160, False, False),
+        (5, 200, True, True), (3, 4160, True, True),
+    ):  # fmt: skip
+        x, weight = randn(rows, hidden), randn(hidden)
+        branch = randn(rows, hidden) if with_branch else None
+
+        def norm_run(x=x, branch=branch, weight=weight, f32=in_float32) -> Outputs:
+            residual = x.clone()
+            return residual, add_rms_norm(residual, branch, weight, 1e-6, f32)
+
+        def norm_reference(x=x, branch=branch, weight=weight, f32=in_float32) -> Outputs:
+            return add_rms_norm_reference(x, branch, weight, 1e-6, f32)
+
+        form = ("with a branch" if with_branch else "alone") + (", float32 weight" * in_float32)
+        norm_cases.append(
+            CheckCase(norm_run, norm_reference, rounded, f"{rows} x {hidden}, {form}")
+        )
+
+    rope_cases = [
+        rope_case(randn, tokens, heads, kv_heads, head_dim, device, dtype, generator)
+        for tokens, heads, kv_heads, head_dim in ((6, 4, 2, 64), (5, 8, 2, 128))
+    ]
+    silu_cases = []
+    for rows, inter in ((7, 96), (3, 1000)):
+        gate_up = randn(rows, 2 * inter)
+        silu_cases.append(
+            CheckCase(
+                lambda gate_up=gate_up: silu_and_mul(gate_up),
+                lambda gate_up=gate_up: silu_and_mul_reference(gate_up),
+                rounded,
+                f"{rows} x {inter}",
+            )
+        )
+    return {
+        _kernel("add_rms_norm", dtype): tuple(norm_cases),
+        _kernel("rope_kv_write", dtype): tuple(rope_cases),
+        _kernel("silu_and_mul", dtype): tuple(silu_cases),
+    }
+
+
+def rope_case(
+    randn: Callable[..., torch.Tensor], tokens: int, heads: int, kv_heads: int, head_dim: int,
+    device: torch.device, dtype: torch.dtype, generator: torch.Generator,
+) -> CheckCase:  # fmt: skip
+    """RoPE + an INT8 write, then kv_write (the attention backend's use) into a model-dtype
+    cache, of one fused qkv projection's views."""
+    block, blocks = 4, 2 * -(-tokens // 4) + 1
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)
-    positions = torch.tensor([0, 3, 9, 1, 30, 2], device=device)
+    positions = torch.randint(0, 32, (tokens,), generator=generator).to(device)
     angles = torch.arange(32, dtype=torch.float32)[:, None] * torch.rand(
         head_dim // 2, generator=generator
     )
     cos, sin = angles.cos().to(device), angles.sin().to(device)
-    slots = torch.tensor([5, 0, 11, 2, 7, 9], device=device)
-    gate_up = randn(7, 2 * 96)
+    slots = torch.randperm(blocks * block, generator=generator)[:tokens].to(device)
 
     def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         return q.view(tokens, heads, -1), k.view(tokens, kv_heads, -1), v.view(tokens, kv_heads, -1)
 
-    def cache() -> QuantizedKVCache:
-        shape = (4, block, kv_heads, head_dim)
-        values = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2)]
-        scales = [torch.zeros(*shape[:-1], 1, dtype=dtype, device=device) for _ in range(2)]
-        return QuantizedKVCache(values[0], values[1], scales[0], scales[1])
+    def caches() -> tuple[QuantizedKVCache, tuple[torch.Tensor, torch.Tensor]]:
+        shape = (blocks, block, kv_heads, head_dim)
+        values = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in "kv"]
+        scales = [torch.zeros(*shape[:-1], 1, dtype=dtype, device=device) for _ in "kv"]
+        plain = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        return QuantizedKVCache(values[0], values[1], scales[0], scales[1]), plain  # type: ignore[return-value]
 
-    def plain_cache() -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (4, block, kv_heads, head_dim)
-        k_cache, v_cache = (torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
-        return k_cache, v_cache
-
-    def flat(*tensors: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t.flatten().to(dtype) for t in tensors])
-
-    # RoPE + an INT8 write, then kv_write (the attention backend's use) into a model-dtype cache
-    def rope_run() -> torch.Tensor:
+    def run() -> Outputs:
         q, k, v = split(qkv.clone())
-        c, plain = cache(), plain_cache()
-        rope_kv_write(q, k, v, positions, cos, sin, slots, c)
+        int8, plain = caches()
+        rope_kv_write(q, k, v, positions, cos, sin, slots, int8)
         _, k_view, v_view = split(qkv)
         kv_write(k_view, v_view, slots, plain)
-        return flat(q, c.k, c.v_scale, *plain)
+        return q, *dequantized(int8), *plain
 
-    def rope_reference() -> torch.Tensor:
+    def reference() -> Outputs:
         q, k, v = split(qkv.clone())
-        c, plain = cache(), plain_cache()
-        q, _ = rope_kv_write_reference(q, k, v, positions, cos, sin, slots, c)
+        int8, plain = caches()
+        q, _ = rope_kv_write_reference(q, k, v, positions, cos, sin, slots, int8)
         rope_kv_write_reference(*split(qkv), positions, cos, sin, slots, plain, rotate=False)
-        return flat(q, c.k, c.v_scale, *plain)
+        return q, *dequantized(int8), *plain
 
-    return {
-        _kernel("add_rms_norm", dtype): (
-            lambda: add_rms_norm(x.clone(), branch, weight, 1e-6),
-            lambda: add_rms_norm_reference(x, branch, weight, 1e-6)[1],
-        ),
-        _kernel("rope_kv_write", dtype): (rope_run, rope_reference),
-        _kernel("silu_and_mul", dtype): (
-            lambda: silu_and_mul(gate_up),
-            lambda: silu_and_mul_reference(gate_up),
-        ),
-    }
+    rotated = RowBound.rounding(dtype, output=2)
+    # a slot's head: each value within one quantization step (1/127 of the row's largest)
+    quantized = RowBound(torch.finfo(dtype).eps, 1.5 / 127)
+    copied = RowBound.rounding(dtype, output=0)  # kv_write copies: exact
+    bounds = (rotated, quantized, quantized, copied, copied)
+    return CheckCase(
+        run, reference, bounds, f"{tokens} tokens, {heads}/{kv_heads} heads of {head_dim}"
+    )
+
+
+def fused_checks(
+    device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[str, Callable[[], bool]]]:
+    """The start-up check suite (`check_child`): per kernel, all its cases pass."""
+    for name, cases in check_cases(device, dtype).items():
+
+        def check(name: str = name, cases: tuple[CheckCase, ...] = cases) -> bool:
+            return all(
+                passes_check(name, case.run, case.reference, case.bound, f"fused {case.label}")
+                for case in cases
+            )
+
+        yield name, check
 
 
 def check_fused_ops(device: torch.device, dtype: torch.dtype) -> set[str]:
-    """Run each fused kernel once against its reference; -> the names of those that pass (the
-    others are logged, by name, as turned off)."""
-    passed = set()
-    for name, (run, reference) in check_cases(device, dtype).items():
-        if passes_check(name, run, reference, TOLERANCES.get(dtype, 1e-2)):
-            passed.add(name)
-    return passed
+    """Run each fused kernel's checks against its reference (on a CUDA device, in a child
+    process first: a kernel that faults there is turned off, not run here); -> the names of
+    those that pass (the others are logged, by name, as turned off)."""
+    isolate = device.type == "cuda"
+    return set(checked_names(fused_checks, (device, dtype), isolate, label="fused kernels'"))

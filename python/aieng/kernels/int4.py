@@ -260,6 +260,13 @@ def group_shift(weights: Int4Weights) -> int:
     return weights.group_size.bit_length() - 1
 
 
+def kernel_args(x: torch.Tensor, weights: Int4Weights, y: torch.Tensor) -> list:
+    """Every INT4 kernel's arguments, in order: x (M, K), qweight, scale_zero, y (M, N), M, N, K
+    and the group shift."""
+    m, n, k = x.shape[0], weights.out_features, weights.in_features
+    return [x, weights.qweight, weights.scale_zero, y, m, n, k, group_shift(weights)]
+
+
 def sm_count(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNTS:
@@ -292,7 +299,6 @@ def int4_matmul(
         raise KernelError(f"int4_matmul: out must be a contiguous ({m}, {n}) {x.dtype} tensor")
     if m:
         launch = launch_for(path, m, weights, x.dtype, sm_count(x.device))
-        args = [flat, weights.qweight, weights.scale_zero, y, m, n, k]
-        args.append(group_shift(weights))
+        args = kernel_args(flat, weights, y)
         load_module(launch.source).launch(launch.kernel, launch.grid, launch.block, args)
     return y.view(*x.shape[:-1], n)

@@ -165,6 +165,19 @@ class KernelModule:
             )
         _check(result, "cuLaunchKernel", kernel)
 
+    def max_active_ctas(self, kernel: str, threads: int, shared_mem: int = 0) -> int:
+        """CTAs of `kernel` (`threads` threads, `shared_mem` bytes of dynamic shared memory)
+        that one SM of this device holds at once: the driver's occupancy calculator."""
+        driver = _driver()
+        function = self.function(kernel)
+        query = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor
+        result, ctas = query(function, threads, shared_mem)
+        if result == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:  # a thread torch never used
+            self._make_current(kernel)
+            result, ctas = query(function, threads, shared_mem)
+        _check(result, "cuOccupancyMaxActiveBlocksPerMultiprocessor", kernel)
+        return int(ctas)
+
 
 _MODULES: dict[tuple[str, tuple[str, ...], int], KernelModule] = {}
 

@@ -28,12 +28,10 @@ HEADS_PER_CTA = (1, 2, 4, 8)  # the decode kernel's HG instantiations
 PREFILL_BLOCK_M = 64  # queries per prefill CTA, kBM in the kernel
 PREFILL_THREADS = 128
 # Split-K: a split holds at least this many positions (fewer would spend more time combining
-# than reading), there are at most MAX_SPLITS, and splitting stops once the grid gives every SM
-# about WAVES CTAs (a decode CTA has up to 16 KB of K/V loads in flight; three per SM cover
-# HBM's latency).
+# than reading) and there are at most MAX_SPLITS; within that, a batch that leaves CTA slots
+# free is split until its grid fills one wave of them (cuda/README.md, "Attention kernels").
 MIN_SPLIT_TOKENS = 256
-MAX_SPLITS = 64
-WAVES = 3
+MAX_SPLITS = 128
 
 
 def check_supported(dtype: torch.dtype, head_dim: int) -> None:
@@ -105,12 +103,18 @@ class SplitPlan:
     split_tokens: int
 
 
-def choose_splits(base_ctas: int, longest: int, num_sms: int, tile: int) -> SplitPlan:
-    """Split the context (flash-decoding) only when the batch alone leaves the GPU idle:
-    base_ctas = requests x KV-head CTAs, longest = the most positions one query reads."""
-    if base_ctas < 1 or longest < 1 or num_sms < 1 or tile < 1:
-        raise KernelError(f"bad decode shape: {base_ctas=}, {longest=}, {num_sms=}, {tile=}")
-    wanted = math.ceil(WAVES * num_sms / base_ctas)
+def choose_splits(
+    base_ctas: int, longest: int, num_sms: int, tile: int, ctas_per_sm: int
+) -> SplitPlan:
+    """Split the context (flash-decoding) only when the batch alone leaves CTA slots idle:
+    base_ctas = requests x KV-head CTAs, longest = the most positions one query reads,
+    ctas_per_sm = the decode kernel's occupancy. The grid then holds at most one wave
+    (num_sms x ctas_per_sm CTAs): a second, partial wave would run alone at the end."""
+    if min(base_ctas, longest, num_sms, tile, ctas_per_sm) < 1:
+        raise KernelError(
+            f"bad decode shape: {base_ctas=}, {longest=}, {num_sms=}, {tile=}, {ctas_per_sm=}"
+        )
+    wanted = num_sms * ctas_per_sm // base_ctas
     splits = min(wanted, longest // MIN_SPLIT_TOKENS, MAX_SPLITS)
     if splits <= 1:
         return SplitPlan(1, longest)
