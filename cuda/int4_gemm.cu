@@ -3,8 +3,9 @@
 // layout, the launch parameters and the pure-PyTorch reference).
 //
 // Layout (as int4_gemv.cu): qweight (N, K / 2) uint8, byte j of row n = q[n, 2j] | q[n, 2j+1] << 4;
-// scale_zero (N, K / group_size, 2) float16 (scale, zero); w = (q - zero) * scale; K % 32 == 0
-// and group_size % 32 == 0, so a 32-wide k tile lies in one group.
+// scale_zero (N, K >> group_shift, 2) float16 (scale, zero); w = (q - zero) * scale; K % 32 == 0
+// and the group size a power of two >= 32 (or one group per row), so a 32-wide k tile lies in
+// one group, found by shift.
 //
 // A block of 128 threads computes a 64 x 64 tile of y. Per k tile of 32: the x tile (64 x 32) is
 // copied to shared memory with 128-bit loads; each thread reads 8 packed bytes (16 weights of
@@ -30,14 +31,14 @@ template <typename T>
 __device__ __forceinline__ void int4_gemm(const T* __restrict__ x,
                                           const unsigned char* __restrict__ qweight,
                                           const unsigned* __restrict__ scale_zero,
-                                          T* __restrict__ y, int M, int N, int K, int group_size) {
+                                          T* __restrict__ y, int M, int N, int K, int group_shift) {
   __shared__ __align__(16) unsigned short x_tile[kBlockM * kStride];
   __shared__ __align__(16) unsigned short w_tile[kBlockN * kStride];
   const int m0 = blockIdx.y * kBlockM, n0 = blockIdx.x * kBlockN;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int group = lane / 4, quad = lane % 4;  // the mma fragment coordinates
   const int warp_m = (warp / 2) * 32, warp_n = (warp % 2) * 32;
-  const int groups = K / group_size;
+  const int groups = ((K - 1) >> group_shift) + 1;  // K itself: one group
 
   float acc[2][4][4];
 #pragma unroll
@@ -67,7 +68,7 @@ __device__ __forceinline__ void int4_gemm(const T* __restrict__ x,
       if (wn < N) {
         packed = *reinterpret_cast<const uint2*>(qweight + static_cast<size_t>(wn) * (K / 2) +
                                                  k0 / 2 + w_half * 8);
-        const unsigned sz = scale_zero[static_cast<size_t>(wn) * groups + k0 / group_size];
+        const unsigned sz = scale_zero[static_cast<size_t>(wn) * groups + (k0 >> group_shift)];
         scale = low_to_float(sz, f16_t{});
         zero = high_to_float(sz, f16_t{});
       }
@@ -127,13 +128,13 @@ __device__ __forceinline__ void int4_gemm(const T* __restrict__ x,
 extern "C" __global__ void __launch_bounds__(128, 2)
     int4_gemm_f16(const f16_t* __restrict__ x, const unsigned char* __restrict__ q,
                   const unsigned* __restrict__ sz, f16_t* __restrict__ y, int M, int N, int K,
-                  int group_size) {
-  int4_gemm<f16_t>(x, q, sz, y, M, N, K, group_size);
+                  int group_shift) {
+  int4_gemm<f16_t>(x, q, sz, y, M, N, K, group_shift);
 }
 
 extern "C" __global__ void __launch_bounds__(128, 2)
     int4_gemm_bf16(const bf16_t* __restrict__ x, const unsigned char* __restrict__ q,
                    const unsigned* __restrict__ sz, bf16_t* __restrict__ y, int M, int N, int K,
-                   int group_size) {
-  int4_gemm<bf16_t>(x, q, sz, y, M, N, K, group_size);
+                   int group_shift) {
+  int4_gemm<bf16_t>(x, q, sz, y, M, N, K, group_shift);
 }

@@ -62,7 +62,8 @@ ARCHS = (80, 90)
 # Register budget per kernel (fnmatch pattern on its extern "C" name): a kernel over its budget,
 # or one that matches no pattern, fails. Adding a kernel is one line here.
 REGISTER_BUDGETS: dict[str, int] = {
-    "int4_gemv_*": 168,  # M_TILE 16: 16 rows of float32 accumulators and dot products
+    "int4_gemv_*f16_m*": 128,  # tensor cores: 2 CTAs of 256 threads per SM (__launch_bounds__)
+    "int4_gemv_f32_*": 168,  # M_TILE 16: 16 rows of float32 accumulators and dot products
     "int4_gemm_*": 128,
     "add_rms_norm_*": 48,
     "rope_kv_write_*": 64,

@@ -54,12 +54,16 @@ from aieng.kernels.int4 import (
     GEMM_TILE,
     GEMV_ROWS,
     GEMV_THREADS,
+    MMA_CTAS_PER_SM,
+    MMA_ROWS,
+    MMA_THREADS,
     choose_path,
     dequantize_weights,
     from_packed,
     gemm_launch,
     gemv_launch,
     gemv_reference,
+    gemv_tile,
     reference_matmul,
     repack,
     unpack,
@@ -113,14 +117,20 @@ def test_repack_round_trip(group: int, n: int, k: int) -> None:
 
 def test_repack_refuses_what_the_kernels_cannot_read() -> None:
     q, scales, zeros = random_int4(4, 64, 32)
-    with pytest.raises(KernelError, match="multiples of 32"):
+    with pytest.raises(KernelError, match="power of two >= 32"):
         repack(q[:, :48], scales[:, :3], zeros[:, :3])  # group of 16
+    wide_q, wide_scales, wide_zeros = random_int4(4, 192, 96)
+    with pytest.raises(KernelError, match="power of two >= 32"):
+        repack(wide_q, wide_scales, wide_zeros)  # group of 96: not found by a shift
+    assert repack(wide_q, wide_scales[:, :1], wide_zeros[:, :1]).group_size == 192  # one group
     with pytest.raises(KernelError, match="float16's range"):
         repack(q, scales * 1e-6, zeros)  # subnormal in float16
     with pytest.raises(KernelError, match=r"\[0, 16\)"):
         repack(q + 1, scales, zeros)
     with pytest.raises(KernelError, match="integers"):
         repack(q, scales, zeros + 0.5)
+    with pytest.raises(KernelError, match=r"\[-128, 128\]"):
+        repack(q, scales, zeros + 200)  # bfloat16's 128 + z would round
 
 
 def quantized_layer(
@@ -166,46 +176,87 @@ def test_kernel_math_on_the_layout_matches_dequantize(group: int | None, symmetr
     assert error < 1e-5, error
 
 
-def simulate_gemv_coverage(m: int, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+def simulate_gemv_coverage(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> torch.Tensor:
     """Counts, per (x row, output row, K chunk), how often int4_gemv.cu's indexing visits it
     over the launch's grid and block (rows and x rows past the end are not stored)."""
-    launch = gemv_launch(m, n, k, dtype)
-    tile = int(launch.kernel.rsplit("_m", 1)[1])
-    rows = GEMV_ROWS[tile]
-    (grid_x, grid_y), (threads_x, threads_y) = launch.grid, launch.block
-    assert threads_x * threads_y == GEMV_THREADS and threads_x % 32 == 0
+    launch = gemv_launch(m, n, k, dtype, 32, sms)
+    tile = gemv_tile(m, dtype)
     visits = torch.zeros(m, n, k // CHUNK, dtype=torch.int32)
-    chunks = torch.arange(k // CHUNK)
-    for bx in range(grid_x):
-        for by in range(grid_y):
-            for ty in range(threads_y):
+    (grid_x, grid_y), (threads_x, threads_y) = launch.grid, launch.block
+    for by in range(grid_y):
+        x_rows = [by * tile + i for i in range(tile) if by * tile + i < m]
+        if dtype == torch.float32:  # CUDA cores: row groups of GEMV_ROWS rows, threads walk K
+            rows = GEMV_ROWS[tile]
+            assert threads_x * threads_y == GEMV_THREADS and threads_x % 32 == 0
+            for bx, ty, tx in itertools.product(range(grid_x), range(threads_y), range(threads_x)):
                 row0 = (bx * threads_y + ty) * rows
-                for tx in range(threads_x):
-                    mine = chunks[tx::threads_x]
-                    for r in range(rows):
-                        for mi in range(tile):
-                            if row0 + r < n and by * tile + mi < m:
-                                visits[by * tile + mi, row0 + r, mine] += 1
+                mine = list(range(tx, k // CHUNK, threads_x))
+                for row in range(row0, min(row0 + rows, n)):
+                    for xr in x_rows:
+                        visits[xr, row, mine] += 1
+            continue
+        # tensor cores: CTAs over 16-row blocks (grid-stride), warps over 128-k blocks, the
+        # four lanes t of a fragment row over its 32-k chunks; an MMA sums over all of them
+        assert (threads_x, threads_y) == (MMA_THREADS, 1)
+        for bx in range(grid_x):
+            for block in range(bx, -(-n // MMA_ROWS), grid_x):
+                out_rows = range(block * MMA_ROWS, min(block * MMA_ROWS + MMA_ROWS, n))
+                for warp in range(MMA_THREADS // 32):
+                    for k0 in range(warp * 128, k, 8 * 128):
+                        for t in range(4):
+                            if k0 // CHUNK + t < k // CHUNK:
+                                for xr in x_rows:
+                                    visits[xr, out_rows, k0 // CHUNK + t] += 1
     return visits
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k", "dtype", "kernel", "block"),
+    ("m", "n", "k", "dtype", "kernel", "grid", "block"),
     [
-        (1, 100, 4096, torch.bfloat16, "int4_gemv_bf16_m1", (128, 1)),
-        (2, 40, 1024, torch.float16, "int4_gemv_f16_m2", (32, 4)),
-        (3, 17, 2048, torch.float16, "int4_gemv_f16_m4", (64, 2)),
-        (9, 13, 96, torch.bfloat16, "int4_gemv_bf16_m16", (32, 4)),
-        (37, 9, 64, torch.float32, "int4_gemv_f32_m16", (32, 4)),
+        (1, 100, 4096, torch.bfloat16, "int4_gemv_bf16_m8", (4, 1), (256, 1)),  # 7 blocks, 2 each
+        (2, 40, 1024, torch.float16, "int4_gemv_f16_m8", (3, 1), (256, 1)),
+        (9, 13, 96, torch.bfloat16, "int4_gemv_bf16_m16", (1, 1), (256, 1)),
+        (37, 9, 160, torch.float16, "int4_gemv_f16_m16", (1, 3), (256, 1)),
+        (3, 17, 2048, torch.float32, "int4_gemv_f32_m4", (5, 1), (64, 2)),
+        (37, 9, 64, torch.float32, "int4_gemv_f32_m16", (3, 3), (32, 4)),
     ],
 )
-def test_gemv_launch_covers_every_weight_once(m, n, k, dtype, kernel, block) -> None:
-    launch = gemv_launch(m, n, k, dtype)
-    assert (launch.kernel, launch.block, launch.source) == (kernel, block, "int4_gemv")
-    visits = simulate_gemv_coverage(m, n, k, dtype)
+def test_gemv_launch_covers_every_weight_once(m, n, k, dtype, kernel, grid, block) -> None:
+    launch = gemv_launch(m, n, k, dtype, 32, num_sms=2)
+    assert (launch.kernel, launch.grid, launch.block) == (kernel, grid, block)
+    assert launch.source == "int4_gemv"
+    visits = simulate_gemv_coverage(m, n, k, dtype, sms=2)
     assert bool((visits == 1).all())
-    if m <= 16:  # one pass over the weights: a single tile of x rows
-        assert launch.grid[1] == 1
+
+
+def test_gemv_grid_is_one_wave_of_resident_ctas() -> None:
+    """Row blocks beyond what the SMs hold are walked by a grid-stride loop, not a new wave, and
+    every CTA walks the same number of them (the last CTA fewer)."""
+    small = gemv_launch(1, 4096, 4096, torch.float16, 128, num_sms=132)
+    assert small.grid == (4096 // MMA_ROWS, 1)  # 256 CTAs, all resident at once
+    for m, n in ((1, 14336), (1, 128256), (16, 14336), (16, 128256), (9, 28672)):
+        launch = gemv_launch(m, n, 4096, torch.bfloat16, 128, num_sms=132)
+        blocks, grid = -(-n // MMA_ROWS), launch.grid[0]
+        assert grid <= 132 * MMA_CTAS_PER_SM
+        per_cta = -(-blocks // grid)
+        assert (grid - 1) * per_cta < blocks <= grid * per_cta
+        assert per_cta == -(-blocks // (132 * MMA_CTAS_PER_SM))  # no more rounds needed
+    assert gemv_launch(1, 14336, 4096, torch.float16, 128, 132).grid == (224, 1)  # 4 blocks each
+    assert [gemv_tile(m, torch.float16) for m in (1, 5, 8, 9, 16, 40)] == [8, 8, 8, 16, 16, 16]
+    assert [gemv_tile(m, torch.float32) for m in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
+
+
+def test_gemv_variant_by_group() -> None:
+    """Groups of 128 or more, or one per row, are scaled after the MMA ("_g128")."""
+    names = {
+        (group, k): gemv_launch(3, 64, k, torch.bfloat16, group).kernel
+        for group, k in ((32, 4096), (64, 4096), (128, 4096), (256, 4096), (96, 96), (4096, 4096))
+    }
+    assert names[(32, 4096)] == names[(64, 4096)] == "int4_gemv_bf16_m8"
+    assert {names[key] for key in ((128, 4096), (256, 4096), (96, 96), (4096, 4096))} == {
+        "int4_gemv_bf16_m8_g128"
+    }
+    assert gemv_launch(3, 64, 4096, torch.float32, 128).kernel == "int4_gemv_f32_m4"
 
 
 def test_gemm_launch_tiles_the_output() -> None:
@@ -313,7 +364,7 @@ def test_nan_output_fails_the_check(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         quantized_layer_from(layer, method, 32)
     assert method.kernel == "dequant"
-    assert "int4_gemv_f16_m1 differs" in caplog.text and "int4_gemm_f16 differs" in caplog.text
+    assert "int4_gemv_f16_m8 differs" in caplog.text and "int4_gemm_f16 differs" in caplog.text
 
 
 def test_the_cuda_method_is_chosen_only_for_a_cuda_device(monkeypatch) -> None:

@@ -1,9 +1,9 @@
-"""aieng's CUDA kernels run on the CPU (issue 12), without a GPU: the sources of int4_gemv.cu and
-fused_ops.cu compiled with the host's C++ compiler over tests/cuda_host/emulate.h (a block's
-threads as std::threads, __syncthreads and warp shuffles as barriers), launched with the grids
-Python computes, against the pure-PyTorch references. This checks the kernels' indexing and
-arithmetic; the PTX itself (loads, conversions, mma) only runs on a GPU
-(tests/test_cuda_*_gpu.py). Skipped where no C++20 compiler is found."""
+"""aieng's CUDA kernels run on the CPU (issue 12), without a GPU: the sources of int4_gemv.cu,
+int4_gemm.cu and fused_ops.cu compiled with the host's C++ compiler over
+tests/cuda_host/emulate.h (a block's threads as std::threads, __syncthreads and warp shuffles
+as barriers), launched with the grids Python computes, against the pure-PyTorch references.
+This checks the kernels' indexing and arithmetic; the PTX itself (loads, conversions, mma) only
+runs on a GPU (tests/test_cuda_*_gpu.py). Skipped where no C++20 compiler is found."""
 
 from __future__ import annotations
 
@@ -24,12 +24,18 @@ from aieng.kernels.fused import (
     rope_kv_write_reference,
 )
 from aieng.kernels.int4 import (
+    DEFAULT_SMS,
+    ONE_GROUP_SHIFT,
     dequantize_weights,
     gemm_launch,
     gemv_launch,
     gemv_reference,
+    gemv_tile,
+    group_shift,
+    kernel_args,
     reference_matmul,
     repack,
+    staged_weights,
 )
 from aieng.layers.activation import silu_and_mul
 
@@ -92,33 +98,104 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize(
-    ("m", "n", "k", "group", "dt"),
-    [
-        (1, 9, 96, 32, "bf16"),
-        (2, 5, 1024, 128, "f32"),
-        (3, 17, 256, 64, "f16"),
-        (7, 6, 64, 32, "f32"),
-        (16, 5, 128, 32, "bf16"),
-        (21, 3, 160, 32, "f32"),  # more rows than a tile: two passes
-    ],
-)
-def test_int4_gemv(host_kernels, m, n, k, group, dt) -> None:
+def int4_case(m: int, n: int, k: int, group: int, dt: str, seed: int):
+    """Random asymmetric INT4 weights in the layout, x (M, K) and y poisoned with NaN."""
     dtype = DTYPES[dt]
-    generator = torch.Generator().manual_seed(m * n + k)
+    generator = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int32)
     scales = torch.rand(n, k // group, generator=generator) * 0.02 + 1e-3
     zeros = torch.randint(0, 16, (n, k // group), generator=generator).float()
     weights = repack(q, scales, zeros)
     x = torch.randn(m, k, generator=generator).to(dtype)
-    y = torch.full((m, n), float("nan"), dtype=dtype)
-    launch = gemv_launch(m, n, k, dtype)
-    args = [x, weights.qweight, weights.scale_zero, y, m, n, k, group]
-    host_kernels.launch(launch.kernel, launch.grid, launch.block, args)
+    return weights, x, torch.full((m, n), float("nan"), dtype=dtype)
+
+
+def run_gemv(host_kernels, x, weights, y, num_sms: int = DEFAULT_SMS) -> str:
+    m, k = x.shape
+    n = weights.out_features
+    launch = gemv_launch(m, n, k, x.dtype, weights.group_size, num_sms)
+    host_kernels.launch(launch.kernel, launch.grid, launch.block, kernel_args(x, weights, y))
+    return launch.kernel
+
+
+HALF_ULP = {"f16": 2**-11, "bf16": 2**-8}  # relative rounding of y to its dtype
+
+
+def row_errors(got: torch.Tensor, want: torch.Tensor, dt: str) -> torch.Tensor:
+    """Per row: the largest element error beyond y's own rounding, over the row's RMS (one
+    wrong element shows)."""
+    assert bool(torch.isfinite(got).all()), "an output element was never written"
+    want = want.double()
+    error = (got.double() - want).abs() - HALF_ULP[dt] * want.abs()
+    return error.amax(-1).clamp_min(0) / want.pow(2).mean(-1).sqrt().clamp_min(1e-30)
+
+
+# Every dispatched tensor-core variant (m8: M 1-8, m16: M 9-16, passes of 16 beyond; groups under
+# 128 and _g128), N not a multiple of the 16-row CTA step, K not a multiple of the 128-k warp
+# block or of the 2048-k step of the 8 warps (the masked tail step), groups 32/64/128/256.
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group"),
+    [
+        (1, 9, 96, 32),
+        (1, 5, 4096, 64),  # two full steps per warp, no tail
+        (2, 6, 3328, 128),  # full steps, then a tail step on some warps
+        (2, 40, 416, 32),
+        (3, 17, 256, 64),
+        (4, 33, 384, 128),
+        (5, 20, 160, 32),
+        (8, 16, 1152, 128),
+        (9, 7, 320, 64),
+        (12, 18, 640, 128),
+        (13, 9, 1024, 256),
+        (16, 23, 224, 32),
+        (21, 5, 128, 64),  # two passes of 16 rows
+    ],
+)
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_int4_gemv_tensor_cores(host_kernels, m, n, k, group, dt) -> None:
+    weights, x, y = int4_case(m, n, k, group, dt, seed=m * n + k)
+    kernel = run_gemv(host_kernels, x, weights, y, num_sms=1)  # the grid-stride loop runs
+    suffix = "_g128" if group >= 128 else ""  # scaled after the MMA, in float32
+    assert kernel == f"int4_gemv_{dt}_m{8 if m <= 8 else 16}{suffix}"
+    # The weights as the kernel makes them, multiplied exactly and summed in float32.
+    exact = x.double() @ staged_weights(weights, x.dtype).double().t()
+    assert float(row_errors(y, exact, dt).max()) < 1e-5  # float32 sums beyond y's rounding
+    bound = {"f16": 1e-3, "bf16": 6e-3}[dt]  # the GPU test's bound against float64
+    assert relative(y, reference_matmul(x.double(), weights)) < bound
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group"),
+    [(1, 9, 96, 32), (2, 5, 1024, 128), (3, 17, 256, 64), (7, 6, 64, 32), (21, 3, 160, 32)],
+)
+def test_int4_gemv_float32(host_kernels, m, n, k, group) -> None:
+    weights, x, y = int4_case(m, n, k, group, "f32", seed=m * n + k)
+    run_gemv(host_kernels, x, weights, y)
     exact = gemv_reference(x.float(), weights)  # the kernel's own algebra, in float32
-    bound = {"f32": 1e-6, "f16": 1e-3, "bf16": 6e-3}[dt]
-    assert relative(y, exact) < bound
-    assert relative(y, reference_matmul(x.double(), weights)) < max(bound, 1e-5)
+    assert relative(y, exact) < 1e-6
+    assert relative(y, reference_matmul(x.double(), weights)) < 1e-5
+
+
+@pytest.mark.parametrize(("m", "k", "dt"), [(3, 96, "bf16"), (11, 160, "f16")])
+def test_int4_gemv_one_group_per_row(host_kernels, m, k, dt) -> None:
+    """Per-channel scales: one group of K (not a power of two, the last 128-k block partly past
+    K) per row, scaled after the MMA."""
+    weights, x, y = int4_case(m, 10, k, k, dt, seed=4)
+    assert group_shift(weights) == ONE_GROUP_SHIFT
+    assert run_gemv(host_kernels, x, weights, y) == f"int4_gemv_{dt}_m{gemv_tile(m, x.dtype)}_g128"
+    exact = x.double() @ staged_weights(weights, x.dtype).double().t()
+    assert float(row_errors(y, exact, dt).max()) < 1e-5
+
+
+def test_int4_gemv_catches_one_wrong_weight(host_kernels) -> None:
+    """The per-row bound above fails when a single weight of the layout is wrong."""
+    weights, x, y = int4_case(2, 12, 256, 64, "f16", seed=9)
+    run_gemv(host_kernels, x, weights, y)
+    exact = x.double() @ staged_weights(weights, x.dtype).double().t()
+    assert float(row_errors(y, exact, "f16").max()) < 1e-5
+    weights.qweight[5, 77] ^= 0x80  # one nibble changed by 8
+    run_gemv(host_kernels, x, weights, y)
+    assert float(row_errors(y, exact, "f16").max()) > 1e-2
 
 
 @pytest.mark.parametrize(
@@ -142,8 +219,7 @@ def test_int4_gemm(host_kernels, m, n, k, group, dt) -> None:
     x = torch.randn(m, k, generator=generator).to(dtype)
     y = torch.full((m, n), float("nan"), dtype=dtype)
     launch = gemm_launch(m, n, dtype)
-    args = [x, weights.qweight, weights.scale_zero, y, m, n, k, group]
-    host_kernels.launch(launch.kernel, launch.grid, launch.block, args)
+    host_kernels.launch(launch.kernel, launch.grid, launch.block, kernel_args(x, weights, y))
     # the dequantized weights rounded to x's dtype, as the kernel stages them for the MMA
     staged = dequantize_weights(weights).to(dtype).double()
     assert relative(y, x.double() @ staged.t()) < (2e-3 if dt == "f16" else 1e-2)

@@ -19,7 +19,14 @@ from test_cuda_kernels_on_host import COMPILER, HostKernels, host_kernels  # noq
 from aieng.attention.cuda_self_check import RequestSpec, bounds, cuda_attention_checks
 from aieng.kernels.check_child import checked_names, screen_in_child
 from aieng.kernels.fused import fused_checks
-from aieng.kernels.int4 import DTYPE_NAMES, GEMM_DTYPES, Int4Weights, launch_for
+from aieng.kernels.int4 import (
+    DTYPE_NAMES,
+    GEMM_DTYPES,
+    GEMV_TILES,
+    Int4Weights,
+    kernel_args,
+    launch_for,
+)
 from aieng.kernels.self_check import disagreement
 from aieng.layers.linear import Linear
 from aieng.quantization.config import WeightScheme
@@ -118,10 +125,10 @@ def test_int4_method_checks_every_variant_of_the_host_built_kernels(
     launched: list[tuple[str, int]] = []
 
     def host_matmul(x: torch.Tensor, weights, path: str) -> torch.Tensor:
-        m, n, k = x.shape[0], weights.out_features, weights.in_features
+        m, n = x.shape[0], weights.out_features
         launch = launch_for(path, m, weights, x.dtype)
         y = torch.full((m, n), float("nan"), dtype=x.dtype)
-        args = [x.contiguous(), weights.qweight, weights.scale_zero, y, m, n, k, weights.group_size]
+        args = kernel_args(x.contiguous(), weights, y)
         host_kernels.launch(launch.kernel, launch.grid, launch.block, args)
         launched.append((launch.kernel, m))
         return y
@@ -133,7 +140,7 @@ def test_int4_method_checks_every_variant_of_the_host_built_kernels(
     layer = Linear(256, 40, dtype=dtype, methods=lambda prefix: method)
     quantized_layer_from(layer, method, 64)
     names = DTYPE_NAMES[dtype]
-    gemv = {f"int4_gemv_{names}_m{tile}" for tile in (1, 2, 4, 8, 16)}
+    gemv = {f"int4_gemv_{names}_m{tile}" for tile in GEMV_TILES[dtype]}
     gemm = {f"int4_gemm_{names}"} if dtype in GEMM_DTYPES else set()
     assert {kernel for kernel, _ in launched} == gemv | gemm
     assert {m for kernel, m in launched if kernel.endswith("_m16")} == {9, CHECK_MAX_M}
@@ -144,8 +151,15 @@ def test_int4_method_checks_every_variant_of_the_host_built_kernels(
 def test_variant_rows_name_each_dispatched_kernel() -> None:
     weights = Int4Weights(torch.zeros(64, 128, dtype=torch.uint8), torch.zeros(64, 4, 2), 64)
     assert variant_rows("gemv", torch.float16, weights) == {
-        "int4_gemv_f16_m1": (1,), "int4_gemv_f16_m2": (2,), "int4_gemv_f16_m4": (3, 4),
-        "int4_gemv_f16_m8": (5, 8), "int4_gemv_f16_m16": (9, CHECK_MAX_M),
+        "int4_gemv_f16_m8": (1, 8), "int4_gemv_f16_m16": (9, CHECK_MAX_M),
+    }  # fmt: skip
+    assert variant_rows("gemv", torch.float32, weights) == {
+        "int4_gemv_f32_m1": (1,), "int4_gemv_f32_m2": (2,), "int4_gemv_f32_m4": (3, 4),
+        "int4_gemv_f32_m8": (5, 8), "int4_gemv_f32_m16": (9, CHECK_MAX_M),
+    }  # fmt: skip
+    per_row = Int4Weights(weights.qweight, torch.zeros(64, 1, 2), 256)  # one group: _g128
+    assert variant_rows("gemv", torch.bfloat16, per_row) == {
+        "int4_gemv_bf16_m8_g128": (1, 8), "int4_gemv_bf16_m16_g128": (9, CHECK_MAX_M),
     }  # fmt: skip
     assert variant_rows("gemm", torch.float16, weights) == {"int4_gemm_f16": (1, CHECK_MAX_M)}
 
@@ -165,7 +179,7 @@ def test_the_engines_suites_run_in_a_child(caplog: pytest.LogCaptureFixture) -> 
         "add_rms_norm_bf16", "rope_kv_write_bf16", "silu_and_mul_bf16",
     }  # fmt: skip
     assert int4.passed == [] and set(int4.failed) == {
-        *(f"int4_gemv_f16_m{tile}" for tile in (1, 2, 4, 8, 16)), "int4_gemm_f16",
+        *(f"int4_gemv_f16_m{tile}" for tile in GEMV_TILES[torch.float16]), "int4_gemm_f16",
     }  # fmt: skip
     for name in (*fused.failed, *int4.failed):
         assert f"kernel {name} cannot run" in caplog.text

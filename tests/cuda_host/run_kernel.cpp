@@ -48,9 +48,13 @@ Call caller(void (*kernel)(T...)) {
 }
 
 #define KERNEL(NAME) {#NAME, caller(&NAME)}
-#define GEMV_TILES(DT) \
-  KERNEL(int4_gemv_##DT##_m1), KERNEL(int4_gemv_##DT##_m2), KERNEL(int4_gemv_##DT##_m4), \
-      KERNEL(int4_gemv_##DT##_m8), KERNEL(int4_gemv_##DT##_m16)
+// INT4 GEMV: tensor-core tiles for 16-bit x, CUDA-core tiles for float32.
+#define GEMV_MMA_TILES(DT)                                                                 \
+  KERNEL(int4_gemv_##DT##_m8), KERNEL(int4_gemv_##DT##_m16), KERNEL(int4_gemv_##DT##_m8_g128), \
+      KERNEL(int4_gemv_##DT##_m16_g128)
+#define GEMV_F32_TILES                                                                    \
+  KERNEL(int4_gemv_f32_m1), KERNEL(int4_gemv_f32_m2), KERNEL(int4_gemv_f32_m4),           \
+      KERNEL(int4_gemv_f32_m8), KERNEL(int4_gemv_f32_m16)
 #define FUSED(DT) KERNEL(add_rms_norm_##DT), KERNEL(rope_kv_write_##DT), KERNEL(silu_and_mul_##DT)
 
 #define DECODE(DT, KV, D)                                                                          \
@@ -63,7 +67,7 @@ Call caller(void (*kernel)(T...)) {
 
 int main(int argc, char** argv) {
   const std::map<std::string, Call> kernels = {
-      GEMV_TILES(f16), GEMV_TILES(bf16), GEMV_TILES(f32), KERNEL(int4_gemm_f16),
+      GEMV_MMA_TILES(f16), GEMV_MMA_TILES(bf16), GEMV_F32_TILES, KERNEL(int4_gemm_f16),
       KERNEL(int4_gemm_bf16), FUSED(f16),      FUSED(bf16),      FUSED(f32),
       ATTENTION(f16), ATTENTION(bf16)};
   if (argc < 7 || !kernels.count(argv[1])) {
