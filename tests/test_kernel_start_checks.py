@@ -85,9 +85,9 @@ def test_a_suite_that_cannot_start_turns_everything_off(caplog: pytest.LogCaptur
 # split more than twice: a 4k context, and a split with a window.
 SOME_CASES = ("decode int8 window, group 3", "prefill int8 window, two query tiles", "mixed step")
 EXTRA_CASES = {
-    "decode 4k, 16 splits": (2, 1, 64, 16, None, torch.bfloat16, False, 132, [(4095, 1)]),
+    "decode 4k, many splits": (2, 1, 64, 16, None, torch.bfloat16, False, (132, 4), [(4095, 1)]),
     "decode split with a window of 1000": (
-        4, 4, 64, 32, 1000, torch.float16, False, 132, [(2999, 1), (10, 1)]),
+        4, 4, 64, 32, 1000, torch.float16, False, (132, 4), [(2999, 1), (10, 1)]),
 }  # fmt: skip
 
 
@@ -99,13 +99,13 @@ def test_host_built_attention_kernels_pass_the_start_up_bounds(
 ) -> None:
     """The kernels as built, on the backend's own launches, within the start-up check's per-row
     bounds (a step with prefills: the prefill bound; decodes only: the decode one)."""
-    heads, kv_heads, head_dim, block_size, window, dtype, int8, num_sms, requests = {
+    heads, kv_heads, head_dim, block_size, window, dtype, int8, sms, requests = {
         **CASES,
         **EXTRA_CASES,
     }[case]
     specs = [RequestSpec(cached, new) for cached, new in requests]
     got, want, splits = run_step(
-        host_kernels, specs, heads, kv_heads, head_dim, block_size, window, dtype, int8, num_sms
+        host_kernels, specs, heads, kv_heads, head_dim, block_size, window, dtype, int8, *sms
     )
     if case in EXTRA_CASES:
         assert splits > 2
