@@ -77,9 +77,10 @@ def verify_and_sample(
     """logits (S, V) of the plan's logits rows; slots (S,) the slot of each; drafts (S,) the
     draft each row's sample is compared with (-1 on a request's last row); groups from
     `sampling_groups`; proposals: (rows, q (P, V)), the distributions the drafts of those
-    rows were drawn from (sampled, unseeded rows of a draft model). Returns the emitted tokens (flat, request after request; -1 on a
-    failed request's last), the count of each request (G,), their logprobs (rows index the
-    flat tokens) and {slot: cause} of failed requests. Records the taken tokens in `table`."""
+    rows were drawn from (sampled, unseeded rows of a draft model). Returns the emitted
+    tokens (flat, request after request; -1 on a failed request's last), the count of each
+    request (G,), their logprobs (rows index the flat tokens) and {slot: cause} of failed
+    requests. Records the taken tokens in `table`."""
     starts, sizes = groups
     if proposals is not None and len(proposals[0]):
         rows = np.asarray(proposals[0], np.int64)
