@@ -195,11 +195,11 @@ class DraftModel:
                 np.ones(len(going), np.int64),
                 table_rows[prop[going]],
             )
-            full = torch.zeros(
-                len(prop), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device
-            )
-            full[torch.from_numpy(going).to(self.device)] = hidden
-            logits = self.model.compute_logits(full)
+            if len(going) < len(prop):  # rows out of room keep a row of zeros
+                full = hidden.new_zeros(len(prop), hidden.shape[-1])
+                full[torch.from_numpy(going).to(self.device)] = hidden
+                hidden = full
+            logits = self.model.compute_logits(hidden)
         if not drafts:
             return {}
         stacked = np.stack(drafts, axis=1)  # (P, steps)
@@ -219,15 +219,16 @@ class DraftModel:
         self, logits: torch.Tensor, greedy: np.ndarray, temperature: torch.Tensor
     ) -> tuple[np.ndarray, torch.Tensor]:
         """One draft token per row: the argmax on greedy rows, else a draw from
-        q = softmax(logits / temperature); -> (tokens (P,), q (P, V))."""
+        q = softmax(logits / temperature); -> (tokens (P,), q (P, V); (P, 0) when all are
+        greedy)."""
         logits = logits.float()
         token = logits.argmax(dim=-1)
+        if greedy.all():
+            return token.cpu().numpy().astype(np.int64), logits[:, :0]
         safe = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
         q = torch.softmax(logits / safe[:, None], dim=-1)
-        if not greedy.all():
-            drawn = torch.multinomial(q, 1, generator=self.generator)[:, 0]
-            sampled = torch.from_numpy(~greedy).to(self.device)
-            token = torch.where(sampled, drawn, token)
+        drawn = torch.multinomial(q, 1, generator=self.generator)[:, 0]
+        token = torch.where(torch.from_numpy(~greedy).to(self.device), drawn, token)
         return token.cpu().numpy().astype(np.int64), q
 
     def _block_table(self, block_table: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
