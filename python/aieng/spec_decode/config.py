@@ -25,7 +25,7 @@ SHIPPED_DRAFT_NAME = "default-draft"
 SHIPPED_DRAFT_PATH = Path(__file__).resolve().parent.parent / "default_model" / "draft"
 # `--speculative-config draft`: the shipped draft with the k that measured best for it.
 SHIPPED_DRAFT_WORD = "draft"
-SHIPPED_DRAFT_TOKENS = 4
+SHIPPED_DRAFT_TOKENS = 2
 _KEYS = {
     "method": str,
     "model": str,
