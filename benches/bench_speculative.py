@@ -1,10 +1,12 @@
-"""Speculative decoding off against on (ngram prompt lookup), the bundled default model, one
-run: single stream on KJV prompts at temperature 0 and 0.8, a copy-heavy prompt (a passage,
-then its opening again: the output reproduces it), and 64 concurrent requests. Prints output
-tokens/s beside the figures that do not depend on the machine: acceptance rate (accepted /
-draft tokens) and tokens per target forward of a speculating request (1 + accepted / drafts).
+"""Speculative decoding off against on, the bundled default model, one run. `--method ngram`
+(prompt lookup): single stream on KJV prompts at temperature 0 and 0.8, a copy-heavy prompt (a
+passage, then its opening again: the output reproduces it), and 64 concurrent requests.
+`--method draft` (the draft model shipped beside the default model): single stream on KJV
+prompts at temperature 0 and 0.8. Prints output tokens/s beside the figures that do not depend
+on the machine: acceptance rate (accepted / draft tokens) and tokens per target forward of a
+speculating request (1 + accepted / drafts).
 
-    .venv/bin/python benches/bench_speculative.py [--k 4] [--max-tokens 96]
+    .venv/bin/python benches/bench_speculative.py [--method ngram|draft] [--k 4]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from aieng import LLM, SamplingParams
 from aieng.benchmarks.offline import machine
+from aieng.spec_decode.config import SHIPPED_DRAFT_NAME, SHIPPED_DRAFT_TOKENS
 
 KJV = [
     "And God said",
@@ -34,11 +37,16 @@ PASSAGE = (
 COPY = [f"{PASSAGE}\n\n{PASSAGE[:40]}", f"{PASSAGE}\n{PASSAGE}\n{PASSAGE[:60]}"]
 
 
-def scenarios(max_tokens: int) -> list[tuple[str, list[str], SamplingParams, bool]]:
+def scenarios(method: str, max_tokens: int) -> list[tuple[str, list[str], SamplingParams, bool]]:
     """(name, prompts, params, one request at a time)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=max_tokens, ignore_eos=True)
     batch = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    if method == "draft":
+        return [
+            ("single stream, KJV, T=0", KJV, greedy, True),
+            ("single stream, KJV, T=0.8", KJV, sampled, True),
+        ]
     return [
         ("single stream, KJV, T=0", KJV, greedy, True),
         ("single stream, KJV, T=0.8", KJV, sampled, True),
@@ -72,7 +80,10 @@ def measure(llm: LLM, prompts: list[str], params: SamplingParams, alone: bool) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--method", choices=("ngram", "draft"), default="ngram")
+    ap.add_argument(
+        "--k", type=int, help=f"num_speculative_tokens (ngram 4, draft {SHIPPED_DRAFT_TOKENS})"
+    )
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=2, help="runs of each, alternating (best kept)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -80,33 +91,40 @@ def main() -> None:
     ap.add_argument("--note", default="", help="e.g. that the machine was shared")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-              "prompt_lookup_min": 2}  # fmt: skip
-    engines = {"off": LLM(kv_cache_memory=1 << 26), "ngram": LLM(
+    method = args.method
+    if method == "draft":
+        args.k = args.k or SHIPPED_DRAFT_TOKENS
+        config = {"model": SHIPPED_DRAFT_NAME, "num_speculative_tokens": args.k}
+    else:
+        args.k = args.k or 4
+        config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+                  "prompt_lookup_min": 2}  # fmt: skip
+    engines = {"off": LLM(kv_cache_memory=1 << 26), method: LLM(
         kv_cache_memory=1 << 26, speculative_config=config)}  # fmt: skip
     rows = []
-    for name, prompts, params, alone in scenarios(args.max_tokens):
+    for name, prompts, params, alone in scenarios(method, args.max_tokens):
         for llm in engines.values():  # warm-up
             llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
         # Off and on alternate, best of --reps each: a shared machine's load hits both.
         off = on = None
         for _ in range(args.reps):
             o = measure(engines["off"], prompts, params, alone)
-            n = measure(engines["ngram"], prompts, params, alone)
+            n = measure(engines[method], prompts, params, alone)
             off = o if off is None or o["tok_s"] > off["tok_s"] else off
             on = n if on is None or n["tok_s"] > on["tok_s"] else on
         same = on.pop("token_ids") == off.pop("token_ids")
-        rows.append({"scenario": name, "off": off, "ngram": on, "identical": same})
+        rows.append({"scenario": name, "off": off, method: on, "identical": same})
+    what = "ngram" if method == "ngram" else f"the draft model {SHIPPED_DRAFT_NAME}"
     lines = [
-        f"Speculative decoding (ngram, k={args.k}) against plain decoding, the bundled default "
+        f"Speculative decoding ({what}, k={args.k}) against plain decoding, the bundled default "
         f"model, {args.threads} threads, best of {args.reps} alternating runs. {args.note}",
         "",
-        "| scenario | off tok/s | ngram tok/s | speed-up | off steps | ngram steps | acceptance "
-        "| tokens per forward | same tokens |",
+        f"| scenario | off tok/s | {method} tok/s | speed-up | off steps | {method} steps | "
+        "acceptance | tokens per forward | same tokens |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        off, on = r["off"], r["ngram"]
+        off, on = r["off"], r[method]
         acceptance = f"{on['acceptance']:.2f}" if on["acceptance"] is not None else "-"
         per_forward = (
             f"{on['tokens_per_forward']:.2f}" if on["tokens_per_forward"] is not None else "-"
@@ -120,11 +138,10 @@ def main() -> None:
     print(table)
     out = Path(args.out)
     info = machine(args.threads)
-    (out / "bench_speculative.json").write_text(
-        json.dumps({"machine": info, "rows": rows}, indent=1)
-    )
-    (out / "bench_speculative.md").write_text(
-        f"# bench_speculative\n\nMachine: {info['cpu']} ({info['cpu_features']}), "
+    stem = "bench_speculative" if method == "ngram" else "bench_speculative_draft"
+    (out / f"{stem}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    (out / f"{stem}.md").write_text(
+        f"# {stem}\n\nMachine: {info['cpu']} ({info['cpu_features']}), "
         f"{info['nproc']} cores, torch {info['torch']}.\n\n{table}\n"
     )
 

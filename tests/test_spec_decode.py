@@ -99,7 +99,7 @@ def with_proposer(llm: LLM, proposer) -> LLM:
         ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 1}, "unknown field 'lookup'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "lookup_min"),
-        ({"model": "draft", "num_speculative_tokens": 2}, "'model': a draft-model proposer"),
+        ({"method": "ngram", "model": "d", "num_speculative_tokens": 2}, "a draft model's"),
         ({"method": "ngram", "num_speculative_tokens": "4"}, "must be an integer"),
         ("ngram", "must be a JSON object"),
     ],

@@ -201,6 +201,17 @@ def test_exported_folder_is_the_best_heldout_checkpoint(tmp_path):
     assert loss.item() == pytest.approx(best_loss, abs=1e-4)
 
 
+def test_a_given_tokenizer_is_reused_byte_for_byte(trained, tmp_path):
+    """`--tokenizer FILE` (a draft model shares its target's tokenizer): no tokenizer is
+    trained; the folder's tokenizer.json is the given one."""
+    folder, _ = trained
+    given = folder / "model" / "tokenizer.json"
+    train_tiny(tmp_path, tokenizer=str(given), steps=2, eval_interval=2, checkpoint_interval=2)
+    assert (tmp_path / "model" / "tokenizer.json").read_bytes() == given.read_bytes()
+    with pytest.raises(ValueError, match=r"--tokenizer .*: no such file"):
+        train_tiny(tmp_path / "other", tokenizer=str(tmp_path / "missing.json"))
+
+
 def test_resume_without_state_is_a_clear_error(tmp_path):
     cfg = tiny_config(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"training_state\.pt"):

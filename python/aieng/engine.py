@@ -480,6 +480,7 @@ class LLMEngine:
         out = self.core.update(tokens, result.num_sampled)
         if self.speculation is not None:
             self._record_speculation(plan, result)
+            self.speculation.receive(result.drafts)
         outputs = failed + self._process(plan, out, result)
         if self.speculation is not None and self.speculation.wanted(self.core.num_running):
             self._propose(np.unique(out.slots))
@@ -503,7 +504,7 @@ class LLMEngine:
             room = seq.params.max_tokens - len(seq.token_ids) - 1
             if room > 0:
                 tokens = np.array(request.prompt_token_ids + seq.token_ids, np.int64)
-                asked.append((seq, ProposalRequest(seq.core_id, tokens, room)))
+                asked.append((seq, ProposalRequest(seq.core_id, tokens, room, slot)))
         drafts = self.speculation.propose([p for _, p in asked]) if asked else []
         for (seq, _), draft in zip(asked, drafts, strict=True):
             if draft:

@@ -245,8 +245,11 @@ class EngineArgs:
         None,
         "speculative decoding, as vLLM's dictionary (JSON on the command line): "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2}; optional "disable_by_batch_size": no drafts in a step with '
-        "more running requests than that. The output is exactly plain decoding's",
+        '"prompt_lookup_min": 2}, or a draft model sharing the tokenizer: {"model": '
+        '"path/to/draft", "num_speculative_tokens": 4} ("default-draft", or the flag\'s word '
+        "`draft`: the draft shipped with the default model); optional "
+        '"disable_by_batch_size": no drafts in a step with more running requests than that. '
+        "The output is exactly plain decoding's",
         default_text="off",
         check=spec_config.refusal,
         metavar="JSON",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aieng.config import ModelConfig
 from aieng.engine_args import DTYPES, EngineArgs, checkpoint_dtype
-from aieng.spec_decode.config import SpeculativeConfig
+from aieng.spec_decode.config import SpeculativeConfig, check_draft
 
 if TYPE_CHECKING:
     import torch
@@ -158,12 +158,24 @@ def create_engine_config(args: EngineArgs, tokenizer: Any = None) -> EngineConfi
             distributed_timeout_s=args.distributed_timeout_s,
             distributed_executor_backend=args.distributed_executor_backend,
         ),
-        speculative=(
-            SpeculativeConfig.from_dict(args.speculative_config)
-            if args.speculative_config is not None
-            else None
-        ),
+        speculative=_speculative(args, folder),
     )
+
+
+def _speculative(args: EngineArgs, folder: Path) -> SpeculativeConfig | None:
+    """The checked speculative_config; a draft model must share the target's tokenizer and
+    runs only without tensor parallelism."""
+    if args.speculative_config is None:
+        return None
+    spec = SpeculativeConfig.from_dict(args.speculative_config)
+    if spec.method == "draft_model" and spec.model is not None:
+        if args.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config: a draft model runs only without tensor parallelism "
+                f"(tensor_parallel_size {args.tensor_parallel_size}); use method 'ngram'"
+            )
+        check_draft(folder, spec.model)
+    return spec
 
 
 def _resolve_device(name: str) -> str:

@@ -30,10 +30,19 @@ class RowRules:
 
     grammar: Bitmask = None
     banned: Bitmask = None
+    # Draft tokens (rows, ids) drawn from the distributions (rows, q (P, V) float32): those
+    # rows are sampled by rejection against q (speculative decoding with a draft model).
+    draft_ids: Bitmask = None
+    draft_q: Bitmask = None
 
     def of_rows(self, keep: np.ndarray) -> RowRules:
         """The rules of rows `keep` only, renumbered 0..len(keep)-1."""
-        return RowRules(_rows_of(self.grammar, keep), _rows_of(self.banned, keep))
+        return RowRules(
+            _rows_of(self.grammar, keep),
+            _rows_of(self.banned, keep),
+            _rows_of(self.draft_ids, keep),
+            _rows_of(self.draft_q, keep),
+        )
 
 
 def sample_rows(
@@ -85,6 +94,10 @@ def _sample(
 ) -> tuple[np.ndarray, SampledLogprobs]:
     batch = table.batch(slots, rules.banned)
     batch.grammar_bitmask = rules.grammar
+    if rules.draft_ids is not None and rules.draft_q is not None:
+        device = logits.device
+        rows, ids = (torch.from_numpy(np.asarray(a, np.int64)).to(device) for a in rules.draft_ids)
+        batch.proposals = (rows, ids, torch.from_numpy(rules.draft_q[1]).to(device))
     return to_host(sampler(logits, batch))
 
 

@@ -37,6 +37,7 @@ from aieng.prompt_logprobs import PromptScorer
 from aieng.quantization.methods import describe_linear_kernels
 from aieng.runner_io import ModelRunnerOutput, NewSamplingRow, RunnerStep, SampledLogprobs
 from aieng.sampler import Sampler, SamplerOutput, SamplingTable
+from aieng.spec_decode.draft_model import DraftModel, StepResult
 from aieng.spec_decode.verify import draft_tokens, sampling_groups, verify_and_sample
 from aieng.step_plan import ForwardArrays, ForwardPlan
 
@@ -95,6 +96,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[KVCache] = []
         self.graphs = None
+        self.draft = _draft_model(config)  # draft_model speculation: the draft, beside
         if allocate_cache:
             self.initialize_cache(self.num_blocks_for(self.available_kv_cache_memory()))
 
@@ -112,6 +114,8 @@ class ModelRunner:
         self.kv_caches = self.kv_spec.allocate(
             self.num_blocks + pad_blocks, self.device, self.attention
         )
+        if self.draft is not None:  # its blocks are the target's, its scratch after them
+            self.draft.allocate(self.num_blocks + pad_blocks)
         self.load_times.kv_cache_s = time.perf_counter() - kv_start
         logger.info("%s", self.load_times.describe())
         logger.info(
@@ -132,7 +136,9 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        return self.kv_spec.block_bytes
+        """A KV block's bytes: the target's, and the draft model's where there is one."""
+        draft = self.draft.block_bytes if self.draft is not None else 0
+        return self.kv_spec.block_bytes + draft
 
     def available_kv_cache_memory(self) -> int:
         """Bytes this device gives the KV cache: config.cache.kv_cache_memory, or by default on
@@ -211,6 +217,8 @@ class ModelRunner:
         pooled = self.pooler.pool(plan, hidden) if self.pooler else None
         logits_indices = plan.logits_indices
         if len(logits_indices) == 0:  # only partial prefills this step
+            if self.draft is not None:  # the draft prefills the same chunks
+                self.draft.step(plan, block_tables, StepResult.none(), self.sampling)
             return ModelRunnerOutput.empty(scored, failed, pooled)
         rows = torch.from_numpy(np.asarray(logits_indices, np.int64)).to(self.device)
         logits = self.model.compute_logits(hidden[rows])  # (S, vocab)
@@ -220,20 +228,27 @@ class ModelRunner:
         banned = (plan.banned_rows, plan.banned_ids) if len(plan.banned_rows) else None
         rules = RowRules(plan.grammar_bitmask(), banned)  # masks computed while the model ran
         groups = sampling_groups(plan.sample_request_rows)  # rows with drafts have several
+        drafts = draft_tokens(plan, groups)
         tokens, counts, logprobs, sampling_failed = verify_and_sample(
             self.sampler,
             self.sampling,
             logits,
             slots,
-            draft_tokens(plan, groups),
+            drafts,
             groups,
             rules,
             self._to_host,
+            self.draft.proposals(plan, *groups, drafts) if self.draft is not None else None,
         )
         failed.update(sampling_failed)
         if failed:
             tokens[np.isin(np.repeat(slots[groups[0]], counts), list(failed))] = -1
+        proposed = None
+        if self.draft is not None:
+            settled = StepResult(groups[0], groups[1], counts, tokens)
+            proposed = self.draft.step(plan, block_tables, settled, self.sampling)
         return ModelRunnerOutput(
+            drafts=proposed,
             sampled_token_ids=tokens,
             num_sampled=counts,
             logprobs=logprobs,
@@ -354,6 +369,24 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         return int(total * utilization - (total - free) - activation_peak)
+
+
+def _draft_model(config: EngineConfig) -> DraftModel | None:
+    """The draft model of `draft_model` speculation (None for any other configuration)."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model" or spec.model is None:
+        return None
+    return DraftModel(
+        spec.model,
+        spec.num_speculative_tokens,
+        config.torch_device,
+        config.torch_dtype,
+        config.cache.block_size,
+        config.cache.kv_cache_dtype,
+        config.args.attention_backend,
+        config.scheduler.max_model_len,
+        config.scheduler.max_num_seqs,
+    )
 
 
 def _single_prompt_plan(

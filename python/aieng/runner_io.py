@@ -99,6 +99,8 @@ class ModelRunnerOutput:
     # requests end (finish reason "error"); a sampled row of theirs holds token -1.
     failed_slots: dict[int, str] = field(default_factory=dict)
     pooled: PooledEmbeddings | None = None  # embedding requests whose prompt is complete
+    # draft_model speculation: the draft model's proposals for the next step, by slot.
+    drafts: dict[int, list[int]] | None = None
 
     @classmethod
     def empty(

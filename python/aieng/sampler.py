@@ -66,6 +66,10 @@ class SamplingBatch:
     # token of those rows is masked before anything else, like a grammar.
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Speculative decoding with a draft distribution: rows (P,), their draft tokens (P,) and
+    # the distributions q (P, V) the drafts were drawn from; those rows take the draft with
+    # probability min(1, p/q), else a draw from norm(max(0, p - q)) (`rejection_sample`).
+    proposals: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -451,7 +455,28 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         if batch.seeded_rows is not None and batch.seeded_keys is not None:
             noise[batch.seeded_rows] = seeded_exponential(batch.seeded_keys, probs.shape[-1])
-        return exponential_race(probs, noise)
+        tokens = exponential_race(probs, noise)
+        if batch.proposals is not None:
+            rows, drafts, q = batch.proposals
+            uniform = torch.rand(len(rows), generator=self.generator, device=probs.device)
+            tokens[rows] = rejection_sample(probs[rows], q, drafts, uniform, noise[rows])
+        return tokens
+
+
+def rejection_sample(
+    p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, uniform: torch.Tensor, noise
+) -> torch.Tensor:
+    """Leviathan et al. / Chen et al.: p, q (P, V) the target's processed distribution and the
+    one each draft was drawn from; the draft (P,) is kept when uniform * q(draft) < p(draft)
+    (probability min(1, p/q)), else the token is drawn from norm(max(0, p - q)) by the
+    exponential race over `noise` (P, V). The result is distributed as p, whatever q is."""
+    p_draft = p.gather(1, drafts[:, None])[:, 0]
+    q_draft = q.gather(1, drafts[:, None])[:, 0]
+    accept = uniform * q_draft < p_draft
+    residual = exponential_race((p - q).clamp_min(0.0), noise)
+    # The residual is empty only where p <= q everywhere, i.e. p = q: the draft is then kept.
+    residual = torch.where(residual >= 0, residual, exponential_race(p, noise))
+    return torch.where(accept, drafts, residual)
 
 
 def allow_only(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

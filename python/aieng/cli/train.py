@@ -38,6 +38,11 @@ def add_train(commands) -> None:
         "--heldout-fraction", type=float, metavar="F",
         help="without --heldout: the last F of the documents (default: %(default)s)",
     )  # fmt: skip
+    p.add_argument(
+        "--tokenizer", metavar="FILE",
+        help="reuse this tokenizer.json instead of training one (a draft model shares its "
+        "target's tokenizer; --vocab-size is then the file's)",
+    )  # fmt: skip
     size = p.add_argument_group("model size")
     for name, help_text in (
         ("vocab_size", "BPE vocabulary size"),
@@ -90,7 +95,7 @@ def config_from_args(args: argparse.Namespace, data: str, heldout: str | None):
     given = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(TrainConfig)
-        if f.name not in ("data", "out", "heldout") and getattr(args, f.name) is not None
+        if f.name not in ("data", "out", "heldout") and getattr(args, f.name, None) is not None
     }
     return dataclasses.replace(defaults, **given)
 

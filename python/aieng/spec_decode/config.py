@@ -2,20 +2,33 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
      "prompt_lookup_min": 2}
+    {"model": "path/to/draft", "num_speculative_tokens": 4}   # method "draft_model"
+    {"model": "default-draft", ...}   # the draft shipped beside the default model
 
+On the command line the word `draft` is short for the shipped draft with its measured k.
+A draft must share its target's vocabulary and tokenizer (`check_draft`, at engine start).
 Importing this module does not import torch (the CLI reads it for `--speculative-config`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
+# The draft trained for the default model, shipped beside it, and its name in "model".
+SHIPPED_DRAFT_NAME = "default-draft"
+SHIPPED_DRAFT_PATH = Path(__file__).resolve().parent.parent / "default_model" / "draft"
+# `--speculative-config draft`: the shipped draft with the k that measured best for it.
+SHIPPED_DRAFT_WORD = "draft"
+SHIPPED_DRAFT_TOKENS = 2
 _KEYS = {
     "method": str,
+    "model": str,
     "num_speculative_tokens": int,
     "prompt_lookup_max": int,
     "prompt_lookup_min": int,
@@ -30,6 +43,7 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
+    model: str | None = None  # draft_model: the draft checkpoint's folder
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 0
@@ -41,8 +55,10 @@ class SpeculativeConfig:
         if reason is not None:
             raise ValueError(f"speculative_config {reason}")
         given = dict(value)
-        if "method" not in given and "model" in given:
-            given["method"] = given.pop("model")
+        if "model" in given:
+            given.setdefault("method", "draft_model")
+            if given["model"] == SHIPPED_DRAFT_NAME:
+                given["model"] = str(SHIPPED_DRAFT_PATH)
         return cls(**given)
 
 
@@ -50,19 +66,23 @@ def refusal(value: Any) -> str | None:
     """Why `value` is not a valid speculative_config (None when it is): the EngineArgs check."""
     if not isinstance(value, dict):
         return f"must be a JSON object, got {value!r}"
-    if "model" in value:
-        return "'model': a draft-model proposer is not available yet; use {'method': 'ngram', ...}"
     unknown = sorted(set(value) - set(_KEYS))
     if unknown:
         return f"has unknown field {unknown[0]!r} (known: {', '.join(sorted(_KEYS))})"
     for key, kind in _KEYS.items():
         if key in value and (not isinstance(value[key], kind) or isinstance(value[key], bool)):
             return f"'{key}' must be {'a string' if kind is str else 'an integer'}"
-    method = value.get("method")
+    method = value.get("method", "draft_model" if "model" in value else None)
     if method is None:
-        return "needs 'method' (one of: " + ", ".join(METHODS) + ")"
+        return "needs 'method' (one of: " + ", ".join(METHODS) + ") or a draft 'model'"
     if method not in METHODS:
         return f"'method' {method!r} is unknown (one of: {', '.join(METHODS)})"
+    if (method == "draft_model") != ("model" in value):
+        return (
+            "'method' draft_model needs 'model' (the draft's folder)"
+            if method == "draft_model"
+            else f"'model' is a draft model's field; method {method!r} takes none"
+        )
     k = value.get("num_speculative_tokens")
     if k is None:
         return "needs 'num_speculative_tokens'"
@@ -79,7 +99,10 @@ def refusal(value: Any) -> str | None:
 
 
 def parse_json(text: str) -> dict[str, Any]:
-    """The `--speculative-config` flag's JSON text -> a dictionary (ValueError otherwise)."""
+    """The `--speculative-config` flag's JSON text -> a dictionary (ValueError otherwise); the
+    word `draft` is the shipped draft of the default model."""
+    if text.strip() == SHIPPED_DRAFT_WORD:
+        return {"model": SHIPPED_DRAFT_NAME, "num_speculative_tokens": SHIPPED_DRAFT_TOKENS}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
@@ -87,3 +110,43 @@ def parse_json(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"must be a JSON object, got {text}")
     return value
+
+
+def check_draft(target: str | Path, draft: str | Path) -> None:
+    """Refuses (ValueError, by name) a draft that cannot propose for `target`: a missing
+    folder, another vocabulary size, another tokenizer (vocabulary, merges or added tokens)."""
+    target, draft = Path(target), Path(draft)
+    if not (draft / "config.json").is_file():
+        raise ValueError(f"speculative_config 'model': no checkpoint (config.json) in {draft}")
+    sizes = [_vocab_size(folder) for folder in (target, draft)]
+    if sizes[0] != sizes[1]:
+        raise ValueError(
+            f"speculative_config 'model': the draft's vocabulary has {sizes[1]} tokens, the "
+            f"target's {sizes[0]}; a draft must share its target's tokenizer"
+        )
+    hashes = [tokenizer_hash(folder) for folder in (target, draft)]
+    if hashes[0] != hashes[1]:
+        raise ValueError(
+            f"speculative_config 'model': the draft's tokenizer ({draft / 'tokenizer.json'}) "
+            f"differs from the target's ({target / 'tokenizer.json'}); a draft must share its "
+            "target's tokenizer"
+        )
+
+
+def tokenizer_hash(folder: Path) -> str:
+    """A hash of what tokenizes in a folder's tokenizer.json: its model (vocabulary, merges)
+    and added tokens."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"speculative_config 'model': no tokenizer.json in {folder}")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    wanted = {"model": data.get("model"), "added_tokens": data.get("added_tokens")}
+    return hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
+
+
+def _vocab_size(folder: Path) -> int:
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    if not isinstance(size, int):
+        raise ValueError(f"speculative_config 'model': no vocab_size in {folder / 'config.json'}")
+    return size

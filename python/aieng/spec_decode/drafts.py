@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from aieng.spec_decode.config import SpeculativeConfig
+from aieng.spec_decode.draft_proposer import DraftModelProposer
 from aieng.spec_decode.ngram import NgramProposer
 from aieng.spec_decode.proposer import ProposalRequest, Proposer
 from aieng.spec_decode.verify import sampling_groups
@@ -39,6 +40,8 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
         return NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
+    if config.method == "draft_model":
+        return DraftModelProposer(config.num_speculative_tokens)
     raise ValueError(f"speculative_config: no proposer for method {config.method!r}")
 
 
@@ -51,6 +54,11 @@ class SpeculativeDecoding:
         self.num_accepted_tokens = 0
         self.accepted_per_position = np.zeros(config.num_speculative_tokens, np.int64)
         self._records: dict[str, _Record] = {}  # by request id, while it decodes
+
+    def receive(self, drafts: dict[int, list[int]] | None) -> None:
+        """A step's output's proposals from the device (the draft model's); no-op otherwise."""
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.receive(drafts)
 
     def wanted(self, num_running: int) -> bool:
         """Whether a step with `num_running` running requests speculates."""

@@ -21,6 +21,7 @@ class ProposalRequest:
     request_id: str
     token_ids: np.ndarray  # (L,) int64: the prompt, then the output so far
     max_tokens: int  # propose at most this many
+    slot: int = -1  # the request's row on the device (a draft model proposes by slot)
 
 
 class Proposer(Protocol):

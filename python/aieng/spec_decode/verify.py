@@ -16,7 +16,12 @@ When no row of the step has a penalty, bad words or its own seed — nothing tha
 the tokens taken before a position — every position is drawn in one sampler pass and the
 walk along the drafts runs on the host: the same draws, one pass instead of 1 + k.
 
-This is Leviathan et al.'s / Chen et al.'s rejection sampling with a point-mass proposal
+A draft model's drafts come with the distributions q they were drawn from (`proposals`): on
+those rows the sampler keeps the draft with probability min(1, p/q) and on rejection draws
+from norm(max(0, p - q)) (`aieng.sampler.rejection_sample`); the walk along the drafts is the
+same, since a rejected draft is never the token drawn (max(0, p - q) is 0 there).
+
+Without q, this is Leviathan et al.'s / Chen et al.'s rejection sampling with a point-mass proposal
 q = δ(draft): the draft is accepted with probability min(1, p(draft) / q(draft)) = p(draft),
 and on rejection the token comes from norm(max(0, p - q)) = p without the draft — the same
 as drawing x ~ p and comparing. Every emitted token is therefore distributed exactly as in
@@ -25,6 +30,8 @@ without speculation.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -65,13 +72,21 @@ def verify_and_sample(
     groups: tuple[np.ndarray, np.ndarray],
     rules: RowRules,
     to_host: ToHost,
+    proposals: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, SampledLogprobs, dict[int, str]]:
     """logits (S, V) of the plan's logits rows; slots (S,) the slot of each; drafts (S,) the
     draft each row's sample is compared with (-1 on a request's last row); groups from
-    `sampling_groups`. Returns the emitted tokens (flat, request after request; -1 on a
-    failed request's last), the count of each request (G,), their logprobs (rows index the
-    flat tokens) and {slot: cause} of failed requests. Records the taken tokens in `table`."""
+    `sampling_groups`; proposals: (rows, q (P, V)), the distributions the drafts of those
+    rows were drawn from (sampled, unseeded rows of a draft model). Returns the emitted
+    tokens (flat, request after request; -1 on a failed request's last), the count of each
+    request (G,), their logprobs (rows index the flat tokens) and {slot: cause} of failed
+    requests. Records the taken tokens in `table`."""
     starts, sizes = groups
+    if proposals is not None and len(proposals[0]):
+        rows = np.asarray(proposals[0], np.int64)
+        rules = dataclasses.replace(
+            rules, draft_ids=(rows, drafts[rows]), draft_q=(rows, proposals[1])
+        )
     if int(sizes.max(initial=1)) > 1 and not _depends_on_history(table, slots):
         return _verify_in_one_pass(sampler, table, logits, slots, drafts, groups, rules, to_host)
     num_groups = len(starts)

@@ -4,6 +4,7 @@ parser builds fast."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from aieng.train.model_shape import ModelShape
 
@@ -38,6 +39,7 @@ class TrainConfig:
     log_interval: int = 10
     threads: int = 0  # torch threads; 0 = all cores
     save_dtype: str = "float32"  # or bfloat16: halves the file
+    tokenizer: str | None = None  # a tokenizer.json to reuse instead of training one
 
     def shape(self, vocab_size: int) -> ModelShape:
         return ModelShape(
@@ -61,4 +63,6 @@ class TrainConfig:
             raise ValueError("--heldout-fraction must be in [0, 1)")
         if self.save_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--save-dtype must be float32 or bfloat16, got {self.save_dtype}")
+        if self.tokenizer is not None and not Path(self.tokenizer).is_file():
+            raise ValueError(f"--tokenizer {self.tokenizer}: no such file")
         self.shape(self.vocab_size).validate()

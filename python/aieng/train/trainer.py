@@ -224,7 +224,10 @@ def _tokenizer(cfg: TrainConfig, out: Path, docs: list[str], reuse: bool):
     path = out / "tokenizer.json"
     if reuse:
         return Tokenizer.from_file(str(path))
-    tokenizer = train_tokenizer(docs, cfg.vocab_size)
+    if cfg.tokenizer is not None:  # a given tokenizer (a draft shares its target's)
+        tokenizer = Tokenizer.from_file(cfg.tokenizer)
+    else:
+        tokenizer = train_tokenizer(docs, cfg.vocab_size)
     save_tokenizer(tokenizer, out, cfg.seq_len)
     return tokenizer
 
