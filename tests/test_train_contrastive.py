@@ -212,3 +212,12 @@ def _assert_parity(rows: np.ndarray, reference: np.ndarray) -> None:
         np.linalg.norm(rows, axis=1) * np.linalg.norm(reference, axis=1)
     )
     assert cosine.min() >= 0.9999, cosine
+
+
+def test_contrastive_run_resumes_exactly(tmp_path):
+    straight = train(contrastive_config(tmp_path / "a", steps=4, checkpoint_interval=2))
+    stopped_cfg = contrastive_config(tmp_path / "b", steps=4, checkpoint_interval=2)
+    train(stopped_cfg, stop_after=2)
+    resumed = train(stopped_cfg, resume=True)
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history]
+    _assert_parity(_aieng_embeddings(resumed.out, TEXTS), _aieng_embeddings(straight.out, TEXTS))
