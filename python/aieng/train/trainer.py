@@ -444,7 +444,8 @@ class _Progress:
         held = f" heldout {record['heldout_loss']:.3f}" if "heldout_loss" in record else ""
         line = (
             f"[{bar}] {step}/{self.cfg.steps} loss {record['loss']:.3f}{held} lr {lr:.2e} "
-            f"{units_per_s:,.0f} {self.unit}/s {_clock(elapsed)} elapsed, {_clock(left)} left"
+            f"{units_per_s:,.{0 if units_per_s >= 10 else 2}f} {self.unit}/s {_clock(elapsed)} "
+            f"elapsed, {_clock(left)} left"
         )
         if self.tty and not held:
             print("\r" + line, end="", file=self.stream, flush=True)
