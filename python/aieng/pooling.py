@@ -79,7 +79,11 @@ def sentence_transformers_pooling(folder: str | Path) -> PoolingParams | None:
         chosen = [_ST_MODES.get(str(config["pooling_mode"]), str(config["pooling_mode"]))]
     else:
         chosen = [method for flag, method in _ST_FLAGS.items() if config.get(flag)]
-        chosen += [k for k, v in config.items() if k.startswith("pooling_mode_") and v]
+        chosen += [
+            k
+            for k, v in config.items()
+            if k.startswith("pooling_mode_") and k not in _ST_FLAGS and v
+        ]
         chosen = list(dict.fromkeys(chosen))
     if len(chosen) != 1 or chosen[0] not in POOLING_METHODS:
         raise ValueError(

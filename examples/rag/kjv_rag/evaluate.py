@@ -2,11 +2,15 @@
 5 and 10 of dense, BM25 and hybrid retrieval (a hit: a retrieved chunk holds the verse); then the
 whole pipeline on some of them against an aieng server, with p50/p99 latency per step.
 
+Dense retrieval is measured with the bundled model's mean-pooled states (the embedder the
+service uses) and, with `--biencoder DIR`, with a bi-encoder trained by `aieng train --objective
+contrastive` (its own pooling files), each alone and fused with BM25.
+
 A question is a verse's words with about a third of its content words dropped and two
 neighbouring words swapped (seeded), so it shares the verse's vocabulary but not its wording.
 
     cd examples/rag && PYTHONPATH=.:../../python python -m kjv_rag.evaluate \
-        --out ../../benches/results/rag_evaluation.md
+        --biencoder /path/to/kjv-biencoder --out ../../benches/results/rag_evaluation.md
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from kjv_rag.aieng_server import aieng_server, served_model
 from kjv_rag.app import build_pipeline
 from kjv_rag.chunks import load_verses, verse_windows
 from kjv_rag.conversation import Conversation
-from kjv_rag.embedder import ServerEmbedder
+from kjv_rag.embedder import AiengEmbedder, ServerEmbedder
 from kjv_rag.index import HybridIndex
 from kjv_rag.steps import STOPWORDS, RagContext
 
@@ -54,7 +58,8 @@ def make_questions(verses, count: int, seed: int = 0) -> list[Question]:
     return questions
 
 
-def recall(index: HybridIndex, embedder: ServerEmbedder, questions: list[Question]) -> dict:
+def recall(index: HybridIndex, embedder, questions: list[Question]) -> dict:
+    """{"dense" | "bm25" | "hybrid": {k: recall@k}} of `index` (embedded by `embedder`)."""
     vectors = embedder.embed([q.text for q in questions])
     depth = max(KS)
     found: dict[str, list[int]] = {"dense": [], "bm25": [], "hybrid": []}
@@ -68,6 +73,18 @@ def recall(index: HybridIndex, embedder: ServerEmbedder, questions: list[Questio
             ranks = [r for r, h in enumerate(hits) if q.verse in index.chunks[h.chunk].verses]
             found[name].append(ranks[0] if ranks else depth)
     return {name: {k: float(np.mean(np.asarray(r) < k)) for k in KS} for name, r in found.items()}
+
+
+def biencoder_recall(folder: str, verses, questions: list[Question], stack) -> dict:
+    """Dense and hybrid recall with the bi-encoder's own index (embedded in this process)."""
+    encoder = AiengEmbedder(folder, pooling=None)
+    stack.callback(encoder.close)
+    index = HybridIndex.build(
+        stack.enter_context(tempfile.TemporaryDirectory()), verse_windows(verses), encoder
+    )
+    stack.callback(index.close)
+    rows = recall(index, encoder, questions)
+    return {f"{name} (KJV bi-encoder)": rows[name] for name in ("dense", "hybrid")}
 
 
 async def step_latencies(pipeline, questions: list[Question]) -> dict[str, list[float]]:
@@ -87,6 +104,10 @@ def main() -> None:
     parser.add_argument("--index", default=None, help="an index folder (built if missing)")
     parser.add_argument("--port", type=int, default=8111)
     parser.add_argument("--out", default=None, help="write the markdown table here")
+    parser.add_argument(
+        "--biencoder", default=None, help="a bi-encoder folder (aieng train --objective "
+        "contrastive) measured beside the bundled model's embeddings",
+    )  # fmt: skip
     args = parser.parse_args()
     verses = load_verses(EVAL_BOOKS)
     questions = make_questions(verses, args.questions)
@@ -99,7 +120,12 @@ def main() -> None:
         else:
             index = HybridIndex.build(folder, verse_windows(verses), embedder)
         stack.callback(index.close)
-        table = recall(index, embedder, questions)
+        table = {
+            f"{name}{' (aieng-kjv-6m, mean-pooled)' if name != 'bm25' else ''}": row
+            for name, row in recall(index, embedder, questions).items()
+        }
+        if args.biencoder:
+            table.update(biencoder_recall(args.biencoder, verses, questions, stack))
         pipeline = build_pipeline(index, embedder, url, served_model(url), answer_tokens=64)
         latencies = asyncio.run(step_latencies(pipeline, questions[: args.pipeline_questions]))
         num_chunks = len(index.chunks)
@@ -110,9 +136,16 @@ def main() -> None:
         "",
         f"Machine: {info['cpu']} ({info['cpu_features']}), {info['nproc']} CPUs (shared with "
         "other work while "
-        "measured). Embedder: the bundled aieng-kjv-6m model, mean-pooled final hidden states "
-        "through `POST /v1/embeddings`; Qdrant embedded (exact search), BM25 (bm25s), hybrid = "
-        "reciprocal rank fusion.",
+        "measured). Embedders: the bundled aieng-kjv-6m model, mean-pooled final hidden states "
+        "through `POST /v1/embeddings`"
+        + (
+            f"; the KJV bi-encoder `{args.biencoder}` (`aieng train --objective contrastive`, "
+            "its own pooling files) through `LLM.embed`"
+            if args.biencoder
+            else ""
+        )
+        + "; Qdrant embedded (exact search), BM25 (bm25s), hybrid = reciprocal rank fusion. "
+        "The pipeline runs with the bundled model's embeddings.",
         "",
         "| retrieval | recall@1 | recall@5 | recall@10 |",
         "|---|---|---|---|",

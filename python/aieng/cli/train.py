@@ -10,12 +10,12 @@ from aieng.cli.common import positive_int
 
 
 def add_train(commands) -> None:
-    from aieng.train.config import TrainConfig
+    from aieng.train.config import CONTRASTIVE_POOLING, OBJECTIVES, TrainConfig
 
     d = TrainConfig(data="", out="")
     p = commands.add_parser(
         "train",
-        help="train a small Llama from scratch on a text corpus",
+        help="train a small Llama (a language model, or a bi-encoder) on a text corpus",
         description="Train a byte-level BPE tokenizer and a Llama-architecture causal LM from "
         "scratch on a plain-text corpus (documents separated by blank lines), writing a Hugging "
         "Face folder that transformers and aieng load: with held-out text, the checkpoint with "
@@ -42,6 +42,37 @@ def add_train(commands) -> None:
         "--tokenizer", metavar="FILE",
         help="reuse this tokenizer.json instead of training one (a draft model shares its "
         "target's tokenizer; --vocab-size is then the file's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--init-from", metavar="DIR",
+        help="start from this Llama checkpoint (its shape, tokenizer and weights; the model "
+        "size options are then ignored); 'default': the bundled default model",
+    )  # fmt: skip
+    objective = p.add_argument_group(
+        "objective",
+        "causal: next-token prediction (a language model). contrastive: a bi-encoder for "
+        "embeddings, in-batch negatives InfoNCE on (query, passage) pairs built from the "
+        "corpus: a verse with words dropped as the query, the window of --pair-window lines "
+        "holding it as the passage, another window of its chapter as a hard negative; the "
+        "folder gets sentence-transformers' pooling files, so LLM.embed pools as trained.",
+    )
+    objective.add_argument(
+        "--objective", choices=OBJECTIVES, help=f"training objective ({d.objective})"
+    )
+    objective.add_argument(
+        "--pooling", choices=CONTRASTIVE_POOLING, help=f"contrastive pooling ({d.pooling})"
+    )
+    objective.add_argument(
+        "--temperature", type=float, help=f"contrastive softmax temperature ({d.temperature})"
+    )
+    _int_option(objective, "pair_window", d.pair_window, "lines in a contrastive passage")
+    objective.add_argument(
+        "--query-drop", type=float,
+        help=f"probability of dropping each word of a contrastive query ({d.query_drop})",
+    )  # fmt: skip
+    objective.add_argument(
+        "--no-hard-negatives", dest="hard_negatives", action="store_false", default=None,
+        help="contrastive: in-batch negatives only, no same-chapter hard negative",
     )  # fmt: skip
     size = p.add_argument_group("model size")
     for name, help_text in (
@@ -97,6 +128,10 @@ def config_from_args(args: argparse.Namespace, data: str, heldout: str | None):
         for f in dataclasses.fields(TrainConfig)
         if f.name not in ("data", "out", "heldout") and getattr(args, f.name, None) is not None
     }
+    if given.get("init_from") == "default":
+        from aieng.models.default import default_model_path
+
+        given["init_from"] = str(default_model_path())
     return dataclasses.replace(defaults, **given)
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from aieng.train.model_shape import ModelShape
 
+OBJECTIVES = ("causal", "contrastive")
+CONTRASTIVE_POOLING = ("mean", "last")
 # What `--resume` may change; every other setting comes from the saved run.
 RESUMABLE_OPTIONS = ("steps", "eval_interval", "checkpoint_interval", "log_interval", "threads")
 
@@ -40,6 +42,14 @@ class TrainConfig:
     threads: int = 0  # torch threads; 0 = all cores
     save_dtype: str = "float32"  # or bfloat16: halves the file
     tokenizer: str | None = None  # a tokenizer.json to reuse instead of training one
+    objective: str = "causal"  # or contrastive: a bi-encoder (see aieng.train.contrastive)
+    init_from: str | None = None  # a Llama checkpoint folder: its shape, tokenizer and weights
+    # contrastive only
+    pooling: str = "mean"  # how a text's final hidden states become its embedding
+    temperature: float = 0.05  # InfoNCE's softmax temperature (fixed)
+    pair_window: int = 3  # verses (lines) in a passage: the window holding the query's verse
+    query_drop: float = 0.3  # each word of the query's verse dropped with this probability
+    hard_negatives: bool = True  # one more passage per pair: another window of its chapter
 
     def shape(self, vocab_size: int) -> ModelShape:
         return ModelShape(
@@ -65,4 +75,16 @@ class TrainConfig:
             raise ValueError(f"--save-dtype must be float32 or bfloat16, got {self.save_dtype}")
         if self.tokenizer is not None and not Path(self.tokenizer).is_file():
             raise ValueError(f"--tokenizer {self.tokenizer}: no such file")
+        if self.tokenizer is not None and self.init_from is not None:
+            raise ValueError("--tokenizer and --init-from both name a tokenizer: give one")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}")
+        if self.pooling not in CONTRASTIVE_POOLING:
+            raise ValueError(f"--pooling must be one of {', '.join(CONTRASTIVE_POOLING)}")
+        if not 0 < self.temperature <= 1:
+            raise ValueError(f"--temperature {self.temperature} must be in (0, 1]")
+        if self.pair_window <= 0:
+            raise ValueError("--pair-window must be positive")
+        if not 0 <= self.query_drop < 1:
+            raise ValueError(f"--query-drop {self.query_drop} must be in [0, 1)")
         self.shape(self.vocab_size).validate()

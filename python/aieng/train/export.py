@@ -55,5 +55,53 @@ def export_checkpoint(
     write_json(out / "generation_config.json", generation_config)
 
 
+POOLING_FOLDER = "1_Pooling"
+_POOLING_FLAGS = {"mean": "pooling_mode_mean_tokens", "last": "pooling_mode_lasttoken"}
+
+
+def write_pooling_files(out: Path, hidden_size: int, pooling: str, max_seq_length: int) -> None:
+    """sentence-transformers' description of an embedding model beside the checkpoint:
+    modules.json (Transformer, Pooling, Normalize), 1_Pooling/config.json (one pooling mode) and
+    sentence_bert_config.json; aieng's `LLM.embed` and sentence-transformers both read them."""
+    if pooling not in _POOLING_FLAGS:
+        raise ValueError(f"pooling must be one of {', '.join(_POOLING_FLAGS)}, got {pooling!r}")
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": POOLING_FOLDER,
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
+    ]
+    flags = (
+        "pooling_mode_cls_token",
+        "pooling_mode_mean_tokens",
+        "pooling_mode_max_tokens",
+        "pooling_mode_mean_sqrt_len_tokens",
+        "pooling_mode_weightedmean_tokens",
+        "pooling_mode_lasttoken",
+    )
+    config = {
+        "word_embedding_dimension": hidden_size,
+        **{flag: flag == _POOLING_FLAGS[pooling] for flag in flags},
+        "include_prompt": True,
+    }
+    (out / POOLING_FOLDER).mkdir(exist_ok=True)
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    write_json(out / "modules.json", modules)
+    write_json(out / POOLING_FOLDER / "config.json", config)
+    write_json(
+        out / "sentence_bert_config.json",
+        {"max_seq_length": max_seq_length, "do_lower_case": False},
+    )
+
+
 def write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")

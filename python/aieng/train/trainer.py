@@ -11,26 +11,31 @@ Output folder layout:
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import torch
 
 from aieng.config import ModelConfig
 from aieng.models.llama import LlamaForCausalLM
+from aieng.models.loader import load_weights
 from aieng.train.bpe import EOS_TOKEN, IM_END, save_tokenizer, train_tokenizer
 from aieng.train.causal_lm import batch_logits, batch_loss, new_model, num_parameters
 from aieng.train.config import RESUMABLE_OPTIONS, TrainConfig
+from aieng.train.contrastive import ContrastiveObjective
 from aieng.train.corpus import read_documents
-from aieng.train.export import export_checkpoint, write_json
+from aieng.train.export import export_checkpoint, write_json, write_pooling_files
 
 STATE_FILE = "training_state.pt"
 LOG_FILE = "training_log.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclass
@@ -104,17 +109,17 @@ def _run(
 
     train_docs, held_docs = _documents(cfg)
     tokenizer = _tokenizer(cfg, out, train_docs, reuse=state is not None)
-    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    config_json, generation_config = _model_configs(cfg, tokenizer)
+    eos_id = config_json["eos_token_id"]
     train_ids = _encode(tokenizer, train_docs, eos_id)
     held_ids = _encode(tokenizer, held_docs, eos_id) if held_docs else None
-    if len(train_ids) <= cfg.seq_len + 1:
-        raise ValueError(
-            f"the training text has {len(train_ids)} tokens; --seq-len {cfg.seq_len} needs more"
-        )
-    shape = cfg.shape(tokenizer.get_vocab_size())
+    objective: _Objective
+    if cfg.objective == "contrastive":
+        objective = ContrastiveObjective(cfg, tokenizer, eos_id, train_docs, held_docs)
+    else:
+        objective = _CausalObjective(cfg, train_ids, held_ids)
     # config.json as exported, and the model built from it: one description of the model
-    config_json = shape.hf_config(bos_token_id=eos_id, eos_token_id=eos_id)
-    model = new_model(ModelConfig.from_dicts(config_json), shape.initializer_range)
+    model = _initial_model(cfg, config_json, fresh=state is None)
     optimizer = _optimizer(model, cfg)
     sampler = torch.Generator().manual_seed(cfg.seed)
     step, elapsed, history = 0, 0.0, []
@@ -127,25 +132,24 @@ def _run(
         best = state.get("best", _last_eval(history))
         print(f"resuming {out} at step {step}/{cfg.steps}", file=log)
     print(
-        f"model: {num_parameters(model) / 1e6:.2f}M parameters, {shape.num_hidden_layers} "
-        f"layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}; "
-        f"{len(train_ids):,} training tokens"
-        + (f", {len(held_ids):,} held-out" if held_ids is not None else ""),
+        f"model: {num_parameters(model) / 1e6:.2f}M parameters, "
+        f"{config_json['num_hidden_layers']} layers, hidden {config_json['hidden_size']}, "
+        f"vocab {config_json['vocab_size']}; {cfg.objective} objective; {objective.describe()}",
         file=log,
     )
-    eval_windows = _eval_windows(held_ids, cfg) if held_ids is not None else None
-    generation_config = _generation_config(tokenizer, eos_id)
 
     def export() -> None:
         export_checkpoint(out, model, config_json, generation_config, cfg.save_dtype)
+        if cfg.objective == "contrastive":
+            write_pooling_files(out, config_json["hidden_size"], cfg.pooling, cfg.seq_len)
 
     def save() -> None:
-        if eval_windows is None:
+        if not objective.has_heldout:
             export()
         extra = {"best": best}
         _save_state(state_path, model, optimizer, sampler, step, elapsed, history, cfg, extra)
 
-    progress = _Progress(cfg, log)
+    progress = _Progress(cfg, objective.units_per_step, objective.unit, log)
     loss_value = float("nan")
     model.train()
     last_step = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
@@ -153,8 +157,7 @@ def _run(
         started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        inputs, targets = _batch(train_ids, cfg, sampler)
-        loss = batch_loss(model, inputs, targets)
+        loss = objective.loss(model, sampler)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -163,8 +166,8 @@ def _run(
         elapsed += time.perf_counter() - started
         loss_value = loss.item()
         record: dict[str, float] = {"step": step, "loss": loss_value, "elapsed": elapsed}
-        if eval_windows is not None and (step % cfg.eval_interval == 0 or step == cfg.steps):
-            record["heldout_loss"] = evaluate(model, eval_windows, cfg.batch_size)
+        if objective.has_heldout and (step % cfg.eval_interval == 0 or step == cfg.steps):
+            record["heldout_loss"] = objective.heldout_loss(model)
             if best is None or record["heldout_loss"] < best["heldout_loss"]:
                 best = {"step": step, "heldout_loss": record["heldout_loss"]}
                 export()
@@ -208,6 +211,53 @@ def evaluate(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int) ->
 # ---------------------------------------------------------------------------------- pieces
 
 
+class _Objective(Protocol):
+    """What the loop trains: a loss per step, and a held-out loss when there is held-out data."""
+
+    unit: str  # what units_per_step counts, for the progress line
+    units_per_step: int
+
+    @property
+    def has_heldout(self) -> bool: ...
+
+    def describe(self) -> str: ...
+
+    def loss(self, model: LlamaForCausalLM, sampler: torch.Generator) -> torch.Tensor: ...
+
+    def heldout_loss(self, model: LlamaForCausalLM) -> float: ...
+
+
+class _CausalObjective:
+    """Next-token prediction over random windows of the training text."""
+
+    unit = "tok"
+
+    def __init__(self, cfg: TrainConfig, train_ids: torch.Tensor, held_ids: torch.Tensor | None):
+        if len(train_ids) <= cfg.seq_len + 1:
+            raise ValueError(
+                f"the training text has {len(train_ids)} tokens; --seq-len {cfg.seq_len} needs more"
+            )
+        self.cfg, self.train_ids, self.held_ids = cfg, train_ids, held_ids
+        self.units_per_step = cfg.batch_size * cfg.seq_len
+        self.windows = _eval_windows(held_ids, cfg) if held_ids is not None else None
+
+    @property
+    def has_heldout(self) -> bool:
+        return self.windows is not None
+
+    def describe(self) -> str:
+        held = "" if self.held_ids is None else f", {len(self.held_ids):,} held-out"
+        return f"{len(self.train_ids):,} training tokens{held}"
+
+    def loss(self, model: LlamaForCausalLM, sampler: torch.Generator) -> torch.Tensor:
+        inputs, targets = _batch(self.train_ids, self.cfg, sampler)
+        return batch_loss(model, inputs, targets)
+
+    def heldout_loss(self, model: LlamaForCausalLM) -> float:
+        assert self.windows is not None
+        return evaluate(model, self.windows, self.cfg.batch_size)
+
+
 def _documents(cfg: TrainConfig) -> tuple[list[str], list[str]]:
     docs = read_documents(cfg.data)
     if cfg.heldout:
@@ -219,10 +269,20 @@ def _documents(cfg: TrainConfig) -> tuple[list[str], list[str]]:
 
 
 def _tokenizer(cfg: TrainConfig, out: Path, docs: list[str], reuse: bool):
+    """The one of --init-from (its files copied to `out`), the --tokenizer file, or a new BPE
+    tokenizer trained on `docs`."""
     from tokenizers import Tokenizer
 
     path = out / "tokenizer.json"
     if reuse:
+        return Tokenizer.from_file(str(path))
+    if cfg.init_from:
+        source = Path(cfg.init_from)
+        if not (source / "tokenizer.json").is_file():
+            raise ValueError(f"--init-from {source}: no tokenizer.json")
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, out / name)
         return Tokenizer.from_file(str(path))
     if cfg.tokenizer is not None:  # a given tokenizer (a draft shares its target's)
         tokenizer = Tokenizer.from_file(cfg.tokenizer)
@@ -268,6 +328,53 @@ def _eval_windows(ids: torch.Tensor, cfg: TrainConfig) -> torch.Tensor | None:
         return None
     picks = torch.linspace(0, available - 1, min(cfg.eval_windows, available)).long().unique()
     return torch.stack([ids[i * span : (i + 1) * span] for i in picks.tolist()])
+
+
+def _model_configs(cfg: TrainConfig, tokenizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """-> (config.json, generation_config.json) of the model: a fresh one of the run's shape,
+    or the --init-from checkpoint's (a Llama)."""
+    if not cfg.init_from:
+        eos_id = tokenizer.token_to_id(EOS_TOKEN)
+        shape = cfg.shape(tokenizer.get_vocab_size())
+        return shape.hf_config(eos_id, eos_id), _generation_config(tokenizer, eos_id)
+    source = Path(cfg.init_from)
+    config = _read_json(source / "config.json")
+    if config.get("architectures") != ["LlamaForCausalLM"]:
+        raise ValueError(
+            f"--init-from {source}: a LlamaForCausalLM checkpoint is needed, this one is "
+            f"{config.get('architectures')}"
+        )
+    eos = config.get("eos_token_id")
+    eos_id = eos[0] if isinstance(eos, list) else eos
+    if not isinstance(eos_id, int):
+        raise ValueError(f"--init-from {source}: config.json has no eos_token_id")
+    generation = source / "generation_config.json"
+    return (
+        {**config, "eos_token_id": eos_id},
+        _read_json(generation) if generation.is_file() else {"eos_token_id": eos_id},
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return value
+
+
+def _initial_model(cfg: TrainConfig, config_json: dict[str, Any], fresh: bool) -> LlamaForCausalLM:
+    """The float32 model of `config_json`: fresh weights, or --init-from's (when `fresh`; a
+    resumed run loads its own state instead)."""
+    config = ModelConfig.from_dicts(config_json)
+    if not cfg.init_from:
+        return new_model(config, config_json["initializer_range"])
+    model = LlamaForCausalLM(config, torch.float32)
+    if fresh:
+        load_weights(model, Path(cfg.init_from))
+    return model
 
 
 def _generation_config(tokenizer, eos_id: int) -> dict[str, Any]:
@@ -317,10 +424,12 @@ def _write_log(out: Path, cfg: TrainConfig, result: TrainResult) -> None:
 
 
 class _Progress:
-    """One line per log interval: a bar, loss, held-out loss, tokens/s and time left."""
+    """One line per log interval: a bar, loss, held-out loss, tokens (or pairs)/s and time
+    left."""
 
-    def __init__(self, cfg: TrainConfig, stream: TextIO):
+    def __init__(self, cfg: TrainConfig, units_per_step: int, unit: str, stream: TextIO):
         self.cfg, self.stream = cfg, stream
+        self.units_per_step, self.unit = units_per_step, unit
         self.tty = stream.isatty()
         self.last: tuple[float, float] | None = None  # (step, elapsed) of the last line
 
@@ -331,7 +440,7 @@ class _Progress:
         else:
             rate = step / max(elapsed, 1e-9)
         self.last = (step, elapsed)
-        tokens_per_s = rate * self.cfg.batch_size * self.cfg.seq_len
+        units_per_s = rate * self.units_per_step
         left = (self.cfg.steps - step) / max(rate, 1e-9)
         width = 24
         filled = int(width * step / self.cfg.steps)
@@ -339,7 +448,8 @@ class _Progress:
         held = f" heldout {record['heldout_loss']:.3f}" if "heldout_loss" in record else ""
         line = (
             f"[{bar}] {step}/{self.cfg.steps} loss {record['loss']:.3f}{held} lr {lr:.2e} "
-            f"{tokens_per_s:,.0f} tok/s {_clock(elapsed)} elapsed, {_clock(left)} left"
+            f"{units_per_s:,.{0 if units_per_s >= 10 else 2}f} {self.unit}/s {_clock(elapsed)} "
+            f"elapsed, {_clock(left)} left"
         )
         if self.tty and not held:
             print("\r" + line, end="", file=self.stream, flush=True)
