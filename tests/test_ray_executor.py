@@ -1,11 +1,14 @@
 """The Ray executor (`distributed_executor_backend="ray"`): tensor-parallel ranks 1..N-1 as Ray
 actors in a placement group, on the local Ray cluster of the Ray tests (2 CPUs): the greedy
-tokens of tensor_parallel_size 2 against 1 on a GQA Llama, and a rank's actor killed as the group
-forms or mid-generation stopping the engine with the typed error, leaving no actor, placement
-group or torch.distributed group behind."""
+tokens of tensor_parallel_size 2 against 1 on a GQA Llama and a Qwen2 (one KV head, replicated;
+tied head), and a rank's actor killed as the group forms or mid-generation, or stopped (hung),
+stopping the engine with the typed error, leaving no actor, placement group or
+torch.distributed group behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -14,7 +17,7 @@ import ray
 import torch
 import transformers
 from ray_fixtures import ray_cluster
-from test_tensor_parallel import GREEDY, LENGTHS, OPTIONS, VOCAB, check_close, prompts
+from test_tensor_parallel import FAMILIES, GREEDY, LENGTHS, OPTIONS, VOCAB, check_close, prompts
 from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import save_tiny
 
@@ -35,6 +38,16 @@ def llama(tmp_path_factory):
     return save_tiny(
         transformers.LlamaConfig, transformers.LlamaForCausalLM, {"vocab_size": VOCAB}, folder
     )
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """One KV head, fewer than the ranks (replicated), the LM head tied to the embedding."""
+    ray_cluster()
+    folder = tmp_path_factory.mktemp("qwen2")
+    save_model_dir(folder, byte_level_bpe(VOCAB))
+    config_class, model_class, overrides = FAMILIES["qwen2"]
+    return save_tiny(config_class, model_class, {"vocab_size": VOCAB, **overrides}, folder)
 
 
 def assert_gone(actor) -> None:
@@ -71,6 +84,10 @@ def ray_ranks_match_one_rank(llama, lengths) -> None:
 
 def test_ray_ranks_give_the_tokens_of_one_rank(llama):
     ray_ranks_match_one_rank(llama, LENGTHS)
+
+
+def test_ray_ranks_give_the_tokens_of_one_rank_on_qwen2(qwen2):
+    ray_ranks_match_one_rank(qwen2, LENGTHS)
 
 
 def kill_rank_once_started(killed: list) -> None:
@@ -137,5 +154,39 @@ def test_a_killed_rank_actor_stops_the_engine_with_the_typed_error(llama):
         llm.shutdown()
     assert "tensor-parallel group failed" in str(raised.value)
     assert "rank 1's Ray actor died" in engine.dead_reason
+    assert_gone(actor)
+    assert_nothing_left()
+
+
+def test_a_hung_rank_actor_stops_the_engine_after_the_timeout(llama):
+    """Rank 1's actor process stopped (SIGSTOP) mid-generation: the collective times out, the
+    engine ends with the typed error naming the hang, and no actor is left behind."""
+    llm = LLM(
+        llama,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        distributed_timeout_s=TIMEOUT_S,
+        **OPTIONS,
+    )
+    engine = llm.engine
+    [actor] = engine.executor.actors
+    pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=60)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(prompts(3, [5, 9, 30])):
+        engine.add_request(str(i), prompt, long)
+    try:
+        for _ in range(3):
+            engine.step()
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError) as raised:
+            while engine.has_unfinished():
+                engine.step()
+        elapsed = time.monotonic() - start
+    finally:
+        llm.shutdown()
+    assert "tensor-parallel group failed" in str(raised.value)
+    assert "hung past distributed_timeout_s" in engine.dead_reason
+    assert TIMEOUT_S * 0.9 < elapsed < TIMEOUT_S + 30
     assert_gone(actor)
     assert_nothing_left()

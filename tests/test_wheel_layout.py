@@ -108,10 +108,11 @@ def test_wheel_carries_sources_core_and_default_model(wheel: Path) -> None:
         core = real_file(archive, "aieng/_core.abi3.so")
         assert core[:4] == b"\x7fELF", "aieng/_core.abi3.so is not a shared library"
 
-        model = sorted((PACKAGE / "default_model").iterdir())
+        model = sorted(p for p in (PACKAGE / "default_model").rglob("*") if p.is_file())
         assert any(p.name == "model.safetensors" for p in model)
+        assert any(p.parent.name == "draft" for p in model), "the speculative draft is shipped"
         for path in model:
-            inside = f"aieng/default_model/{path.name}"
+            inside = f"aieng/{path.relative_to(PACKAGE)}"
             assert inside in names, f"{inside} is missing from the wheel"
             assert real_file(archive, inside) == path.read_bytes(), f"{inside} differs"
 
