@@ -214,7 +214,7 @@ def aieng_rows(
         kernel = AIENG_MODES[name]
         model = folder if kernel is None else int4
         options = {"cpu_quant_kernel": kernel} if kernel else {}
-        batch = run_aieng(
+        batch = prompts and run_aieng(
             model, prompts, output_lens, kv_cache_memory=kv_bytes,
             max_num_batched_tokens=SETTING[0], max_num_seqs=SETTING[1], **options,
         )  # fmt: skip
@@ -227,7 +227,7 @@ def aieng_rows(
         rows.append(
             {
                 "engine": name,
-                "offline_tokens_per_s": batch.tokens_per_s,
+                "offline_tokens_per_s": batch.tokens_per_s if batch else None,
                 "stream_decode_tokens_per_s": decode,
                 "stream_ttft_ms": first * 1e3,
             }
@@ -239,24 +239,26 @@ def aieng_rows(
 def llama_rows(folder: Path, src: Path, work: Path, prompts, output_lens, stream) -> list[dict]:
     f32 = llama_cpp_peer.convert(folder, work / "model-f32.gguf", src)
     slots = min(LLAMA_SLOTS, len(prompts))
-    rows = []
+    rows: list[dict] = []
     for mode in LLAMA_MODES:
         path = f32 if mode == "F32" else work / f"model-{mode}.gguf"
         if mode != "F32":
             llama_cpp_peer.quantize(f32, path, mode, THREADS)
         llm = llama_cpp_peer.load(path, THREADS, 1024)
-        serial = llama_cpp_peer.run_requests(llm, prompts, output_lens)
+        serial = prompts and llama_cpp_peer.run_requests(llm, prompts, output_lens)
         one = llama_cpp_peer.run_stream(llm, stream[0], stream[1])
         del llm
         rows.append(
             {
-                "engine": f"llama.cpp {mode} (one request at a time)",
-                "offline_tokens_per_s": serial["tokens_per_s"],
+                "engine": f"llama.cpp {mode}" + (" (one request at a time)" if serial else ""),
+                "offline_tokens_per_s": serial["tokens_per_s"] if serial else None,
                 "stream_decode_tokens_per_s": one["decode_tokens_per_s"],
                 "stream_ttft_ms": one["ttft_s"] * 1e3,
             }
         )
         print(rows[-1], flush=True)
+        if not serial:
+            continue
         batched = llama_cpp_batched.run_batched(path, prompts, output_lens, THREADS, slots)
         pairs = list(zip(serial["token_ids"], batched["token_ids"], strict=True))
         rows.append(
@@ -291,7 +293,9 @@ def table(rows: list[dict], columns: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=tuple(SHAPES), default="base")
-    ap.add_argument("--requests", type=int, default=None, help="64 (base), 16 (qwen0.5b)")
+    ap.add_argument(
+        "--requests", type=int, default=None, help="64 (base), 16 (qwen0.5b); 0: one stream only"
+    )
     ap.add_argument("--quick", action="store_true", help="8 requests, a smoke run")
     ap.add_argument("--llama-cpp-src", type=Path, default=None)
     ap.add_argument("--skip-kernels", action="store_true")
@@ -299,7 +303,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     names, default_requests = SHAPES[args.shape]
-    requests = 8 if args.quick else args.requests or default_requests
+    requests = 8 if args.quick else default_requests if args.requests is None else args.requests
     qwen = args.shape == "qwen0.5b"
     vocab = QWEN05B["vocab_size"] if qwen else 32000
     load = os.getloadavg()
@@ -313,7 +317,7 @@ def main() -> None:
     kernels = [] if args.skip_kernels or qwen else kernel_rows(bandwidth, reading)
     for row in kernels:
         print(row, flush=True)
-    prompts, output_lens = workload(requests, vocab)
+    prompts, output_lens = workload(requests, vocab) if requests else ([], [])
     stream = (workload(1, 32000, max_len=128, seed=1)[0][0][:16] * 8, 128)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -360,8 +364,9 @@ def main() -> None:
         "Qwen2.5-0.5B-shaped Llama (tied embeddings" if qwen else "base Llama (untied head"
     ) + f", {params / 1e6:.0f}M parameters, random weights)"
     md += [
-        f"## Engines: {model}, {requests} requests U[16, 256]; one stream of a 128-token prompt "
-        "and 128 greedy tokens",
+        f"## Engines: {model}, "
+        + (f"{requests} requests U[16, 256]" if requests else "no offline run")
+        + "; one stream of a 128-token prompt and 128 greedy tokens",
         "",
         table(
             engines,
