@@ -78,6 +78,8 @@ QWEN05B = dict(
     vocab_size=151936,
     tie_word_embeddings=True,
 )
+# --only's names: aieng's cpu_quant_kernel (fp32: the float checkpoint), llama.cpp's types.
+ENGINE_KEYS = ("fp32", *(k for k in AIENG_MODES.values() if k), *LLAMA_MODES)
 SHAPES = {  # --shape -> (aieng rows, default offline requests)
     "base": (tuple(AIENG_MODES), 64),
     "qwen0.5b": (("aieng fp32", "aieng W4A16 (int4pack)", "aieng W4A8 (int8)"), 16),
@@ -236,11 +238,13 @@ def aieng_rows(
     return rows
 
 
-def llama_rows(folder: Path, src: Path, work: Path, prompts, output_lens, stream) -> list[dict]:
+def llama_rows(
+    folder: Path, src: Path, work: Path, prompts, output_lens, stream, modes=LLAMA_MODES
+) -> list[dict]:
     f32 = llama_cpp_peer.convert(folder, work / "model-f32.gguf", src)
     slots = min(LLAMA_SLOTS, len(prompts))
     rows: list[dict] = []
-    for mode in LLAMA_MODES:
+    for mode in modes:
         path = f32 if mode == "F32" else work / f"model-{mode}.gguf"
         if mode != "F32":
             llama_cpp_peer.quantize(f32, path, mode, THREADS)
@@ -299,10 +303,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="8 requests, a smoke run")
     ap.add_argument("--llama-cpp-src", type=Path, default=None)
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument(
+        "--only", default=None,
+        help="comma-separated engines to run, of: " + ",".join(ENGINE_KEYS) + " (default all)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     names, default_requests = SHAPES[args.shape]
+    llama_modes = LLAMA_MODES
+    if args.only:
+        wanted = args.only.split(",")
+        if unknown := [w for w in wanted if w not in ENGINE_KEYS]:
+            ap.error(f"--only: unknown engines {unknown}; known: {', '.join(ENGINE_KEYS)}")
+        names = tuple(n for n in names if (AIENG_MODES[n] or "fp32") in wanted)
+        llama_modes = tuple(m for m in LLAMA_MODES if m in wanted)
     requests = 8 if args.quick else default_requests if args.requests is None else args.requests
     qwen = args.shape == "qwen0.5b"
     vocab = QWEN05B["vocab_size"] if qwen else 32000
@@ -331,7 +346,9 @@ def main() -> None:
         kv_bytes = bench_offline.kv_budget(config, requests)
         engines = aieng_rows(folder, int4, prompts, output_lens, kv_bytes, stream, names)
         if args.llama_cpp_src is not None:
-            engines += llama_rows(folder, args.llama_cpp_src, work, prompts, output_lens, stream)
+            engines += llama_rows(
+                folder, args.llama_cpp_src, work, prompts, output_lens, stream, llama_modes
+            )
     load_after = os.getloadavg()
     result = {
         "machine": info,
