@@ -10,9 +10,17 @@
    default `auto`) — the INT4 checkpoint by `aieng quantize` (RTN, g128, asymmetric, LM head
    too) — and llama.cpp F32, Q8_0, Q4_0 (benches/llama_cpp_peer.py). Offline: N requests
    (default 64), prompt and output lengths U[16, 256], output tokens/s; one stream: a 128-token
-   prompt and 128 greedy tokens, decode tokens/s and time to the first token.
+   prompt and 128 greedy tokens, decode tokens/s and time to the first token. llama.cpp runs
+   the offline requests twice: one at a time (the high-level `Llama.generate`) and continuously
+   batched in one context of up to 64 sequences (benches/llama_cpp_batched.py); the batched
+   run's greedy tokens are compared with the one-at-a-time run's, request by request.
+3. `--shape qwen0.5b`: the same engines on a random-weight Llama of Qwen2.5-0.5B's shape
+   (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocabulary 151,936, tied
+   embeddings; the INT4 checkpoint quantizes the tied head too) — fp32, W4A16, W4A8 — with
+   16 offline requests by default (the 64 of the base run take too long here at fp32), and no
+   kernel rows. Results go to bench_cpu_peers_qwen0.5b.md/json; the base run is unchanged.
 
-    .venv/bin/python benches/bench_cpu_peers.py [--requests 64] [--quick]
+    .venv/bin/python benches/bench_cpu_peers.py [--shape base|qwen0.5b] [--requests N] [--quick]
         [--llama-cpp-src /path/to/llama-cpp-python-sdist/vendor/llama.cpp] [--out benches/results]
 
 Without --llama-cpp-src (or without llama_cpp installed) the llama.cpp rows are left out.
@@ -42,6 +50,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_offline
+import llama_cpp_batched
 import llama_cpp_peer
 
 from aieng import _core
@@ -58,6 +67,23 @@ AIENG_MODES = {  # row name -> EngineArgs.cpu_quant_kernel (None: the fp32 check
     "aieng W4A16-equivalent (int8x2, auto)": "int8x2",
 }
 LLAMA_MODES = ("F32", "Q8_0", "Q4_0")
+LLAMA_SLOTS = 64  # sequences one batched llama.cpp context decodes together
+# Qwen2.5-0.5B's shape as a Llama (no attention biases), random weights.
+QWEN05B = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+# --only's names: aieng's cpu_quant_kernel (fp32: the float checkpoint), llama.cpp's types.
+ENGINE_KEYS = ("fp32", *(k for k in AIENG_MODES.values() if k), *LLAMA_MODES)
+SHAPES = {  # --shape -> (aieng rows, default offline requests)
+    "base": (tuple(AIENG_MODES), 64),
+    "qwen0.5b": (("aieng fp32", "aieng W4A16 (int4pack)", "aieng W4A8 (int8)"), 16),
+}
 
 
 def best_time(run, reps: int) -> float:
@@ -164,12 +190,33 @@ def quantized_checkpoint(folder: Path, out: Path) -> Path:
     return out
 
 
-def aieng_rows(folder: Path, int4: Path, prompts, output_lens, kv_bytes: int, stream) -> list[dict]:
+def qwen_checkpoint(folder: Path) -> tuple[Path, int]:
+    """A random-weight Llama of Qwen2.5-0.5B's shape, beside bench_offline's tokenizer files
+    (the small checkpoint is built for them, then its config and weights are replaced)."""
+    import transformers
+
+    bench_offline.build_checkpoint("small", folder)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        torch_dtype="float32", **QWEN05B,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    return folder, params
+
+
+def aieng_rows(
+    folder: Path, int4: Path, prompts, output_lens, kv_bytes: int, stream, names
+) -> list[dict]:
     rows = []
-    for name, kernel in AIENG_MODES.items():
+    for name in names:
+        kernel = AIENG_MODES[name]
         model = folder if kernel is None else int4
         options = {"cpu_quant_kernel": kernel} if kernel else {}
-        batch = run_aieng(
+        batch = prompts and run_aieng(
             model, prompts, output_lens, kv_cache_memory=kv_bytes,
             max_num_batched_tokens=SETTING[0], max_num_seqs=SETTING[1], **options,
         )  # fmt: skip
@@ -182,7 +229,7 @@ def aieng_rows(folder: Path, int4: Path, prompts, output_lens, kv_bytes: int, st
         rows.append(
             {
                 "engine": name,
-                "offline_tokens_per_s": batch.tokens_per_s,
+                "offline_tokens_per_s": batch.tokens_per_s if batch else None,
                 "stream_decode_tokens_per_s": decode,
                 "stream_ttft_ms": first * 1e3,
             }
@@ -191,27 +238,49 @@ def aieng_rows(folder: Path, int4: Path, prompts, output_lens, kv_bytes: int, st
     return rows
 
 
-def llama_rows(folder: Path, src: Path, work: Path, prompts, output_lens, stream) -> list[dict]:
+def llama_rows(
+    folder: Path, src: Path, work: Path, prompts, output_lens, stream, modes=LLAMA_MODES
+) -> list[dict]:
     f32 = llama_cpp_peer.convert(folder, work / "model-f32.gguf", src)
-    rows = []
-    for mode in LLAMA_MODES:
+    slots = min(LLAMA_SLOTS, len(prompts))
+    rows: list[dict] = []
+    for mode in modes:
         path = f32 if mode == "F32" else work / f"model-{mode}.gguf"
         if mode != "F32":
             llama_cpp_peer.quantize(f32, path, mode, THREADS)
         llm = llama_cpp_peer.load(path, THREADS, 1024)
-        batch = llama_cpp_peer.run_requests(llm, prompts, output_lens)
+        serial = prompts and llama_cpp_peer.run_requests(llm, prompts, output_lens)
         one = llama_cpp_peer.run_stream(llm, stream[0], stream[1])
+        del llm
         rows.append(
             {
-                "engine": f"llama.cpp {mode} (one request at a time)",
-                "offline_tokens_per_s": batch["tokens_per_s"],
+                "engine": f"llama.cpp {mode}" + (" (one request at a time)" if serial else ""),
+                "offline_tokens_per_s": serial["tokens_per_s"] if serial else None,
                 "stream_decode_tokens_per_s": one["decode_tokens_per_s"],
                 "stream_ttft_ms": one["ttft_s"] * 1e3,
             }
         )
         print(rows[-1], flush=True)
-        del llm
+        if not serial:
+            continue
+        batched = llama_cpp_batched.run_batched(path, prompts, output_lens, THREADS, slots)
+        pairs = list(zip(serial["token_ids"], batched["token_ids"], strict=True))
+        rows.append(
+            {
+                "engine": f"llama.cpp {mode} (batched, {slots} sequences)",
+                "offline_tokens_per_s": batched["tokens_per_s"],
+                "greedy_same_as_one_at_a_time": f"{sum(a == b for a, b in pairs)}/{len(pairs)}",
+                "first_difference": [common_prefix(a, b) for a, b in pairs if a != b],
+            }
+        )
+        print(rows[-1], flush=True)
     return rows
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def table(rows: list[dict], columns: list[str]) -> str:
@@ -227,14 +296,32 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="base")
+    ap.add_argument(
+        "--requests", type=int, default=None, help="64 (base), 16 (qwen0.5b); 0: one stream only"
+    )
     ap.add_argument("--quick", action="store_true", help="8 requests, a smoke run")
     ap.add_argument("--llama-cpp-src", type=Path, default=None)
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument(
+        "--only", default=None,
+        help="comma-separated engines to run, of: " + ",".join(ENGINE_KEYS) + " (default all)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
-    requests = 8 if args.quick else args.requests
+    names, default_requests = SHAPES[args.shape]
+    llama_modes = LLAMA_MODES
+    if args.only:
+        wanted = args.only.split(",")
+        if unknown := [w for w in wanted if w not in ENGINE_KEYS]:
+            ap.error(f"--only: unknown engines {unknown}; known: {', '.join(ENGINE_KEYS)}")
+        names = tuple(n for n in names if (AIENG_MODES[n] or "fp32") in wanted)
+        llama_modes = tuple(m for m in LLAMA_MODES if m in wanted)
+    requests = 8 if args.quick else default_requests if args.requests is None else args.requests
+    qwen = args.shape == "qwen0.5b"
+    vocab = QWEN05B["vocab_size"] if qwen else 32000
+    load = os.getloadavg()
     info = {
         **machine(THREADS),
         "aieng_cpu_isa": _core.cpu_isa(),
@@ -242,24 +329,34 @@ def main() -> None:
     }
     print(info, flush=True)
     bandwidth, reading = copy_bandwidth(), read_bandwidth()
-    kernels = [] if args.skip_kernels else kernel_rows(bandwidth, reading)
+    kernels = [] if args.skip_kernels or qwen else kernel_rows(bandwidth, reading)
     for row in kernels:
         print(row, flush=True)
-    prompts, output_lens = workload(requests, 32000)
+    prompts, output_lens = workload(requests, vocab) if requests else ([], [])
     stream = (workload(1, 32000, max_len=128, seed=1)[0][0][:16] * 8, 128)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        folder, params = bench_offline.build_checkpoint("base", work / "base")
-        int4 = quantized_checkpoint(folder, work / "base-int4")
-        kv_bytes = bench_offline.kv_budget(bench_offline.MODELS["base"], requests)
-        engines = aieng_rows(folder, int4, prompts, output_lens, kv_bytes, stream)
+        if qwen:
+            folder, params = qwen_checkpoint(work / "model")
+            config = QWEN05B
+        else:
+            folder, params = bench_offline.build_checkpoint("base", work / "model")
+            config = bench_offline.MODELS["base"]
+        int4 = quantized_checkpoint(folder, work / "model-int4")
+        kv_bytes = bench_offline.kv_budget(config, requests)
+        engines = aieng_rows(folder, int4, prompts, output_lens, kv_bytes, stream, names)
         if args.llama_cpp_src is not None:
-            engines += llama_rows(folder, args.llama_cpp_src, work, prompts, output_lens, stream)
+            engines += llama_rows(
+                folder, args.llama_cpp_src, work, prompts, output_lens, stream, llama_modes
+            )
+    load_after = os.getloadavg()
     result = {
         "machine": info,
+        "load_average_before": load,
+        "load_average_after": load_after,
         "copy_bandwidth_GB_s": bandwidth / 1e9,
         "read_bandwidth_GB_s": reading / 1e9,
-        "model": {"name": "base", "parameters": params, **bench_offline.MODELS["base"]},
+        "model": {"name": args.shape, "parameters": params, **config},
         "requests": requests,
         "kernels": kernels,
         "engines": engines,
@@ -271,27 +368,48 @@ def main() -> None:
         f"every engine; aieng's kernels on {info['aieng_cpu_isa']}; torch {info['torch']}; "
         f"OMP_WAIT_POLICY={info['OMP_WAIT_POLICY']}. "
         f"Measured bandwidth: copy {bandwidth / 1e9:.1f} GB/s (read + written), read "
-        f"{reading / 1e9:.1f} GB/s (torch.sum); the machine is shared, so every figure is one "
-        "run's.",
+        f"{reading / 1e9:.1f} GB/s (torch.sum). The machine (2 cores) is shared with other "
+        "engineers' builds, tests and benchmarks, so every figure is one run's under that load: "
+        f"load average (1, 5, 15 min) {fmt_load(load)} at the start, {fmt_load(load_after)} at "
+        "the end.",
         "",
-        "## Kernels",
-        "",
-        table(kernels, ["kernel", "M", "ms", "GB/s", "of_copy", "of_read", "int8 GOPS", "of_peak"]),
-        "",
-        f"## Engines: base Llama ({params / 1e6:.0f}M parameters, random weights), {requests} "
-        "requests U[16, 256]; one stream of a 128-token prompt and 128 greedy tokens",
+    ]
+    if kernels:
+        columns = ["kernel", "M", "ms", "GB/s", "of_copy", "of_read", "int8 GOPS", "of_peak"]
+        md += ["## Kernels", "", table(kernels, columns), ""]
+    model = (
+        "Qwen2.5-0.5B-shaped Llama (tied embeddings" if qwen else "base Llama (untied head"
+    ) + f", {params / 1e6:.0f}M parameters, random weights)"
+    md += [
+        f"## Engines: {model}, "
+        + (f"{requests} requests U[16, 256]" if requests else "no offline run")
+        + "; one stream of a 128-token prompt and 128 greedy tokens",
         "",
         table(
             engines,
-            ["engine", "offline_tokens_per_s", "stream_decode_tokens_per_s", "stream_ttft_ms"],
+            [
+                "engine",
+                "offline_tokens_per_s",
+                "stream_decode_tokens_per_s",
+                "stream_ttft_ms",
+                "greedy_same_as_one_at_a_time",
+            ],
         ),
+        "",
+        "greedy_same_as_one_at_a_time: requests whose batched llama.cpp tokens equal its "
+        "one-at-a-time tokens; first_difference in the JSON gives where the others part.",
         "",
     ]
     text = "\n".join(md)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_cpu_peers.md").write_text(text)
-    (args.out / "bench_cpu_peers.json").write_text(json.dumps(result, indent=2))
+    stem = "bench_cpu_peers" + ("_qwen0.5b" if qwen else "")
+    (args.out / f"{stem}.md").write_text(text)
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+
+
+def fmt_load(load: tuple[float, float, float]) -> str:
+    return ", ".join(f"{x:.1f}" for x in load)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ distribution (`--llama-cpp-src`: its vendor/llama.cpp folder) — tensors, hyper
 layout as llama.cpp writes them; only the vocabulary is replaced by placeholder tokens of the
 checkpoint's size, since the benchmark models' WordLevel tokenizer is not one llama.cpp knows and
 both engines are fed token ids. F32 is then quantized with `llama_model_quantize` to Q8_0 and
-Q4_0. Generation is greedy over token ids (`Llama.generate`), one request after another: the
-high-level API has no continuous batching.
+Q4_0. Generation is greedy over token ids, either one request after another (`Llama.generate`,
+the high-level API) or with continuous batching through the low-level API (`run_batched`): one
+context with a KV stream per sequence (`n_seq_max` slots, `kv_unified` off), every step one
+`llama_batch` holding each running sequence's last token and chunks of waiting prompts, as
+llama.cpp's own `parallel` example schedules them.
 """
 
 from __future__ import annotations
@@ -89,12 +92,13 @@ def generate(llm, prompt: list[int], max_tokens: int) -> tuple[list[int], float]
 
 
 def run_requests(llm, prompts: list[list[int]], output_lens: list[int]) -> dict:
-    """Every request in turn -> output tokens/s."""
+    """Every request in turn -> output tokens/s and each request's tokens."""
     generate(llm, prompts[0][:8], 4)  # warm-up
     start = time.perf_counter()
-    tokens = sum(len(generate(llm, p, n)[0]) for p, n in zip(prompts, output_lens, strict=True))
+    token_ids = [generate(llm, p, n)[0] for p, n in zip(prompts, output_lens, strict=True)]
     wall = time.perf_counter() - start
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    tokens = sum(map(len, token_ids))
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "token_ids": token_ids}
 
 
 def run_stream(llm, prompt: list[int], max_tokens: int, reps: int = 2) -> dict:
