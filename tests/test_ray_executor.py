@@ -128,9 +128,12 @@ def test_a_rank_killed_while_the_group_forms_fails_typed_and_leaves_nothing(llam
     ray_ranks_match_one_rank(llama, [5, 12])
 
 
-def test_a_killed_rank_actor_stops_the_engine_with_the_typed_error(llama):
+def break_a_rank_mid_generation(model, breaks) -> tuple[str, str, float]:
+    """A TP=2 engine on Ray generating; after 3 steps `breaks(actor)` breaks rank 1 -> (the
+    error the step raised, the engine's dead reason, seconds from the break to the error);
+    every later call raises too, and no actor, placement group or torch group is left."""
     llm = LLM(
-        llama,
+        model,
         tensor_parallel_size=2,
         distributed_executor_backend="ray",
         distributed_timeout_s=TIMEOUT_S,
@@ -144,49 +147,39 @@ def test_a_killed_rank_actor_stops_the_engine_with_the_typed_error(llama):
     try:
         for _ in range(3):
             engine.step()
-        ray.kill(actor, no_restart=True)
-        with pytest.raises(EngineDeadError) as raised:
-            while engine.has_unfinished():
-                engine.step()
-        with pytest.raises(EngineDeadError):  # and every later call
-            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert "tensor-parallel group failed" in str(raised.value)
-    assert "rank 1's Ray actor died" in engine.dead_reason
-    assert_gone(actor)
-    assert_nothing_left()
-
-
-def test_a_hung_rank_actor_stops_the_engine_after_the_timeout(llama):
-    """Rank 1's actor process stopped (SIGSTOP) mid-generation: the collective times out, the
-    engine ends with the typed error naming the hang, and no actor is left behind."""
-    llm = LLM(
-        llama,
-        tensor_parallel_size=2,
-        distributed_executor_backend="ray",
-        distributed_timeout_s=TIMEOUT_S,
-        **OPTIONS,
-    )
-    engine = llm.engine
-    [actor] = engine.executor.actors
-    pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=60)
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    for i, prompt in enumerate(prompts(3, [5, 9, 30])):
-        engine.add_request(str(i), prompt, long)
-    try:
-        for _ in range(3):
-            engine.step()
-        os.kill(pid, signal.SIGSTOP)
+        breaks(actor)
         start = time.monotonic()
         with pytest.raises(EngineDeadError) as raised:
             while engine.has_unfinished():
                 engine.step()
         elapsed = time.monotonic() - start
+        with pytest.raises(EngineDeadError):  # and every later call
+            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert "tensor-parallel group failed" in str(raised.value)
-    assert "hung past distributed_timeout_s" in engine.dead_reason
-    assert TIMEOUT_S * 0.9 < elapsed < TIMEOUT_S + 30
     assert_gone(actor)
     assert_nothing_left()
+    return str(raised.value), engine.dead_reason, elapsed
+
+
+def test_a_killed_rank_actor_stops_the_engine_with_the_typed_error(llama):
+    error, reason, _ = break_a_rank_mid_generation(
+        llama, lambda actor: ray.kill(actor, no_restart=True)
+    )
+    assert "tensor-parallel group failed" in error
+    assert "rank 1's Ray actor died" in reason
+
+
+def stop_the_process(actor) -> None:
+    """SIGSTOP to the actor's process: it hangs, neither dead nor answering."""
+    pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=60)
+    os.kill(pid, signal.SIGSTOP)
+
+
+def test_a_hung_rank_actor_stops_the_engine_after_the_timeout(llama):
+    """Rank 1's actor process stopped mid-generation: the collective times out and the engine
+    ends with the typed error naming the hang."""
+    error, reason, elapsed = break_a_rank_mid_generation(llama, stop_the_process)
+    assert "tensor-parallel group failed" in error
+    assert "hung past distributed_timeout_s" in reason
+    assert TIMEOUT_S * 0.9 < elapsed < TIMEOUT_S + 30
