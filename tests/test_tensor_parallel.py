@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -214,19 +215,18 @@ def spawned_children(parent: int) -> list[int]:
     return found
 
 
-def start_and_break(folder, sig: signal.Signals):
-    """A TP=2 engine with requests mid-generation, its worker sent `sig`: steps until the
-    engine raises; -> (the engine, the worker's pid, seconds from the signal to the error)."""
-    llm = LLM(folder, tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S, **OPTIONS)
+def break_mid_generation(llm: LLM, breaks: Callable[[], None]) -> float:
+    """Requests mid-generation on a TP=2 engine, then `breaks()` one of its ranks: steps until
+    the engine raises the typed error, checks every later call raises too, shuts it down;
+    -> seconds from the break to the error."""
     engine = llm.engine
-    [pid] = engine.executor.worker_pids
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i, prompt in enumerate(prompts(2, [5, 9, 30])):
         engine.add_request(str(i), prompt, long)
     try:
         for _ in range(3):
             engine.step()
-        os.kill(pid, sig)
+        breaks()
         start = time.monotonic()
         with pytest.raises(EngineDeadError) as raised:
             while engine.has_unfinished():
@@ -237,7 +237,16 @@ def start_and_break(folder, sig: signal.Signals):
     finally:
         llm.shutdown()
     assert "tensor-parallel group failed" in str(raised.value)
-    return engine, pid, elapsed
+    return elapsed
+
+
+def start_and_break(folder, sig: signal.Signals):
+    """A TP=2 engine with requests mid-generation, its worker sent `sig`: steps until the
+    engine raises; -> (the engine, the worker's pid, seconds from the signal to the error)."""
+    llm = LLM(folder, tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S, **OPTIONS)
+    [pid] = llm.engine.executor.worker_pids
+    elapsed = break_mid_generation(llm, lambda: os.kill(pid, sig))
+    return llm.engine, pid, elapsed
 
 
 def test_a_killed_worker_ends_the_engine_at_once(folders):
