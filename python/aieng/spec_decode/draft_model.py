@@ -136,31 +136,34 @@ class DraftModel:
         keep = qsl[1:] - qsl[:-1]
         last = np.full(num_rows, -1, np.int64)
         proposing = np.zeros(num_rows, bool)
-        offsets = np.r_[0, np.cumsum(result.counts)[:-1]].astype(np.int64)
-        for g, row in enumerate(sample_rows.tolist()):
-            count = int(result.counts[g])
-            taken = result.tokens[offsets[g] : offsets[g] + count]
-            if count == 0 or taken.min() < 0:
-                keep[row] = 0  # a failed request: it is gone
-                continue
-            keep[row] -= int(result.sizes[g]) - count  # its drafts past the accepted ones
-            last[row] = int(taken[-1])
-            proposing[row] = True
-        ids, positions = [], []
-        for r in range(num_rows):
-            own = input_ids[qsl[r] : qsl[r] + keep[r]]
-            if last[r] >= 0:
-                own = np.r_[own, last[r]]
-            ids.append(own)
-            positions.append(computed[r] + np.arange(len(own)))
-        lengths = np.asarray([len(a) for a in ids], np.int64)
+        counts = np.asarray(result.counts, np.int64)
+        tokens = np.asarray(result.tokens, np.int64)
+        offsets = np.r_[0, np.cumsum(counts)[:-1]].astype(np.int64)
+        failed = counts == 0
+        failed[np.repeat(np.arange(len(counts)), counts)[tokens < 0]] = True
+        keep[sample_rows[failed]] = 0  # a failed request: it is gone
+        ok = ~failed
+        took = sample_rows[ok]
+        sizes = np.asarray(result.sizes, np.int64)[ok]
+        keep[took] -= sizes - counts[ok]  # its drafts past the accepted ones
+        last[took] = tokens[offsets[ok] + counts[ok] - 1]
+        proposing[took] = True
+        # Each row's kept plan tokens, then the token it took (a sampling row), flat.
+        keep = np.maximum(keep, 0)
+        lengths = keep + (last >= 0)
+        row_of = np.repeat(np.arange(num_rows), lengths)
+        index = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        from_plan = index < keep[row_of]
+        source = np.where(from_plan, qsl[row_of] + index, 0)
+        flat_ids = np.where(from_plan, input_ids[source], last[row_of])
+        flat_positions = computed[row_of] + index
         table_rows = self._block_table(block_table, seq_lens)
         active = np.flatnonzero(lengths > 0)  # a failed request's row has none
         if not len(active):
             return {}
         hidden = self._forward(
-            np.concatenate(ids),
-            np.concatenate(positions),
+            flat_ids,
+            flat_positions,
             computed[active],
             lengths[active],
             table_rows[active],
@@ -237,11 +240,14 @@ class DraftModel:
         own = -(-seq_lens // self.block_size)
         width = int(own.max()) + self.scratch_per_row
         table = np.zeros((len(seq_lens), width), np.int64)
-        for r, n in enumerate(own.tolist()):
-            table[r, :n] = block_table[r, :n]
-            first = self.scratch_base + r * self.scratch_per_row
-            table[r, n : n + self.scratch_per_row] = np.arange(first, first + self.scratch_per_row)
-        return table
+        have = min(width, block_table.shape[1])
+        column = np.arange(width)[None, :]
+        mine = column[:, :have] < own[:, None]
+        table[:, :have] = np.where(mine, block_table[:, :have], 0)
+        past = column - own[:, None]  # a scratch block's index where 0 <= past < scratch_per_row
+        first = self.scratch_base + np.arange(len(seq_lens))[:, None] * self.scratch_per_row
+        scratch = (past >= 0) & (past < self.scratch_per_row)
+        return np.where(scratch, first + past, table)
 
     def _forward(
         self,
