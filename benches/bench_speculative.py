@@ -139,6 +139,7 @@ def main() -> None:
     out = Path(args.out)
     info = machine(args.threads)
     stem = "bench_speculative" if method == "ngram" else "bench_speculative_draft"
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
     (out / f"{stem}.md").write_text(
         f"# {stem}\n\nMachine: {info['cpu']} ({info['cpu_features']}), "

@@ -1,6 +1,7 @@
-"""The fused CUDA ops' dispatch (aieng.kernels.fused_dispatch) without a GPU: on the CPU every
-layer runs its torch ops, bit for bit what they computed before the dispatch existed (the
-formulas are written out here), no kernel is checked or launched; the selection — a start-up
+"""The fused CUDA ops' dispatch (aieng.kernels.fused_dispatch) without a GPU: with the CPU's own
+element-wise kernels off (tests/test_cpu_fused.py covers them), every layer runs its torch ops,
+bit for bit what they computed before the dispatch existed (the formulas are written out here),
+no kernel is checked or launched; the selection — a start-up
 check run once per device and dtype, a failing kernel named in a warning and replaced by torch,
 AIENG_DISABLE_FUSED, autograd — with the kernels' checks injected."""
 
@@ -33,6 +34,12 @@ def old_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, in_float32: 
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * x32).to(x.dtype) if in_float32 else weight * x32.to(x.dtype)
+
+
+@pytest.fixture(autouse=True)
+def no_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's element-wise kernels off: these tests are about the CUDA kernels' dispatch."""
+    monkeypatch.setattr(fused_dispatch, "CPU_FUSED", FusedKernels(runs_on=lambda device: False))
 
 
 @pytest.fixture

@@ -346,3 +346,31 @@ def paged_attention(
 
 def int8_peak_ops(threads: int, iterations: int = 20_000_000) -> float | None:
     """Int8 operations per second of independent vpdpbusd chains (None without AVX-512 VNNI)."""
+
+def rms_norm(
+    x: _F32,
+    weight: _F32,
+    eps: float,
+    out: _F32,
+    threads: int,
+    branch: _F32 | None = None,
+) -> None:
+    """out (T, H) = weight * x / sqrt(mean(x^2) + eps) per row of x (T, H) float32; with
+    branch (T, H), x += branch first, in place."""
+
+def silu_and_mul(x: _F32, out: _F32, threads: int) -> None:
+    """out (T, I) = silu(gate) * up for x (T, 2I) = [gate | up], float32."""
+
+def rotary(x: _F32, cos: _F32, sin: _F32, out: _F32, threads: int) -> None:
+    """out (T, H, D) contiguous = rotate-half RoPE of x (T, H, D) float32 (strided rows allowed,
+    each head contiguous) with cos and sin (T, D/2)."""
+
+def kv_write(
+    k: _F32,
+    v: _F32,
+    slots: npt.NDArray[np.int64],
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+) -> None:
+    """k, v (T, H_kv, D) float32 into slot slots[t] of the caches (blocks, block_size, H_kv, D):
+    both float32 or both bfloat16 as uint16 bits."""

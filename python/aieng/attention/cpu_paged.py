@@ -30,6 +30,7 @@ from aieng.attention.backend import (
 )
 from aieng.config import ModelConfig
 from aieng.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
+from aieng.kernels.fused_dispatch import fused_kv_write
 from aieng.kernels.reference import write_kv_cache, write_quantized_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ class CpuPagedAttention(AttentionBackend):
             }
         else:
             k_cache, v_cache = kv_cache
-            write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+            if not fused_kv_write(k, v, kv_cache, metadata.slot_mapping):
+                write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
         q32 = q.to(torch.float32).contiguous()
         out = torch.empty_like(q32)
         _core.paged_attention(

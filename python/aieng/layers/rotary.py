@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from aieng.config import RopeConfig
+from aieng.kernels.fused_dispatch import fused_rotary
 from aieng.kernels.reference import apply_rotary
 
 
@@ -112,4 +113,7 @@ class RotaryEmbedding(nn.Module):
             self._positions, self._cos_src = positions, self.cos
             self._cos_sin = (self.cos[positions], self.sin[positions])
         cos, sin = self._cos_sin
+        fused = fused_rotary(q, k, cos, sin)
+        if fused is not None:
+            return fused
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

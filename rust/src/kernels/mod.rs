@@ -12,6 +12,7 @@
 //! point leaves the int8 loop and is paid once per block with the activation sum.
 
 pub mod dense_gemv;
+pub mod elementwise;
 mod isa;
 mod packed;
 pub mod paged_attention;
@@ -24,6 +25,8 @@ pub mod int8_matmul;
 mod int8_x86;
 #[cfg(feature = "python")]
 pub(crate) mod py;
+#[cfg(feature = "python")]
+mod py_elementwise;
 
 pub use isa::{Isa, ISA_ENV};
 pub use packed::PackedWeights;

@@ -1,17 +1,39 @@
 //! The kernels' thread pool: `threads − 1` workers for the thread count the caller passes
-//! (torch's), started once per count (a count seldom changes; idle workers cost nothing). Work is split statically,
-//! one contiguous range per thread, and the calling thread takes the first range itself, so
-//! caller and workers together never outnumber `threads`.
+//! (torch's), started once per count (a count seldom changes). Work is split statically, one
+//! contiguous range per thread, and the calling thread takes the first range itself, so caller
+//! and workers together never outnumber `threads`.
 //!
-//! Idle workers block on a condition variable at once — they never spin. torch's OpenMP
-//! threads run the elementwise ops between two kernel calls; a pool that spun or yielded after
-//! each call (as rayon's idle workers do) would hold a core they wait for, and on a machine
-//! with as many cores as threads every small torch op would pay a scheduler time slice.
+//! Waking a worker blocked on a condition variable costs a futex call and a scheduler wake-up:
+//! about 70 µs on this project's 2-core VMs, against 16–40 µs for a whole decode GEMV. So a
+//! worker that finished a job watches for the next one for a short while (`AIENG_CPU_SPIN_US`,
+//! default [`DEFAULT_SPIN_US`]; 0 blocks at once) before it blocks: the kernel calls of one
+//! forward pass come tens to hundreds of microseconds apart, and the engine's gap between steps
+//! is longer than the spin, so an idle engine's workers sleep. While watching, a worker yields
+//! its core every few microseconds (`sched_yield`), so torch's OpenMP threads running the
+//! elementwise ops between two kernel calls get the core at once rather than after a time
+//! slice; and a yield that let another thread run (it took ≥ 30 µs) ends the watch, and the
+//! worker blocks at once for the next 200 ms: on a contended core a watching worker queues
+//! behind the other thread for a time slice per call (4× slower decode steps, measured with a
+//! training job on the second core), while a blocked worker is woken ahead of it. The caller waits for the workers' ranges the same way (spin, then yield): the ranges
+//! are balanced, so that wait is short.
 
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread;
+use std::time::{Duration, Instant};
+
+/// The environment variable setting how long (µs) an idle worker watches for work.
+pub const SPIN_ENV: &str = "AIENG_CPU_SPIN_US";
+/// How long an idle worker watches for work before it blocks, unless `AIENG_CPU_SPIN_US` says.
+pub const DEFAULT_SPIN_US: u64 = 1000;
+/// Spin iterations between two checks of the clock and two yields of the core.
+const SPINS_PER_YIELD: u32 = 32;
+/// A yield that took this long ran another thread: the core is contended, so the worker blocks.
+const CONTENDED: Duration = Duration::from_micros(500);
+/// How long a worker that found its core contended blocks at once before it watches again.
+const CONTENDED_BACKOFF: Duration = Duration::from_millis(200);
 
 /// How many threads a kernel call may use (at least one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,45 +49,58 @@ impl ThreadCount {
     }
 }
 
+/// The spin budget of idle workers, read once per process.
+fn spin_budget() -> Duration {
+    static SPIN: OnceLock<Duration> = OnceLock::new();
+    *SPIN.get_or_init(|| Duration::from_micros(parse_spin(std::env::var(SPIN_ENV).ok())))
+}
+
+fn parse_spin(value: Option<String>) -> u64 {
+    match value {
+        None => DEFAULT_SPIN_US,
+        Some(text) => text.trim().parse().unwrap_or_else(|_| {
+            eprintln!("aieng: {SPIN_ENV}={text:?} is not a whole number of microseconds; using {DEFAULT_SPIN_US}");
+            DEFAULT_SPIN_US
+        }),
+    }
+}
+
 /// The work of one call, borrowed from the caller's stack for as long as the call lasts.
 type Work = dyn Fn(usize) + Sync;
-
-#[derive(Clone, Copy)]
-struct JobPtr(*const Work);
-
-// SAFETY: the pointee is Sync, and `run` keeps it alive until every worker is done with it.
-unsafe impl Send for JobPtr {}
-
-struct State {
-    generation: u64,
-    job: Option<JobPtr>,
-    pending: usize,
-}
+/// A reference to the work, itself on the caller's stack (a thin pointer to it is atomic).
+type WorkRef = &'static Work;
 
 struct Pool {
     workers: usize,
-    state: Mutex<State>,
+    /// Bumped once per call, after `job` and `pending` are set: a worker runs each value once.
+    generation: AtomicU64,
+    job: AtomicPtr<WorkRef>,
+    /// Workers still running the current call.
+    pending: AtomicUsize,
+    /// Workers blocked (or about to block) on `wake`; the caller notifies only when some are.
+    sleepers: AtomicUsize,
+    sleep: Mutex<()>,
     wake: Condvar,
-    done: Condvar,
     calls: Mutex<()>, // one call at a time (the GIL is released: two Python threads may call)
+    spin: Duration,
 }
 
-fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
-    state.lock().unwrap_or_else(|e| e.into_inner())
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Pool {
-    fn start(workers: usize) -> Arc<Pool> {
+    fn start(workers: usize, spin: Duration) -> Arc<Pool> {
         let pool = Arc::new(Pool {
             workers,
-            state: Mutex::new(State {
-                generation: 0,
-                job: None,
-                pending: 0,
-            }),
+            generation: AtomicU64::new(0),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            pending: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
+            sleep: Mutex::new(()),
             wake: Condvar::new(),
-            done: Condvar::new(),
             calls: Mutex::new(()),
+            spin,
         });
         for index in 1..=workers {
             let shared = Arc::clone(&pool);
@@ -79,53 +114,94 @@ impl Pool {
 
     fn work_loop(&self, index: usize) {
         let mut seen = 0;
+        let mut watch_after = Instant::now();
         loop {
-            let job = {
-                let mut state = lock(&self.state);
-                while state.generation == seen {
-                    state = self.wake.wait(state).unwrap_or_else(|e| e.into_inner());
-                }
-                seen = state.generation;
-                state.job
-            };
-            if let Some(JobPtr(work)) = job {
-                // SAFETY: `run` waits for this worker's `pending` decrement before the borrow
-                // ends. A panic cannot be carried across threads here: it aborts.
-                let work = unsafe { &*work };
-                if catch_unwind(AssertUnwindSafe(|| work(index))).is_err() {
-                    std::process::abort();
-                }
+            seen = self.next_generation(seen, &mut watch_after);
+            let job = self.job.load(Ordering::Acquire);
+            // SAFETY: `run` set `job` before bumping the generation seen here, and keeps the
+            // work (and the reference to it) alive until this worker's `pending` decrement. A
+            // panic cannot be carried across threads here: it aborts.
+            let work: &Work = unsafe { *job };
+            if catch_unwind(AssertUnwindSafe(|| work(index))).is_err() {
+                std::process::abort();
             }
-            let mut state = lock(&self.state);
-            state.pending -= 1;
-            if state.pending == 0 {
-                self.done.notify_all();
+            self.pending.fetch_sub(1, Ordering::Release);
+        }
+    }
+
+    /// Waits for a generation other than `seen`: watches for `spin`, then blocks. A worker that
+    /// found its core contended blocks at once until `watch_after`.
+    fn next_generation(&self, seen: u64, watch_after: &mut Instant) -> u64 {
+        let start = Instant::now();
+        if start >= *watch_after {
+            let mut last = start;
+            let mut spins = 0u32;
+            while last.duration_since(start) < self.spin {
+                let now = self.generation.load(Ordering::Acquire);
+                if now != seen {
+                    return now;
+                }
+                spins += 1;
+                if !spins.is_multiple_of(SPINS_PER_YIELD) {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                thread::yield_now();
+                let now = Instant::now();
+                if now.duration_since(last) >= CONTENDED {
+                    // Another thread ran on this core meanwhile (the yield, or a preemption):
+                    // watching would queue this worker behind it for a time slice per call,
+                    // where a blocked worker is woken ahead of it.
+                    *watch_after = now + CONTENDED_BACKOFF;
+                    break;
+                }
+                last = now;
             }
+        }
+        let mut guard = lock(&self.sleep);
+        // Dekker's pattern with `run`: this increment and the caller's generation bump are
+        // both SeqCst, so either the load below sees the new generation or the caller sees
+        // this sleeper (and notifies under `sleep`, which this thread holds until `wait`).
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        loop {
+            let now = self.generation.load(Ordering::SeqCst);
+            if now != seen {
+                self.sleepers.fetch_sub(1, Ordering::SeqCst);
+                return now;
+            }
+            guard = self.wake.wait(guard).unwrap_or_else(|e| e.into_inner());
         }
     }
 
     /// Runs work(0) here and work(1..=workers) on the workers; returns when all are done.
     fn run<'a>(&self, work: &'a (dyn Fn(usize) + Sync + 'a)) {
-        let _one_call = self.calls.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: only the lifetime is erased; `WaitForWorkers` keeps `work` borrowed until
-        // every worker has finished with it, even if work(0) unwinds.
-        let erased: *const Work =
-            unsafe { std::mem::transmute::<&'a (dyn Fn(usize) + Sync + 'a), &'static Work>(work) };
-        {
-            let mut state = lock(&self.state);
-            state.job = Some(JobPtr(erased));
-            state.pending = self.workers;
-            state.generation += 1;
+        let _one_call = lock(&self.calls);
+        // SAFETY: only the lifetime is erased; `WaitForWorkers` keeps `work` (and `erased`,
+        // which the workers read through `job`) borrowed until every worker has finished
+        // with it, even if work(0) unwinds.
+        let erased: WorkRef =
+            unsafe { std::mem::transmute::<&'a (dyn Fn(usize) + Sync + 'a), WorkRef>(work) };
+        self.job
+            .store(&erased as *const WorkRef as *mut WorkRef, Ordering::Release);
+        self.pending.store(self.workers, Ordering::Release);
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _guard = lock(&self.sleep);
             self.wake.notify_all();
         }
         struct WaitForWorkers<'a>(&'a Pool);
         impl Drop for WaitForWorkers<'_> {
             fn drop(&mut self) {
-                let mut state = lock(&self.0.state);
-                while state.pending > 0 {
-                    state = self.0.done.wait(state).unwrap_or_else(|e| e.into_inner());
+                let mut spins = 0u32;
+                while self.0.pending.load(Ordering::Acquire) > 0 {
+                    spins += 1;
+                    if spins.is_multiple_of(SPINS_PER_YIELD) {
+                        thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
                 }
-                state.job = None;
+                self.0.job.store(std::ptr::null_mut(), Ordering::Release);
             }
         }
         let _wait = WaitForWorkers(self);
@@ -141,7 +217,7 @@ fn pool(workers: usize) -> Arc<Pool> {
     if let Some(pool) = pools.iter().find(|p| p.workers == workers) {
         return Arc::clone(pool);
     }
-    let started = Pool::start(workers);
+    let started = Pool::start(workers, spin_budget());
     pools.push(Arc::clone(&started));
     started
 }
@@ -182,6 +258,40 @@ mod tests {
                 assert!(seen.iter().all(|c| c.load(Ordering::Relaxed) == 1));
             }
         }
+    }
+
+    /// Many calls on one pool, with gaps shorter and longer than its spin, so the workers go
+    /// through both the watching and the blocking wait; every range runs once per call.
+    fn calls_with_gaps(spin: Duration) {
+        let pool = Pool::start(3, spin);
+        let total = AtomicUsize::new(0);
+        for call in 0..200u64 {
+            pool.run(&|i: usize| {
+                total.fetch_add(i + 1, Ordering::Relaxed);
+            });
+            if call % 50 == 0 {
+                thread::sleep(spin + Duration::from_millis(2));
+            }
+        }
+        assert_eq!(total.load(Ordering::Relaxed), 200 * (1 + 2 + 3 + 4));
+    }
+
+    #[test]
+    fn workers_that_block_at_once_still_wake() {
+        calls_with_gaps(Duration::ZERO);
+    }
+
+    #[test]
+    fn workers_that_watch_then_block_still_wake() {
+        calls_with_gaps(Duration::from_micros(300));
+    }
+
+    #[test]
+    fn spin_budget_from_the_environment() {
+        assert_eq!(parse_spin(None), DEFAULT_SPIN_US);
+        assert_eq!(parse_spin(Some(" 0 ".into())), 0);
+        assert_eq!(parse_spin(Some("250".into())), 250);
+        assert_eq!(parse_spin(Some("fast".into())), DEFAULT_SPIN_US);
     }
 
     #[test]

@@ -408,5 +408,5 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_isa, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_isa_paths, m)?)?;
     m.add_class::<PyInt8Weights>()?;
-    Ok(())
+    super::py_elementwise::register(m)
 }
