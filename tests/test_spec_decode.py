@@ -252,6 +252,31 @@ def test_grammar_requests_stay_valid_beside_speculating_ones(llama):
     llm.engine.check_pool_whole()
 
 
+@pytest.mark.parametrize("wrong", [False, True])
+def test_grammar_requests_speculate_within_their_grammar(llama, wrong):
+    """A grammar request verifies drafts too: right ones (the plain continuation) are taken
+    under the masks that follow them, wrong ones are cut by the core where the grammar forbids
+    (or rejected); the output is plain decoding's, valid against the schema, either way."""
+    schema = {"type": "object", "properties": {"name": {"enum": ["Moses", "Aaron"]}},
+              "required": ["name"], "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    plain = engine(llama).generate([PROMPTS[0]], params, use_tqdm=False)
+    prompt = tuple(engine(llama).engine.tokenizer.encode(PROMPTS[0]))
+    proposer = OracleProposer({prompt: plain[0].outputs[0].token_ids}, 4, wrong=wrong)
+    llm = with_proposer(engine(llama, NGRAM), proposer)
+    spec = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert tokens_of(spec) == tokens_of(plain)
+    jsonschema.validate(json.loads(spec[0].outputs[0].text), schema)
+    stats = llm.get_stats()
+    if wrong:
+        assert stats.spec_decode_num_accepted_tokens == 0
+    else:
+        assert stats.spec_decode_num_accepted_tokens > 5, "the right drafts were verified"
+    llm.engine.check_pool_whole()
+
+
 def test_the_server_streams_speculated_tokens_and_exports_the_counts(llama):
     body = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0}
     with ThreadServer(llama, engine={"speculative_config": NGRAM}) as server:

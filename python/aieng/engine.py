@@ -493,12 +493,13 @@ class LLMEngine:
         self.speculation.record(plan.sample_request_rows, result.num_sampled, ids)
 
     def _propose(self, slots: np.ndarray) -> None:
-        """Drafts for the live sequences that took tokens this step (a request with a grammar
-        takes none), at most as many as its max_tokens leave after the next token."""
+        """Drafts for the live sequences that took tokens this step, at most as many as its
+        max_tokens leave after the next token (the core keeps a grammar request's draft only as
+        far as its grammar allows)."""
         asked: list[tuple[_Sequence, ProposalRequest]] = []
         for slot in slots.tolist():
             entry = self._by_slot.get(slot)
-            if entry is None or entry[0].grammar is not None:
+            if entry is None:
                 continue
             request, seq = entry
             room = seq.params.max_tokens - len(seq.token_ids) - 1

@@ -110,6 +110,7 @@ class SamplingTable:
         self.has_penalty = np.zeros(0, bool)
         # logit_bias, allowed_token_ids or bad_words: only these rows are walked in Python
         self.has_token_rules = np.zeros(0, bool)
+        self.has_grammar = np.zeros(0, bool)  # structured outputs: masks from the core
         self.num_logprobs = np.zeros(0, np.int32)  # -1: no logprobs
         self.num_output = np.zeros(0, np.int64)
         self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}  # slot -> (ids, biases)
@@ -149,6 +150,7 @@ class SamplingTable:
         self.top_k[slot] = min(top_k, self.vocab_size)  # top_k past the vocabulary: all of it
         self.greedy[slot] = greedy
         self.has_seed[slot] = params.seed is not None
+        self.has_grammar[slot] = params.structured_outputs is not None
         self.seed[slot] = np.uint64((params.seed or 0) & UINT64).astype(np.int64)
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self.num_output[slot] = len(output_token_ids)
@@ -338,6 +340,7 @@ class SamplingTable:
             "greedy",
             "has_penalty",
             "has_token_rules",
+            "has_grammar",
             "num_logprobs",
             "num_output",
         ):

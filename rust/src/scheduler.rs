@@ -383,8 +383,10 @@ impl EngineCore {
             .filter_map(|e| {
                 let row = logits_row;
                 logits_row += 1 + e.num_draft;
-                let grammar = self.req(e.slot).grammar.as_ref()?;
-                Some((row as i32, Arc::clone(grammar)))
+                let r = self.req(e.slot);
+                let grammar = r.grammar.as_ref()?;
+                let draft = r.draft[..e.num_draft].to_vec();
+                Some((row as i32, Arc::clone(grammar), draft))
             })
             .collect();
         (!rows.is_empty()).then(|| PendingMasks::start(rows))
@@ -488,7 +490,8 @@ impl EngineCore {
     }
 
     /// Sets the draft tokens that follow request `id`'s tokens now, replacing any it had;
-    /// the next step that decodes it verifies them. A request with a grammar takes none.
+    /// the next step that decodes it verifies them. A request with a grammar takes the
+    /// draft's prefix its grammar allows (the step's masks follow the draft, row by row).
     pub fn set_draft(&mut self, id: &str, draft: &[u32]) -> Result<()> {
         let slot = *self
             .slot_of
@@ -501,9 +504,11 @@ impl EngineCore {
         }
         let r = self.req_mut(slot);
         r.draft.clear();
-        if r.grammar.is_none() {
-            r.draft.extend_from_slice(draft);
-        }
+        let valid = match &r.grammar {
+            Some(grammar) => grammar.lock().valid_prefix(draft),
+            None => draft.len(),
+        };
+        r.draft.extend_from_slice(&draft[..valid]);
         Ok(())
     }
 

@@ -10,8 +10,9 @@ target filled also holds the draft's K/V of the same tokens. The proposal steps 
 request's blocks into a few scratch blocks per row (after the core's blocks), overwritten the
 next step; positions past the accepted length are simply written again later.
 
-Each draft token is the draft's argmax for greedy and seeded requests (a point mass, so a
-seeded request gives the same tokens as without speculation), and otherwise a draw from
+Each draft token is the draft's argmax for greedy, seeded and grammar-constrained requests (a
+point mass, so a seeded request gives the same tokens as without speculation, and the core may
+cut a grammar request's draft where its grammar forbids), and otherwise a draw from
 q = softmax(draft logits / temperature); q goes to the verifier, which accepts with
 min(1, p/q) (`aieng.sampler.rejection_sample`).
 """
@@ -177,7 +178,9 @@ class DraftModel:
         next_pos = computed[prop] + lengths[prop]  # where each row's first draft goes
         logits = self.model.compute_logits(hidden[torch.from_numpy(ends[prop]).to(self.device)])
         slots = rows[prop]
-        greedy = table.greedy[slots] | table.has_seed[slots]
+        # a point mass where the draft must not be a draw: greedy, seeded and grammar rows (the
+        # core cuts a grammar row's draft where the grammar forbids, which a draw's q cannot see)
+        greedy = table.greedy[slots] | table.has_seed[slots] | table.has_grammar[slots]
         temperature = torch.from_numpy(table.floats[slots, 0].astype(np.float32)).to(self.device)
         drafts: list[np.ndarray] = []
         qs: list[torch.Tensor] = []

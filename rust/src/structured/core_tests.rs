@@ -192,3 +192,44 @@ fn preemption_keeps_the_matcher_and_abort_frees_it() {
     core.check_invariants().unwrap();
     assert_eq!(core.pool_stats().num_free_blocks, 3);
 }
+
+#[test]
+fn drafts_are_cut_where_the_grammar_forbids_and_masks_follow_them() {
+    let (mut core, compiler, tok) = setup(64);
+    let grammar = compiler
+        .compile(&GrammarSpec::Choice(vec!["yes please".into(), "no".into()]))
+        .unwrap();
+    core.add_request_with_grammar("g", &[5, 6, 7], params(50), Some(&grammar))
+        .unwrap();
+    let answer = tok.encode("yes please", false).unwrap();
+    assert!(answer.len() >= 3, "the test needs a few tokens: {answer:?}");
+    // Prefill, taking the answer's first token.
+    core.schedule().unwrap();
+    core.update(&[answer[0] as i64]).unwrap();
+    // A draft of the next two answer tokens, then one the grammar forbids, then more.
+    let forbidden = tok.encode("zzz", false).unwrap()[0];
+    let draft = [answer[1], answer[2], forbidden, answer[1]];
+    core.set_draft("g", &draft).unwrap();
+    let plan = core.schedule().unwrap();
+    let masks = plan.grammar_masks.as_ref().expect("g is constrained").wait();
+    assert_eq!(masks.rows, vec![0, 1, 2], "one mask per verified position: 2 drafts + 1");
+    let w = masks.words_per_row;
+    for (i, want) in [answer[1], answer[2]].into_iter().enumerate() {
+        assert!(allowed(&masks.words[i * w..(i + 1) * w], want), "row {i}");
+        assert!(!allowed(&masks.words[i * w..(i + 1) * w], forbidden), "row {i}");
+    }
+    // The target takes both drafts and its own next token: the matcher follows all three.
+    let taken = [answer[1] as i64, answer[2] as i64, answer[3] as i64];
+    core.update_with_counts(&taken, &[3]).unwrap();
+    let plan = core.schedule().unwrap();
+    let masks = plan.grammar_masks.as_ref().unwrap().wait();
+    let next = answer.get(4).copied().unwrap_or(EOS);
+    assert!(allowed(&masks.words[..masks.words_per_row], next));
+    core.update(&[next as i64]).unwrap();
+    // A draft that starts with a forbidden token is dropped whole.
+    core.set_draft("g", &[forbidden]).unwrap();
+    if core.has_unfinished() {
+        let plan = core.schedule().unwrap();
+        assert_eq!(plan.grammar_masks.as_ref().unwrap().wait().rows, vec![0]);
+    }
+}

@@ -33,10 +33,15 @@ struct Pending {
 }
 
 impl PendingMasks {
-    /// Starts computing the masks of `rows` (sampling row, its matcher) on a worker thread.
-    pub fn start(rows: Vec<(i32, SharedMatcher)>) -> Self {
-        let row_ids = rows.iter().map(|(row, _)| *row).collect();
-        let words_per_row = rows.first().map_or(0, |(_, m)| m.lock().mask_words());
+    /// Starts computing the masks of `rows` on a worker thread: (first sampling row, its
+    /// matcher, the draft tokens it verifies) gives 1 + drafts rows, the mask at the first and
+    /// after each draft token (`GrammarMatcher::fill_masks_along`).
+    pub fn start(rows: Vec<(i32, SharedMatcher, Vec<u32>)>) -> Self {
+        let row_ids = rows
+            .iter()
+            .flat_map(|(row, _, draft)| (0..=draft.len() as i32).map(move |i| row + i))
+            .collect();
+        let words_per_row = rows.first().map_or(0, |(_, m, _)| m.lock().mask_words());
         let worker = std::thread::Builder::new()
             .name("aieng-grammar-masks".into())
             .spawn(move || compute(&rows, words_per_row))
@@ -71,13 +76,21 @@ impl PendingMasks {
     }
 }
 
-fn compute(rows: &[(i32, SharedMatcher)], words_per_row: usize) -> GrammarMasks {
-    let mut words = vec![0u32; rows.len() * words_per_row];
-    for ((_, matcher), out) in rows.iter().zip(words.chunks_mut(words_per_row.max(1))) {
-        matcher.lock().fill_mask(out);
+fn compute(rows: &[(i32, SharedMatcher, Vec<u32>)], words_per_row: usize) -> GrammarMasks {
+    let total: usize = rows.iter().map(|(_, _, draft)| 1 + draft.len()).sum();
+    let mut words = vec![0u32; total * words_per_row];
+    let mut at = 0;
+    let mut row_ids = Vec::with_capacity(total);
+    for (row, matcher, draft) in rows {
+        let n = 1 + draft.len();
+        matcher
+            .lock()
+            .fill_masks_along(draft, &mut words[at * words_per_row..(at + n) * words_per_row]);
+        row_ids.extend((0..n as i32).map(|i| row + i));
+        at += n;
     }
     GrammarMasks {
-        rows: rows.iter().map(|(row, _)| *row).collect(),
+        rows: row_ids,
         words_per_row,
         words,
     }

@@ -76,6 +76,61 @@ impl GrammarMatcher {
         }
     }
 
+    /// How many of `draft`'s tokens the grammar takes in order from here: up to the first
+    /// token it forbids, the first stop id (a draft ends before it), or the token that
+    /// completes the grammar (included). Checked on a copy: this matcher does not move.
+    pub fn valid_prefix(&self, draft: &[u32]) -> usize {
+        if self.failed.is_some() || self.matcher.is_stopped() {
+            return 0;
+        }
+        let upto = draft
+            .iter()
+            .position(|t| self.stop_ids.contains(t))
+            .unwrap_or(draft.len());
+        let mut scratch = self.scratch();
+        let mut taken = 0;
+        for &token in &draft[..upto] {
+            match scratch.accept(token) {
+                Ok(complete) => {
+                    taken += 1;
+                    if complete {
+                        break;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        taken
+    }
+
+    /// The masks after each prefix of `draft` (which `valid_prefix` took whole), one after the
+    /// other in `words` ((len + 1) · `mask_words()`, zeroed by the caller): the mask here, then
+    /// after the first draft token, and so on; computed on a copy, so this matcher does not move.
+    pub fn fill_masks_along(&mut self, draft: &[u32], words: &mut [u32]) {
+        let width = self.mask_words();
+        self.fill_mask(&mut words[..width]);
+        if draft.is_empty() {
+            return;
+        }
+        let mut scratch = self.scratch();
+        for (i, &token) in draft.iter().enumerate() {
+            if scratch.accept(token).is_err() {
+                return; // not a valid draft: its later rows allow nothing (the row fails)
+            }
+            scratch.fill_mask(&mut words[(i + 1) * width..][..width]);
+        }
+    }
+
+    /// An independent copy at this matcher's place in the grammar.
+    fn scratch(&self) -> GrammarMatcher {
+        GrammarMatcher {
+            matcher: self.matcher.deep_clone(),
+            vocab: Arc::clone(&self.vocab),
+            stop_ids: self.stop_ids.clone(),
+            failed: self.failed.clone(),
+        }
+    }
+
     /// Advances by one generated token; true when the grammar is complete (the sequence
     /// must end). A token the grammar does not allow is an error.
     pub fn accept(&mut self, token: u32) -> Result<bool, String> {

@@ -269,8 +269,8 @@ fn pending_masks_are_computed_off_thread_and_joined_once() {
     let c = compiler(700);
     let grammar = c.compile(&GrammarSpec::Regex("[0-9]+".into())).unwrap();
     let rows = vec![
-        (2, grammar.matcher(vec![EOS]).shared()),
-        (5, grammar.matcher(vec![]).shared()),
+        (2, grammar.matcher(vec![EOS]).shared(), vec![]),
+        (5, grammar.matcher(vec![]).shared(), vec![]),
     ];
     let pending = PendingMasks::start(rows);
     let masks = pending.wait();
