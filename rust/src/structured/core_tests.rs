@@ -211,12 +211,23 @@ fn drafts_are_cut_where_the_grammar_forbids_and_masks_follow_them() {
     let draft = [answer[1], answer[2], forbidden, answer[1]];
     core.set_draft("g", &draft).unwrap();
     let plan = core.schedule().unwrap();
-    let masks = plan.grammar_masks.as_ref().expect("g is constrained").wait();
-    assert_eq!(masks.rows, vec![0, 1, 2], "one mask per verified position: 2 drafts + 1");
+    let masks = plan
+        .grammar_masks
+        .as_ref()
+        .expect("g is constrained")
+        .wait();
+    assert_eq!(
+        masks.rows,
+        vec![0, 1, 2],
+        "one mask per verified position: 2 drafts + 1"
+    );
     let w = masks.words_per_row;
     for (i, want) in [answer[1], answer[2]].into_iter().enumerate() {
         assert!(allowed(&masks.words[i * w..(i + 1) * w], want), "row {i}");
-        assert!(!allowed(&masks.words[i * w..(i + 1) * w], forbidden), "row {i}");
+        assert!(
+            !allowed(&masks.words[i * w..(i + 1) * w], forbidden),
+            "row {i}"
+        );
     }
     // The target takes both drafts and its own next token: the matcher follows all three.
     let taken = [answer[1] as i64, answer[2] as i64, answer[3] as i64];

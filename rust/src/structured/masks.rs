@@ -83,9 +83,10 @@ fn compute(rows: &[(i32, SharedMatcher, Vec<u32>)], words_per_row: usize) -> Gra
     let mut row_ids = Vec::with_capacity(total);
     for (row, matcher, draft) in rows {
         let n = 1 + draft.len();
-        matcher
-            .lock()
-            .fill_masks_along(draft, &mut words[at * words_per_row..(at + n) * words_per_row]);
+        matcher.lock().fill_masks_along(
+            draft,
+            &mut words[at * words_per_row..(at + n) * words_per_row],
+        );
         row_ids.extend((0..n as i32).map(|i| row + i));
         at += n;
     }
