@@ -37,11 +37,22 @@ PASSAGE = (
 COPY = [f"{PASSAGE}\n\n{PASSAGE[:40]}", f"{PASSAGE}\n{PASSAGE}\n{PASSAGE[:60]}"]
 
 
-def scenarios(method: str, max_tokens: int) -> list[tuple[str, list[str], SamplingParams, bool]]:
+SWEEP = (1, 2, 4, 8, 16, 64)  # --sweep: concurrent requests
+
+
+def concurrent(n: int) -> list[str]:
+    return [KJV[i % 4] + " " * (i // 4) for i in range(n)]
+
+
+def scenarios(
+    method: str, max_tokens: int, sweep: bool = False
+) -> list[tuple[str, list[str], SamplingParams, bool]]:
     """(name, prompts, params, one request at a time)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=max_tokens, ignore_eos=True)
     batch = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    if sweep:
+        return [(f"{n} concurrent, KJV, T=0", concurrent(n), batch, False) for n in SWEEP]
     if method == "draft":
         return [
             ("single stream, KJV, T=0", KJV, greedy, True),
@@ -51,8 +62,7 @@ def scenarios(method: str, max_tokens: int) -> list[tuple[str, list[str], Sampli
         ("single stream, KJV, T=0", KJV, greedy, True),
         ("single stream, KJV, T=0.8", KJV, sampled, True),
         ("single stream, copy-heavy, T=0", COPY, greedy, True),
-        ("64 concurrent, KJV, T=0", [KJV[i % 4] + " " * (i // 4) for i in range(64)], batch,
-         False),
+        ("64 concurrent, KJV, T=0", concurrent(64), batch, False),
     ]  # fmt: skip
 
 
@@ -67,7 +77,16 @@ def measure(llm: LLM, prompts: list[str], params: SamplingParams, alone: bool) -
     drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
     draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    per_position = [
+        (a - b) / drafts if drafts else None
+        for a, b in zip(
+            after.spec_decode_accepted_per_position,
+            before.spec_decode_accepted_per_position or [0] * 16,
+            strict=False,
+        )
+    ]
     return {
+        "accepted_per_position": per_position,
         "tokens": tokens,
         "seconds": seconds,
         "tok_s": tokens / seconds,
@@ -89,6 +108,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--note", default="", help="e.g. that the machine was shared")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help=f"ngram at {', '.join(map(str, SWEEP))} concurrent requests, speculating at every "
+        "batch size (disable_by_batch_size 0): where it stops paying",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     method = args.method
@@ -99,10 +124,12 @@ def main() -> None:
         args.k = args.k or 4
         config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
                   "prompt_lookup_min": 2}  # fmt: skip
+    if args.sweep:
+        config["disable_by_batch_size"] = 0
     engines = {"off": LLM(kv_cache_memory=1 << 26), method: LLM(
         kv_cache_memory=1 << 26, speculative_config=config)}  # fmt: skip
     rows = []
-    for name, prompts, params, alone in scenarios(method, args.max_tokens):
+    for name, prompts, params, alone in scenarios(method, args.max_tokens, args.sweep):
         for llm in engines.values():  # warm-up
             llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
         # Off and on alternate, best of --reps each: a shared machine's load hits both.
@@ -120,25 +147,29 @@ def main() -> None:
         f"model, {args.threads} threads, best of {args.reps} alternating runs. {args.note}",
         "",
         f"| scenario | off tok/s | {method} tok/s | speed-up | off steps | {method} steps | "
-        "acceptance | tokens per forward | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "acceptance | accepted per position | tokens per forward | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         off, on = r["off"], r[method]
         acceptance = f"{on['acceptance']:.2f}" if on["acceptance"] is not None else "-"
+        positions = (
+            "/".join(f"{p:.2f}" for p in on["accepted_per_position"] if p is not None) or "-"
+        )
         per_forward = (
             f"{on['tokens_per_forward']:.2f}" if on["tokens_per_forward"] is not None else "-"
         )
         lines.append(
             f"| {r['scenario']} | {off['tok_s']:.0f} | {on['tok_s']:.0f} | "
             f"{on['tok_s'] / off['tok_s']:.2f}x | {off['steps']} | {on['steps']} | "
-            f"{acceptance} | {per_forward} | {'yes' if r['identical'] else 'NO'} |"
+            f"{acceptance} | {positions} | {per_forward} | {'yes' if r['identical'] else 'NO'} |"
         )
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
     info = machine(args.threads)
     stem = "bench_speculative" if method == "ngram" else "bench_speculative_draft"
+    stem += "_sweep" if args.sweep else ""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
     (out / f"{stem}.md").write_text(

@@ -23,7 +23,9 @@ from aieng.spec_decode.ngram import NgramProposer
 from aieng.spec_decode.proposer import ProposalRequest
 
 VOCAB = 384
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# Speculating at every batch size (the CPU's measured default stops above one request).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "disable_by_batch_size": 0}  # fmt: skip
 PROMPTS = [
     "the cat sat on the mat and the cat sat on the mat and the",
     "one two three one two three one two",
@@ -108,6 +110,24 @@ def test_bad_configs_are_refused_by_name(config, match):
     with pytest.raises(ValueError, match="speculative_config") as error:
         EngineArgs(speculative_config=config)
     assert match in str(error.value)
+
+
+def test_unset_batch_limit_is_the_measured_one_for_the_device(llama):
+    """Without disable_by_batch_size, a CPU engine speculates for one running request and not
+    for two (benches/results/bench_speculative_sweep.md); 0 speculates at any batch."""
+    from aieng.spec_decode.config import measured_batch_limit
+
+    unset = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    assert measured_batch_limit(unset, "cpu") == 1
+    assert measured_batch_limit(unset, "cuda:0") == 0  # not measured: no limit
+    assert measured_batch_limit(SpeculativeConfig.from_dict(NGRAM), "cpu") == 0
+    config = {k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"}
+    llm = engine(llama, config)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.generate(PROMPTS[:2], greedy, use_tqdm=False)  # two running: no drafts
+    assert llm.get_stats().spec_decode_num_drafts == 0
+    llm.generate(PROMPTS[:1], greedy, use_tqdm=False)  # one: drafts
+    assert llm.get_stats().spec_decode_num_drafts > 0
 
 
 def test_the_flag_takes_json_and_refuses_bad_json():

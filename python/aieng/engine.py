@@ -189,7 +189,7 @@ class LLMEngine:
         )
         self.model_info = _model_info(resolved, self.executor)
         spec = resolved.speculative
-        self.speculation = SpeculativeDecoding(spec) if spec is not None else None
+        self.speculation = SpeculativeDecoding(spec, resolved.device) if spec is not None else None
         self.requests: dict[str, _Request] = {}
         self._by_core_id: dict[str, tuple[_Request, _Sequence]] = {}
         self._by_slot: dict[int, tuple[_Request, _Sequence]] = {}

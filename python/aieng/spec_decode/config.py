@@ -39,14 +39,15 @@ _KEYS = {
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """A checked speculative_config. `disable_by_batch_size`: no drafts in a step whose
-    running requests exceed it (0: always speculate)."""
+    running requests exceed it (0: always speculate; None: the limit measured for the device,
+    `measured_batch_limit`)."""
 
     method: str
     num_speculative_tokens: int
     model: str | None = None  # draft_model: the draft checkpoint's folder
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    disable_by_batch_size: int = 0
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_dict(cls, value: Any) -> SpeculativeConfig:
@@ -60,6 +61,19 @@ class SpeculativeConfig:
             if given["model"] == SHIPPED_DRAFT_NAME:
                 given["model"] = str(SHIPPED_DRAFT_PATH)
         return cls(**given)
+
+
+# The largest batch at which speculation measured faster than plain decoding, by device type
+# (`benches/bench_speculative.py --sweep`, ngram k=4 on the default model; the table is in
+# benches/results/bench_speculative_sweep.md). Devices not measured speculate at any batch.
+MEASURED_BATCH_LIMITS = {"cpu": 1}
+
+
+def measured_batch_limit(config: SpeculativeConfig, device: str) -> int:
+    """The batch size above which `config` stops speculating on `device` (0: never stops)."""
+    if config.disable_by_batch_size is not None:
+        return config.disable_by_batch_size
+    return MEASURED_BATCH_LIMITS.get(device.split(":")[0], 0)
 
 
 def refusal(value: Any) -> str | None:

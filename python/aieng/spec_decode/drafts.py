@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aieng.spec_decode.config import SpeculativeConfig
+from aieng.spec_decode.config import SpeculativeConfig, measured_batch_limit
 from aieng.spec_decode.draft_proposer import DraftModelProposer
 from aieng.spec_decode.ngram import NgramProposer
 from aieng.spec_decode.proposer import ProposalRequest, Proposer
@@ -46,8 +46,9 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
 
 
 class SpeculativeDecoding:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, device: str = "cpu"):
         self.config = config
+        self.batch_limit = measured_batch_limit(config, device)  # 0: no limit
         self.proposer = make_proposer(config)
         self.num_drafts = 0  # sampling requests that verified at least one draft
         self.num_draft_tokens = 0
@@ -62,8 +63,7 @@ class SpeculativeDecoding:
 
     def wanted(self, num_running: int) -> bool:
         """Whether a step with `num_running` running requests speculates."""
-        limit = self.config.disable_by_batch_size
-        return limit == 0 or num_running <= limit
+        return self.batch_limit == 0 or num_running <= self.batch_limit
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[list[int]]:
         """Drafts for `requests` (the ones decoding now); a request whose acceptance is poor
