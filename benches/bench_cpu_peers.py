@@ -372,10 +372,10 @@ def main() -> None:
         f"every engine; aieng's kernels on {info['aieng_cpu_isa']}; torch {info['torch']}; "
         f"OMP_WAIT_POLICY={info['OMP_WAIT_POLICY']}. "
         f"Measured bandwidth: copy {bandwidth / 1e9:.1f} GB/s (read + written), read "
-        f"{reading / 1e9:.1f} GB/s (torch.sum). The machine (2 cores) is shared with other "
-        "engineers' builds, tests and benchmarks, so every figure is one run's under that load: "
-        f"load average (1, 5, 15 min) {fmt_load(load)} at the start, {fmt_load(load_after)} at "
-        "the end.",
+        f"{reading / 1e9:.1f} GB/s (torch.sum). Load average (1, 5, 15 min) {fmt_load(load)} at "
+        f"the start, {fmt_load(load_after)} at the end (2 cores: above about 2, other jobs "
+        f"shared them). One stream: the median of {STREAM_TRIALS} runs per engine (every run is "
+        "in the JSON); offline: one run.",
         "",
     ]
     if kernels:

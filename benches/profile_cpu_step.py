@@ -224,12 +224,11 @@ def main() -> None:
         "g128, LM head too) on the int8 kernel (CpuQuantizedLinearMethod), fp32 on "
         "DenseLinearMethod (aieng's dense GEMV for few rows, torch's F.linear otherwise). "
         f"{PROMPT}-token prompts, then {args.steps} timed decode steps in which "
-        "every request decodes one token. The machine (2 cores) is shared with other engineers' "
-        "jobs: load average (1, 5, 15 min) "
+        "every request decodes one token. Load average (1, 5, 15 min) "
         + ", ".join(f"{x:.1f}" for x in load)
         + " at the start, "
         + ", ".join(f"{x:.1f}" for x in load_after)
-        + " at the end; figures are one run's.",
+        + " at the end (2 cores: above about 2, other jobs shared them); figures are one run's.",
         "",
         "Exclusive parts: each is its timer less the timers inside it (a `Linear`'s time is its "
         "kernel and the Python around it).",

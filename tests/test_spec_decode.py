@@ -113,20 +113,21 @@ def test_bad_configs_are_refused_by_name(config, match):
 
 
 def test_unset_batch_limit_is_the_measured_one_for_the_device(llama):
-    """Without disable_by_batch_size, a CPU engine speculates for one running request and not
-    for two (benches/results/bench_speculative_sweep.md); 0 speculates at any batch."""
+    """Without disable_by_batch_size, a CPU engine speculates for up to 8 running requests and
+    not for more (benches/results/bench_speculative_sweep.md); 0 speculates at any batch."""
     from aieng.spec_decode.config import measured_batch_limit
 
     unset = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
-    assert measured_batch_limit(unset, "cpu") == 1
+    assert measured_batch_limit(unset, "cpu") == 8
     assert measured_batch_limit(unset, "cuda:0") == 0  # not measured: no limit
     assert measured_batch_limit(SpeculativeConfig.from_dict(NGRAM), "cpu") == 0
     config = {k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"}
     llm = engine(llama, config)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm.generate(PROMPTS[:2], greedy, use_tqdm=False)  # two running: no drafts
+    many = [PROMPTS[i % 3] + " " * (i // 3) for i in range(9)]
+    llm.generate(many, greedy, use_tqdm=False)  # nine running: no drafts
     assert llm.get_stats().spec_decode_num_drafts == 0
-    llm.generate(PROMPTS[:1], greedy, use_tqdm=False)  # one: drafts
+    llm.generate(PROMPTS[:2], greedy, use_tqdm=False)  # two: drafts
     assert llm.get_stats().spec_decode_num_drafts > 0
 
 

@@ -249,7 +249,7 @@ class EngineArgs:
         '"path/to/draft", "num_speculative_tokens": 4} ("default-draft", or the flag\'s word '
         "`draft`: the draft shipped with the default model); optional "
         '"disable_by_batch_size": no drafts in a step with more running requests than that '
-        "(0: always; unset: the limit measured for the device, 1 on the CPU). "
+        "(0: always; unset: the limit measured for the device, 8 on the CPU). "
         "The output is exactly plain decoding's",
         default_text="off",
         check=spec_config.refusal,
