@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -88,9 +89,10 @@ def main() -> None:
             )
         llm.shutdown()
     info = machine_info(torch.get_num_threads())
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     machine = (
-        f"{info['cpu']} ({info['cpu_features']}), {info['nproc']} CPUs (shared with other work "
-        "while measured)"
+        f"{info['cpu']} ({info['cpu_features']}), {info['nproc']} CPUs, load average {load} "
+        "(1, 5, 15 min) at the end"
     )
     lines = [
         f"# bench_embeddings ({args.texts} KJV verses, bge-small-shaped BERT, float32, CPU)",
