@@ -95,10 +95,12 @@ fn sum_of_squares(x: &[f32]) -> f32 {
 }
 
 /// e^x, vectorisable: 2^n · e^r with |r| ≤ ln2 / 2, e^r to degree 6 (relative error under
-/// 2e-7); x is clamped to [−87, 88], where the result stays a normal float.
+/// 2e-7); x is clamped to [−87, 88], where the result stays a normal float (NaN to −87). (The attention's
+/// softmax uses it too.)
 #[inline(always)]
-fn exp(x: f32) -> f32 {
-    let x = x.clamp(-87.0, 88.0);
+pub(crate) fn exp(x: f32) -> f32 {
+    #[allow(clippy::manual_clamp)] // clamp keeps NaN; max and min turn it into −87
+    let x = x.max(-87.0).min(88.0);
     let n = (x * std::f32::consts::LOG2_E).round_ties_even();
     let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
     let p = 1.0
@@ -149,6 +151,21 @@ pub struct Heads<'a> {
 }
 
 impl Heads<'_> {
+    /// Elements from the first to one past the last of (tokens, heads, head_dim) at these
+    /// strides (0 when there are none).
+    pub fn extent(
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        row_stride: usize,
+        head_stride: usize,
+    ) -> usize {
+        if tokens == 0 || heads == 0 {
+            return 0;
+        }
+        (tokens - 1) * row_stride + (heads - 1) * head_stride + head_dim
+    }
+
     fn check(&self, what: &str) -> Result<(), KernelError> {
         let Heads {
             data,
@@ -161,7 +178,7 @@ impl Heads<'_> {
         if tokens == 0 || heads == 0 {
             return Ok(());
         }
-        let last = (tokens - 1) * row_stride + (heads - 1) * head_stride + head_dim;
+        let last = Self::extent(tokens, heads, head_dim, row_stride, head_stride);
         if head_dim == 0 || data.len() < last {
             return invalid(format!(
                 "{what}: ({tokens}, {heads}, {head_dim}) with strides ({row_stride}, \

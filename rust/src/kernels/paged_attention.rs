@@ -13,6 +13,7 @@
 //! context length. Sliding windows keep the last `window` positions; soft-capping maps a score
 //! s to cap·tanh(s / cap) before the softmax (Gemma 2).
 
+use super::elementwise::exp;
 use super::isa::Isa;
 use super::pool::{split, ThreadCount};
 use super::quantize::SharedMut;
@@ -266,19 +267,6 @@ fn dot_by<T>(a: &[f32], b: &[T], f: impl Fn(&T) -> f32) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
-/// e^x for x ≤ 0 (softmax terms), vectorisable: 2^n · e^r with |r| ≤ ln2 / 2, e^r to degree 6
-/// (relative error under 2e-7).
-#[inline(always)]
-fn exp_neg(x: f32) -> f32 {
-    let x = x.max(-87.0);
-    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
-    let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r / 720.0)))));
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
-}
-
 /// Work items [items.start, items.end) of (token, KV head), written into `out`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -336,9 +324,9 @@ fn attend_items<R: Rows>(
             for h in 0..group {
                 let chunk = &mut scores[h * CHUNK..h * CHUNK + end - start];
                 let new_max = chunk.iter().fold(max[h], |m, &s| m.max(s));
-                let rescale = exp_neg(max[h] - new_max);
+                let rescale = exp(max[h] - new_max);
                 for p in chunk.iter_mut() {
-                    *p = exp_neg(*p - new_max);
+                    *p = exp(*p - new_max);
                 }
                 sum[h] = sum[h] * rescale + chunk.iter().sum::<f32>();
                 max[h] = new_max;
@@ -798,11 +786,11 @@ mod tests {
     }
 
     #[test]
-    fn exp_neg_is_close_to_exp() {
-        assert!(exp_neg(-100.0) < 1e-37 && exp_neg(f32::NEG_INFINITY) < 1e-37);
+    fn the_softmax_exp_is_close_to_exp() {
+        assert!(exp(-100.0) < 1e-37 && exp(f32::NEG_INFINITY) < 1e-37);
         for i in 0..1600 {
             let x = -(i as f32) * 0.05;
-            let (got, want) = (exp_neg(x), x.exp());
+            let (got, want) = (exp(x), x.exp());
             assert!(
                 (got - want).abs() <= 3e-7 * want + 1e-38,
                 "{x}: {got} vs {want}"

@@ -46,11 +46,7 @@ fn heads<'a>(array: &'a PyReadonlyArray3<'_, f32>, what: &str) -> PyResult<Heads
         )));
     }
     let (row_stride, head_stride) = ((strides[0] / size) as usize, (strides[1] / size) as usize);
-    let extent = if tokens == 0 || heads == 0 {
-        0
-    } else {
-        (tokens - 1) * row_stride + (heads - 1) * head_stride + head_dim
-    };
+    let extent = Heads::extent(tokens, heads, head_dim, row_stride, head_stride);
     // SAFETY: numpy's view covers every element [t, h, i] at these non-negative strides, the
     // furthest at extent - 1; the slice lives as long as the borrowed array.
     let data = unsafe { std::slice::from_raw_parts(array.data() as *const f32, extent) };
