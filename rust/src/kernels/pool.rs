@@ -141,12 +141,9 @@ impl Pool {
                 if now != seen {
                     return now;
                 }
-                spins += 1;
-                if !spins.is_multiple_of(SPINS_PER_YIELD) {
-                    std::hint::spin_loop();
+                if !pause(&mut spins) {
                     continue;
                 }
-                thread::yield_now();
                 let now = Instant::now();
                 if now.duration_since(last) >= CONTENDED {
                     // Another thread ran on this core meanwhile (the yield, or a preemption):
@@ -194,18 +191,26 @@ impl Pool {
             fn drop(&mut self) {
                 let mut spins = 0u32;
                 while self.0.pending.load(Ordering::Acquire) > 0 {
-                    spins += 1;
-                    if spins.is_multiple_of(SPINS_PER_YIELD) {
-                        thread::yield_now();
-                    } else {
-                        std::hint::spin_loop();
-                    }
+                    pause(&mut spins);
                 }
                 self.0.job.store(std::ptr::null_mut(), Ordering::Release);
             }
         }
         let _wait = WaitForWorkers(self);
         work(0);
+    }
+}
+
+/// One step of a spinning wait: a spin hint, or every `SPINS_PER_YIELD`-th step a yield of the
+/// core (then true: the caller may check the clock).
+fn pause(spins: &mut u32) -> bool {
+    *spins += 1;
+    if spins.is_multiple_of(SPINS_PER_YIELD) {
+        thread::yield_now();
+        true
+    } else {
+        std::hint::spin_loop();
+        false
     }
 }
 
