@@ -181,9 +181,9 @@ def kernel_rows(bandwidth: float, reading: float) -> list[dict]:
 
 
 def quantized_checkpoint(folder: Path, out: Path) -> Path:
-    from aieng.config import ModelConfig
-    from aieng.quantization.compressed_tensors_writer import QuantScheme
-    from aieng.quantization.quantize import QuantizeOptions, largest_group_size, quantize_checkpoint
+    from aieng.config.model_config import ModelConfig
+    from aieng.quantizer.compressed_tensors_writer import QuantScheme
+    from aieng.quantizer.quantize import QuantizeOptions, largest_group_size, quantize_checkpoint
 
     group = largest_group_size(ModelConfig.from_pretrained(folder))
     options = QuantizeOptions(

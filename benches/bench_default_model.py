@@ -20,9 +20,9 @@ import torch
 
 from aieng import LLM, SamplingParams
 from aieng._core import Tokenizer
+from aieng.benchmarks.evaluate import perplexity, sliding_windows
 from aieng.benchmarks.offline import machine
-from aieng.evaluate import perplexity, sliding_windows
-from aieng.models.default import default_model_path
+from aieng.config.default_model import default_model_path
 
 THREADS = 2
 

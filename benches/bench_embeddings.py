@@ -28,7 +28,7 @@ import transformers
 
 from aieng import LLM
 from aieng.benchmarks.offline import machine as machine_info
-from aieng.models.default import default_model_path
+from aieng.config.default_model import default_model_path
 from aieng.train.corpus import kjv_raw_text, kjv_verses
 
 BGE_SMALL = dict(

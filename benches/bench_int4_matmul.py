@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from aieng.benchmarks.offline import machine
+from aieng.config.quantization import WeightScheme
 from aieng.layers.linear import Linear
-from aieng.quantization.config import WeightScheme
 from aieng.quantization.linear_method import QuantizedLinearMethod
 from aieng.quantization.packing import pack_int32
 

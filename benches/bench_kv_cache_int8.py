@@ -11,9 +11,9 @@
    output tokens/s end to end, and decode tokens/s = (output tokens - one per request) / (the
    run's wall time - the wall time of the same prompts with max_tokens=1); best of --reps,
    the dtypes alternating.
-3. Quality: held-out perplexity of the default model (`aieng.evaluate`, window 512, stride
-   256) with each cache, on the first --ppl-tokens tokens of the KJV held-out books (written
-   with Debian's bible-kjv when it is installed; skipped otherwise).
+3. Quality: held-out perplexity of the default model (`aieng.benchmarks.evaluate`, window 512,
+   stride 256) with each cache, on the first --ppl-tokens tokens of the KJV held-out books
+   (written with Debian's bible-kjv when it is installed; skipped otherwise).
 
     .venv/bin/python benches/bench_kv_cache_int8.py [--budget-mib 64] [--base-budget-mib 1024]
         [--reps 2] [--threads 1]
@@ -35,11 +35,11 @@ import torch
 
 from aieng import LLM, SamplingParams
 from aieng.benchmarks.offline import machine
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
-from aieng.kv_cache import KVCacheSpec
-from aieng.models.default import default_model_path
-from aieng.runner import ModelRunner
+from aieng.config.default_model import default_model_path
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
+from aieng.worker.kv_cache import KVCacheSpec
+from aieng.worker.runner import ModelRunner
 
 SEQ_TOKENS = 1024
 BLOCK_SIZE = 16
@@ -151,7 +151,7 @@ def speed(reps: int) -> list[dict]:
 
 
 def quality(max_tokens: int) -> list[dict]:
-    from aieng.evaluate import perplexity
+    from aieng.benchmarks.evaluate import perplexity
     from aieng.train.corpus import CorpusError, write_kjv
 
     try:
@@ -245,7 +245,8 @@ def main() -> None:
             "## Quality: held-out perplexity of the default model",
             "",
             f"KJV held-out books, first {args.ppl_tokens:,} tokens, window 512, stride 256 "
-            "(`aieng.evaluate.perplexity`, through the engine's forward and its cache dtype).",
+            "(`aieng.benchmarks.evaluate.perplexity`, through the engine's forward and its cache "
+            "dtype).",
             "",
             "| KV cache | tokens scored | perplexity | relative to float32 |",
             "|---|---|---|---|",

@@ -163,9 +163,9 @@ def run_quantized(
     reps: int,
     fp32_run,
 ) -> dict:
-    from aieng.config import ModelConfig
-    from aieng.quantization.compressed_tensors_writer import QuantScheme
-    from aieng.quantization.quantize import (
+    from aieng.config.model_config import ModelConfig
+    from aieng.quantizer.compressed_tensors_writer import QuantScheme
+    from aieng.quantizer.quantize import (
         QuantizeOptions,
         largest_group_size,
         quantize_checkpoint,

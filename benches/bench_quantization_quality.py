@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
+from aieng.benchmarks.evaluate import perplexity
 from aieng.benchmarks.offline import machine
-from aieng.config import ModelConfig
-from aieng.evaluate import perplexity
-from aieng.quantization.compressed_tensors_writer import QuantScheme
-from aieng.quantization.quantize import QuantizeOptions, largest_group_size, quantize_checkpoint
+from aieng.config.model_config import ModelConfig
+from aieng.quantizer.compressed_tensors_writer import QuantScheme
+from aieng.quantizer.quantize import QuantizeOptions, largest_group_size, quantize_checkpoint
 
 THREADS = 2
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from ray_fixtures import RayApp, ray_cluster
 from server_fixtures import MODEL_NAME, SubprocessServer, scrape
 
-from aieng.models.default import default_model_path
+from aieng.config.default_model import default_model_path
 
 ENGINE = dict(kv_cache_memory=1 << 24, block_size=16, max_num_seqs=8)
 PREFIXES, PER_PREFIX, PREFIX_TOKENS, SUFFIX_TOKENS = 8, 16, 256, 16

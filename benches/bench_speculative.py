@@ -20,7 +20,7 @@ import torch
 
 from aieng import LLM, SamplingParams
 from aieng.benchmarks.offline import machine
-from aieng.spec_decode.config import SHIPPED_DRAFT_NAME, SHIPPED_DRAFT_TOKENS
+from aieng.config.speculative import SHIPPED_DRAFT_NAME, SHIPPED_DRAFT_TOKENS
 
 KJV = [
     "And God said",

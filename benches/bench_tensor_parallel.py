@@ -25,8 +25,8 @@ import torch
 
 from aieng import LLM, SamplingParams
 from aieng.benchmarks.offline import machine
-from aieng.distributed.comm_timer import timed_collectives
-from aieng.models.default import default_model_path
+from aieng.config.default_model import default_model_path
+from aieng.executor.comm_timer import timed_collectives
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_cpu_peers
 import bench_offline
 
-import aieng.runner
+import aieng.worker.runner
 from aieng import EngineArgs, SamplingParams
 from aieng.benchmarks.offline import machine
-from aieng.engine import LLMEngine
+from aieng.engine.llm_engine import LLMEngine
 
 THREADS = 2
 PROMPT = 128
@@ -112,7 +112,9 @@ def instrument(engine: LLMEngine, timers: Timers) -> dict[str, str]:
     engine.executor.execute = timers.wrap("runner (executor.execute)", engine.executor.execute)
     runner._forward = timers.wrap("model forward", runner._forward)
     runner.model.compute_logits = timers.wrap("logits", runner.model.compute_logits)
-    aieng.runner.verify_and_sample = timers.wrap("sampling", aieng.runner.verify_and_sample)
+    aieng.worker.runner.verify_and_sample = timers.wrap(
+        "sampling", aieng.worker.runner.verify_and_sample
+    )
     methods = {}
     for name, module in runner.model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -163,7 +165,7 @@ def profile(model: Path, config: dict, kernel: str | None, requests: int, steps:
     )  # fmt: skip
     engine = LLMEngine(args)
     timers = Timers()
-    sample = aieng.runner.verify_and_sample
+    sample = aieng.worker.runner.verify_and_sample
     methods = instrument(engine, timers)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
@@ -183,7 +185,7 @@ def profile(model: Path, config: dict, kernel: str | None, requests: int, steps:
     timers.on = False
     seconds = dict(timers.seconds)
     engine.shutdown()
-    aieng.runner.verify_and_sample = sample
+    aieng.worker.runner.verify_and_sample = sample
     del engine
     rows = breakdown(seconds, steps)
     return {

@@ -22,7 +22,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def engine_options_table() -> str:
-    from aieng.engine_args import EngineArgs
+    from aieng.config.engine_args import EngineArgs
 
     return EngineArgs.markdown_table()
 
@@ -33,10 +33,10 @@ def metrics_table() -> str:
     from prometheus_client import ProcessCollector
     from prometheus_client.metrics import MetricWrapperBase
 
-    from aieng.async_engine import EngineStats
+    from aieng.engine.async_engine import EngineStats
     from aieng.server.metrics import ServerMetrics
 
-    class Figures:  # stands in for aieng.gpu_memory.GpuMemory
+    class Figures:  # stands in for aieng.worker.gpu_memory.GpuMemory
         def gauges(self) -> dict[str, float]:
             return {"weights": 0.0}
 

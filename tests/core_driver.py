@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aieng._core import EngineCore
-from aieng.runner_io import NewSamplingRow, RunnerStep
 from aieng.sampling import SamplingParams
+from aieng.worker.runner_io import NewSamplingRow, RunnerStep
 
 
 @dataclass

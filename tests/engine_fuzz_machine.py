@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from server_fixtures import make_model_dir
 
-from aieng.engine import LLMEngine
-from aieng.engine_args import EngineArgs
+from aieng.config.engine_args import EngineArgs
+from aieng.engine.llm_engine import LLMEngine
 from aieng.errors import InvalidArgumentError
 from aieng.outputs import RequestOutput
 from aieng.sampling import SamplingParams

@@ -5,11 +5,11 @@ import torch
 from core_driver import CoreDriver
 from tiny_models import VOCAB_SIZE, hf_greedy, load_hf
 
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
 from aieng.models.llama import LlamaForCausalLM
-from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
+from aieng.worker.runner import ModelRunner
 
 MAX_TOKENS = 8
 BLOCK_SIZE = 4

@@ -12,7 +12,7 @@ import ray
 from ray import serve
 from server_fixtures import MODEL_NAME, free_port, scrape, wait_ready
 
-from aieng.engine_args import EngineArgs
+from aieng.config.engine_args import EngineArgs
 from aieng.ray import RayServeOptions, build_app
 from aieng.server.config import ServerConfig
 

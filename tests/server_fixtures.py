@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import build_checkpoint
 
-from aieng.engine import LLMEngine
-from aieng.engine_args import EngineArgs
+from aieng.config.engine_args import EngineArgs
+from aieng.engine.llm_engine import LLMEngine
 from aieng.server.app import build_app
 from aieng.server.config import ServerConfig
 

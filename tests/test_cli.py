@@ -11,7 +11,7 @@ import transformers
 from train_fixtures import write_corpus
 
 from aieng import LLM, SamplingParams
-from aieng.models.default import default_model_path
+from aieng.config.default_model import default_model_path
 
 COMMANDS = ("generate", "chat", "train", "eval", "bench", "serve")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}

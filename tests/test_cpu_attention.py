@@ -22,11 +22,11 @@ from aieng.attention.cuda_self_check import (
 from aieng.attention.layer import Attention
 from aieng.attention.selector import select_attention_backend
 from aieng.attention.torch_paged import TorchPagedAttention
-from aieng.config import ModelConfig
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
-from aieng.runner import ModelRunner
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
+from aieng.config.model_config import ModelConfig
 from aieng.sampling import SamplingParams
+from aieng.worker.runner import ModelRunner
 
 CASES = [
     SPLIT_DECODES,

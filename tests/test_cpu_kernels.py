@@ -12,13 +12,13 @@ from server_fixtures import ThreadServer, make_model_dir
 from test_quantized_checkpoints import CASES, Quantized
 
 from aieng import _core
+from aieng.config.quantization import WeightScheme
 from aieng.kernels.cpu_dense import DENSE_MAX_M, dense_gemv
 from aieng.kernels.cpu_int8 import int8_matmul, pack_int8_weights
 from aieng.layers import linear as linear_module
 from aieng.layers.linear import Linear
 from aieng.quantization import cpu_int8 as method_module
 from aieng.quantization import linear_method
-from aieng.quantization.config import WeightScheme
 from aieng.quantization.cpu_int8 import CpuQuantizedLinearMethod
 from aieng.quantization.linear_method import dequantize
 from aieng.quantization.packing import pack_int32
@@ -301,10 +301,10 @@ def test_the_cpu_lm_head_follows_transformers(tied_checkpoint, mode, caplog):
     logprobs within 0.05; at it, transformers' token in our top 2 within 0.1)."""
     from core_driver import CoreDriver
 
-    from aieng.engine_args import EngineArgs
-    from aieng.engine_config import create_engine_config
-    from aieng.runner import ModelRunner
+    from aieng.config.engine_args import EngineArgs
+    from aieng.config.engine_config import create_engine_config
     from aieng.sampling import SamplingParams
+    from aieng.worker.runner import ModelRunner
 
     folder, prompts, expected = tied_checkpoint
     args = EngineArgs(model=str(folder), block_size=4, kv_cache_memory=1 << 22, cpu_lm_head=mode)

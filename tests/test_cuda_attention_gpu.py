@@ -27,11 +27,11 @@ from aieng.attention.cuda_self_check import (
     reference_attention,
 )
 from aieng.attention.layer import Attention
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
 from aieng.kernels.reference import write_kv_cache, write_quantized_kv_cache
-from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
+from aieng.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.version.cuda is None,

@@ -25,7 +25,7 @@ from aieng.attention.cuda_self_check import (
 )
 from aieng.attention.selector import select_attention_backend
 from aieng.attention.torch_paged import TorchPagedAttention
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.kernels import KernelCompileError
 from aieng.kernels.paged_attention import PREFILL_BLOCK_M, SplitPlan
 

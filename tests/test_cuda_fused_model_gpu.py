@@ -17,13 +17,13 @@ from tiny_models import VOCAB_SIZE, build_checkpoint
 import aieng.kernels.fused as fused
 from aieng.attention.backend import QuantizedKVCache
 from aieng.attention.cuda_paged import write_step_kv
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
 from aieng.kernels import fused_dispatch
 from aieng.kernels.fused_dispatch import kernel_name
 from aieng.kernels.reference import write_kv_cache, write_quantized_kv_cache
-from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
+from aieng.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.version.cuda is None,

@@ -24,8 +24,8 @@ import aieng.kernels.fused as fused
 from aieng.attention.backend import ForwardContext, QuantizedKVCache
 from aieng.attention.causal import CausalAttention, DenseBatch
 from aieng.attention.cuda_paged import write_step_kv
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
 from aieng.kernels import fused_dispatch
 from aieng.kernels.fused_dispatch import FusedKernels
 from aieng.kernels.reference import (
@@ -39,8 +39,8 @@ from aieng.layers.linear import dense_everywhere
 from aieng.layers.norm import RMSNorm
 from aieng.layers.rotary import RotaryEmbedding
 from aieng.models.llama import LlamaDecoderLayer
-from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
+from aieng.worker.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which("g++") or shutil.which("clang++")

@@ -11,12 +11,12 @@ import torch
 from core_driver import CoreDriver
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
-from aieng.quantization.compressed_tensors_writer import QuantScheme
-from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
-from aieng.runner import ModelRunner
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
+from aieng.quantizer.compressed_tensors_writer import QuantScheme
+from aieng.quantizer.quantize import QuantizeOptions, quantize_checkpoint
 from aieng.sampling import SamplingParams
+from aieng.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.version.cuda is None,

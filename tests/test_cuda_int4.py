@@ -20,26 +20,10 @@ from quantized_checkpoints import min_max_quantize
 from aieng.attention.backend import AttentionInputs, QuantizedKVCache
 from aieng.attention.layer import Attention
 from aieng.attention.torch_paged import TorchPagedAttention
-from aieng.cuda_graphs import (
-    GRAPH_PAD_BLOCKS,
-    DecodeGraphs,
-    GraphDecodeInputs,
-    capture_sizes,
-    graph_metadata,
-    graphs_wanted,
-    is_decode_only,
-    pad_decode,
-    padded_size,
-)
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
-from aieng.gpu_memory import (
-    GpuMemory,
-    gpu_memory_figures,
-    kv_cache_tensors,
-    model_tensors,
-    tensor_bytes,
-)
+from aieng.config.default_model import default_model_path
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
+from aieng.config.quantization import QuantizationConfig, WeightScheme
 from aieng.kernels.errors import KernelCompileError, KernelError
 from aieng.kernels.fused import check_cases as fused_check_cases
 from aieng.kernels.fused import (
@@ -71,14 +55,30 @@ from aieng.kernels.int4 import (
 from aieng.kernels.reference import quantize_int8
 from aieng.kernels.self_check import passes_check
 from aieng.layers.linear import Linear
-from aieng.models.default import default_model_path
 from aieng.quantization import cuda_int4, methods
-from aieng.quantization.config import QuantizationConfig, WeightScheme
 from aieng.quantization.cpu_int8 import CpuQuantizedLinearMethod
 from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
 from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
 from aieng.quantization.packing import pack_int32
-from aieng.runner import ModelRunner
+from aieng.worker.cuda_graphs import (
+    GRAPH_PAD_BLOCKS,
+    DecodeGraphs,
+    GraphDecodeInputs,
+    capture_sizes,
+    graph_metadata,
+    graphs_wanted,
+    is_decode_only,
+    pad_decode,
+    padded_size,
+)
+from aieng.worker.gpu_memory import (
+    GpuMemory,
+    gpu_memory_figures,
+    kv_cache_tensors,
+    model_tensors,
+    tensor_bytes,
+)
+from aieng.worker.runner import ModelRunner
 
 
 @pytest.fixture(autouse=True)

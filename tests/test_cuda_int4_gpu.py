@@ -12,17 +12,17 @@ from core_driver import CoreDriver
 from test_cuda_int4 import quantized_layer_from, random_int4, scheme
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
 from aieng.kernels.int4 import int4_matmul, reference_matmul, repack
 from aieng.layers.linear import Linear
 from aieng.quantization import methods
-from aieng.quantization.compressed_tensors_writer import QuantScheme
 from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
 from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
-from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
-from aieng.runner import ModelRunner
+from aieng.quantizer.compressed_tensors_writer import QuantScheme
+from aieng.quantizer.quantize import QuantizeOptions, quantize_checkpoint
 from aieng.sampling import SamplingParams
+from aieng.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.version.cuda is None,

@@ -12,8 +12,8 @@ from aieng import LLM
 from aieng import llm as llm_module
 from aieng.cli import build_parser
 from aieng.cli.generate import ENGINE_DEFAULTS as GENERATE_DEFAULTS
-from aieng.engine_args import DTYPES, EngineArgs, torch_dtype
-from aieng.models.default import default_model_path
+from aieng.config.default_model import default_model_path
+from aieng.config.engine_args import DTYPES, EngineArgs, torch_dtype
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 ENV.pop("AIENG_DEBUG", None)
@@ -200,7 +200,7 @@ def test_markdown_table_lists_every_option_once():
 
 def test_help_lists_every_flag_without_importing_torch():
     code = (
-        "import sys, aieng.cli, aieng.engine_args; "
+        "import sys, aieng.cli, aieng.config.engine_args; "
         "sub = [a for a in aieng.cli.build_parser()._actions if a.dest == 'command'][0]; "
         "print(sub.choices['serve'].format_help()); "
         "assert 'torch' not in sys.modules"

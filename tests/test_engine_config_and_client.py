@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 import aieng
-from aieng.async_engine import AsyncLLMEngine
-from aieng.config import ModelConfig
-from aieng.engine import LLMEngine
-from aieng.engine_args import EngineArgs
-from aieng.engine_client import EngineClient, ModelInfo
-from aieng.engine_config import EngineConfig, create_engine_config
-from aieng.models.default import default_model_path
+from aieng.config.default_model import default_model_path
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import EngineConfig, create_engine_config
+from aieng.config.model_config import ModelConfig
+from aieng.engine.async_engine import AsyncLLMEngine
+from aieng.engine.engine_client import EngineClient, ModelInfo
+from aieng.engine.llm_engine import LLMEngine
 from aieng.sampling import SamplingParams
 
 PACKAGE = Path(aieng.__file__).resolve().parent
@@ -123,7 +123,7 @@ def _reached_internals(path: Path) -> list[str]:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             names += [alias.name for alias in node.names]
-            if any(n.startswith(("aieng.runner", "aieng.distributed")) for n in names):
+            if any(n.startswith(("aieng.worker.runner", "aieng.distributed")) for n in names):
                 found.append(f"{path.name}:{node.lineno} imports {names}")
     return found
 
@@ -144,7 +144,7 @@ def test_the_guard_catches_a_reach_through(tmp_path):
 def test_engine_config_is_what_the_runner_takes():
     import inspect
 
-    from aieng.runner import ModelRunner
+    from aieng.worker.runner import ModelRunner
 
     param = inspect.signature(ModelRunner.__init__).parameters["config"]
     assert param.annotation in (EngineConfig, "EngineConfig")

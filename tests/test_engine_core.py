@@ -6,7 +6,7 @@ import torch
 
 import aieng
 from aieng.core import EngineCore
-from aieng.input_buffers import InputBuffers
+from aieng.worker.input_buffers import InputBuffers
 
 
 def test_plan_arrays_are_int32_numpy_and_consistent():

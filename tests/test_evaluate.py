@@ -9,7 +9,7 @@ from tiny_models import build_checkpoint, load_hf
 
 from aieng import InvalidArgumentError
 from aieng._core import Tokenizer
-from aieng.evaluate import perplexity, sliding_windows
+from aieng.benchmarks.evaluate import perplexity, sliding_windows
 
 VOCAB = 384
 TEXT = (

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import aieng.kernels.fused as fused
 from aieng.attention.backend import ForwardContext
 from aieng.attention.causal import CausalAttention, DenseBatch
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.kernels import fused_dispatch
 from aieng.kernels.errors import KernelError
 from aieng.kernels.fused import CheckCase

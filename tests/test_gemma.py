@@ -30,9 +30,9 @@ from aieng.attention.causal import CausalAttention, DenseBatch
 from aieng.attention.sdpa import attend
 from aieng.attention.selector import select_attention_backend
 from aieng.attention.torch_paged import TorchPagedAttention, build_attention_metadata
-from aieng.config import ModelConfig
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
+from aieng.config.model_config import ModelConfig
 from aieng.kernels.reference import write_kv_cache
 from aieng.layers.activation import gelu_tanh_and_mul
 from aieng.layers.linear import DenseLinearMethod, Linear, dense_everywhere
@@ -40,11 +40,11 @@ from aieng.layers.norm import RMSNorm
 from aieng.layers.rotary import rope_inv_freq
 from aieng.models.gemma import GemmaModel
 from aieng.quantization import linear_method
-from aieng.quantization.compressed_tensors_writer import QuantScheme
 from aieng.quantization.linear_method import dequantize
 from aieng.quantization.methods import checkpoint_layer_names
-from aieng.quantization.quantize import QuantizeError, QuantizeOptions, quantize_checkpoint
-from aieng.runner import ModelRunner
+from aieng.quantizer.compressed_tensors_writer import QuantScheme
+from aieng.quantizer.quantize import QuantizeError, QuantizeOptions, quantize_checkpoint
+from aieng.worker.runner import ModelRunner
 
 WINDOW = 8
 # Different lengths, several past the window; generation runs 8 tokens further.

@@ -16,7 +16,7 @@ import pytest
 from server_fixtures import MODEL_NAME, ThreadServer
 
 from aieng import LLM, InvalidArgumentError, SamplingParams, StructuredOutputsParams
-from aieng.models.default import default_model_path
+from aieng.config.default_model import default_model_path
 from aieng.server.errors import ApiError
 from aieng.server.grammar_pool import GrammarPool
 

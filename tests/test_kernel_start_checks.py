@@ -17,6 +17,7 @@ from test_cuda_int4 import quantized_layer_from
 from test_cuda_kernels_on_host import COMPILER, HostKernels, host_kernels  # noqa: F401 (fixture)
 
 from aieng.attention.cuda_self_check import RequestSpec, bounds, cuda_attention_checks
+from aieng.config.quantization import WeightScheme
 from aieng.kernels.check_child import checked_names, screen_in_child
 from aieng.kernels.fused import fused_checks
 from aieng.kernels.int4 import (
@@ -29,7 +30,6 @@ from aieng.kernels.int4 import (
 )
 from aieng.kernels.self_check import disagreement
 from aieng.layers.linear import Linear
-from aieng.quantization.config import WeightScheme
 from aieng.quantization.cuda_int4 import (
     CHECK_MAX_M,
     CudaInt4LinearMethod,

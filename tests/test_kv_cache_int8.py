@@ -14,23 +14,23 @@ from server_fixtures import ThreadServer, make_model_dir
 from text_fixtures import PROMPTS, byte_level_bpe, save_model_dir
 from tiny_models import ARCHITECTURES, build_checkpoint
 
-import aieng.runner
+import aieng.worker.runner
 from aieng import LLM, SamplingParams
 from aieng.attention import AttentionInputs, QuantizedKVCache
 from aieng.attention.torch_paged import TorchPagedAttention
+from aieng.benchmarks.evaluate import perplexity
 from aieng.cli import build_parser
-from aieng.config import ModelConfig
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
-from aieng.evaluate import perplexity
+from aieng.config.default_model import default_model_path
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
+from aieng.config.model_config import ModelConfig
 from aieng.kernels.reference import (
     dequantize_int8,
     quantize_int8,
     write_kv_cache,
     write_quantized_kv_cache,
 )
-from aieng.kv_cache import KVCacheSpec
-from aieng.models.default import default_model_path
+from aieng.worker.kv_cache import KVCacheSpec
 
 VOCAB = 384
 MAX_TOKENS = 16
@@ -257,10 +257,10 @@ def test_the_engine_budget_and_startup_log_line(caplog):
     model = str(default_model_path())
     counts = {}
     for cache_dtype in ("auto", "int8"):
-        with caplog.at_level(logging.INFO, logger="aieng.runner"):
+        with caplog.at_level(logging.INFO, logger="aieng.worker.runner"):
             caplog.clear()
             args = EngineArgs(model=model, kv_cache_memory=8 << 20, kv_cache_dtype=cache_dtype)
-            runner = aieng.runner.ModelRunner(create_engine_config(args))
+            runner = aieng.worker.runner.ModelRunner(create_engine_config(args))
         counts[cache_dtype] = runner.num_blocks
         assert runner.num_blocks == (8 << 20) // runner.kv_spec.block_bytes
         [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
@@ -276,11 +276,11 @@ def test_a_backend_that_reads_no_int8_cache_is_refused(monkeypatch):
         name = "float-only"
         kv_cache_dtypes = ("auto",)
 
-    monkeypatch.setattr(aieng.runner, "select_attention_backend", lambda *a: FloatOnly())
+    monkeypatch.setattr(aieng.worker.runner, "select_attention_backend", lambda *a: FloatOnly())
     args = EngineArgs(model=str(default_model_path()), kv_cache_memory=1 << 20)
-    aieng.runner.ModelRunner(create_engine_config(args))  # a float cache: fine
+    aieng.worker.runner.ModelRunner(create_engine_config(args))  # a float cache: fine
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8': the attention backend"):
-        aieng.runner.ModelRunner(
+        aieng.worker.runner.ModelRunner(
             create_engine_config(EngineArgs(**{**vars(args), "kv_cache_dtype": "int8"}))
         )
 

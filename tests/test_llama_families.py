@@ -17,7 +17,7 @@ from tiny_models import save_tiny
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.layers.norm import RMSNorm
 
 LENGTHS = [1, 5, 12, 17, 33]

@@ -10,7 +10,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from tiny_models import build_checkpoint
 
-from aieng.config import ModelConfig, RopeConfig
+from aieng.config.model_config import ModelConfig, RopeConfig
 from aieng.layers.rotary import rope_inv_freq
 from aieng.models.loader import LoadTimes, load_model
 

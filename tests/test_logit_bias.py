@@ -8,7 +8,7 @@ import torch
 from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
 
 from aieng import LLM, SamplingParams
-from aieng.sampler import allow_only
+from aieng.worker.sampler import allow_only
 
 VOCAB = 384
 
@@ -133,7 +133,7 @@ def test_bad_words_are_never_generated(llm):
 
 
 def test_a_multi_token_bad_word_bans_its_last_token_only_after_its_prefix():
-    from aieng.sampler import SamplingTable
+    from aieng.worker.sampler import SamplingTable
 
     table = SamplingTable(vocab_size=16)
     table.add_request(2, greedy(), [1, 1], bad_words_ids=[[3, 4], [9], [5, 6, 7]])

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from aieng.cli import main
-from aieng.model_manifest import ManifestError, ModelManifest, Version
-from aieng.schema_compat import input_problems, output_problems
+from aieng.config.model_manifest import ManifestError, ModelManifest, Version
+from aieng.config.schema_compat import input_problems, output_problems
 
 OUTPUT = {
     "type": "object",

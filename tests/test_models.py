@@ -5,10 +5,10 @@ import torch
 from core_driver import CoreDriver
 from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_checkpoint, hf_greedy, load_hf
 
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
-from aieng.runner import ModelRunner
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
 from aieng.sampling import SamplingParams
+from aieng.worker.runner import ModelRunner
 
 PROMPT_LENS = [1, 3, 7, 12, 17, 25, 33, 40]
 MAX_TOKENS = 8

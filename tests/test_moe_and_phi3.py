@@ -15,15 +15,15 @@ from tiny_models import COMMON, QWEN3_MOE, save_tiny
 from aieng import LLM, SamplingParams
 from aieng.attention.backend import ForwardContext
 from aieng.attention.causal import CausalAttention, DenseBatch
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.layers.linear import DenseLinearMethod
 from aieng.layers.moe import SparseMoE, route
 from aieng.layers.rotary import RotaryEmbedding
 from aieng.models.llama import LlamaForCausalLM
 from aieng.models.loader import load_model
-from aieng.quantization.compressed_tensors_writer import QuantScheme
 from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
-from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
+from aieng.quantizer.compressed_tensors_writer import QuantScheme
+from aieng.quantizer.quantize import QuantizeOptions, quantize_checkpoint
 
 LENGTHS = [1, 5, 12, 17, 26, 30, 31, 40]
 # Phi-3's sequences stay within its original context (32 positions). Past it transformers

@@ -16,8 +16,8 @@ from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import build_checkpoint
 
 from aieng import LLM, SamplingParams
-from aieng.runner_io import ModelRunnerOutput
-from aieng.sampler import Sampler, SamplingTable
+from aieng.worker.runner_io import ModelRunnerOutput
+from aieng.worker.sampler import Sampler, SamplingTable
 
 VOCAB = 384
 

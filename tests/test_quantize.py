@@ -21,15 +21,15 @@ from text_fixtures import CORPUS_LINES, byte_level_bpe, save_model_dir
 from tiny_models import build_checkpoint
 
 from aieng.cli import main
-from aieng.quantization.compressed_tensors_writer import (
+from aieng.quantization.packing import unpack_int32
+from aieng.quantizer.compressed_tensors_writer import (
     QuantizedWeight,
     QuantScheme,
     compress,
     quantization_config,
     write_checkpoint,
 )
-from aieng.quantization.packing import unpack_int32
-from aieng.quantization.quantize import (
+from aieng.quantizer.quantize import (
     QuantizeError,
     QuantizeOptions,
     bundled_calibration_text,
@@ -378,7 +378,7 @@ def test_bfloat16_checkpoint(calib_file, tmp_path):
 
 
 def test_bundled_calibration_fills_the_default_sequences():
-    from aieng.models.default import default_model_path
+    from aieng.config.default_model import default_model_path
 
     folder = default_model_path()
     text = bundled_calibration_text()
@@ -539,9 +539,9 @@ def test_awq_refuses_post_norm_architectures(tmp_path, calib_file):
 
 
 def test_largest_group_size_divides_every_input_width():
-    from aieng.config import ModelConfig
-    from aieng.models.default import default_model_path
-    from aieng.quantization.quantize import largest_group_size
+    from aieng.config.default_model import default_model_path
+    from aieng.config.model_config import ModelConfig
+    from aieng.quantizer.quantize import largest_group_size
 
     config = ModelConfig.from_pretrained(default_model_path())  # MLP width 704 = 5.5 x 128
     assert largest_group_size(config) == 64

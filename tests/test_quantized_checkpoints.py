@@ -16,16 +16,16 @@ from quantized_checkpoints import (
 from safetensors.torch import load_file, save_file
 from tiny_models import VOCAB_SIZE, build_checkpoint, hf_greedy, load_hf
 
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
+from aieng.config.quantization import QuantizationConfigError
 from aieng.layers.linear import Linear
 from aieng.models.loader import load_model
 from aieng.quantization import linear_method
-from aieng.quantization.config import QuantizationConfigError
 from aieng.quantization.linear_method import dequantize
 from aieng.quantization.methods import checkpoint_layer_names
-from aieng.runner import ModelRunner
 from aieng.sampling import SamplingParams
+from aieng.worker.runner import ModelRunner
 
 PROMPT_LENS = [1, 5, 12, 23]
 MAX_TOKENS = 8
@@ -211,7 +211,7 @@ def test_missing_zero_points_are_named(tmp_path):
 def test_int4_kernel_matches_dequantize_then_matmul(group, out_features, in_features, symmetric):
     from quantized_checkpoints import min_max_quantize
 
-    from aieng.quantization.config import WeightScheme
+    from aieng.config.quantization import WeightScheme
 
     generator = torch.Generator().manual_seed(out_features + in_features)
     w = torch.randn(out_features, in_features, generator=generator)

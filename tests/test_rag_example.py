@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import MODEL_NAME, ThreadServer
 
-from aieng.models.default import default_model_path
+from aieng.config.default_model import default_model_path
 from aieng.server.admission import ServerState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "rag"))

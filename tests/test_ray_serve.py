@@ -308,7 +308,7 @@ def test_prefix_hashes_chain_the_leading_full_blocks():
 
 
 def test_pooled_stats_weigh_kv_usage_by_blocks():
-    from aieng.engine_client import EngineStats
+    from aieng.engine.engine_client import EngineStats
     from aieng.ray.pool_client import pooled_stats
 
     small = EngineStats(num_running=1, kv_cache_usage=1.0, num_blocks=10, prefix_cache_hits=4)

@@ -15,8 +15,8 @@ import pytest
 from server_fixtures import MODEL_NAME, VOCAB, ThreadServer, free_port, make_model_dir, wait_ready
 
 from aieng import LLM, SamplingParams
-from aieng.config import ModelConfig
-from aieng.engine import LLMEngine
+from aieng.config.model_config import ModelConfig
+from aieng.engine.llm_engine import LLMEngine
 from aieng.errors import InvalidArgumentError, invalid_field
 
 OUT_OF_VOCAB = 5000  # > VOCAB
@@ -287,7 +287,7 @@ def test_serve_exits_non_zero_when_the_engine_loop_dies(model, tmp_path):
     url = f"http://127.0.0.1:{port}"
     script = (
         "import sys\n"
-        "from aieng.engine import LLMEngine\n"
+        "from aieng.engine.llm_engine import LLMEngine\n"
         "def fatal_step(engine): raise RuntimeError('device lost')\n"
         "LLMEngine.step = fatal_step\n"
         "from aieng.server.__main__ import main\n"

@@ -16,8 +16,8 @@ from hf_parity import (
 from tiny_models import build_checkpoint
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from aieng.config import ModelConfig
-from aieng.engine_args import EngineArgs
+from aieng.config.engine_args import EngineArgs
+from aieng.config.model_config import ModelConfig
 from aieng.layers.rotary import rope_inv_freq
 from aieng.models.registry import MODEL_CLASSES
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from aieng.runner_io import SampledLogprobs
-from aieng.sampler import Sampler, SamplingTable, apply_penalties, seeded_exponential
 from aieng.sampling import SamplingParams
+from aieng.worker.runner_io import SampledLogprobs
+from aieng.worker.sampler import Sampler, SamplingTable, apply_penalties, seeded_exponential
 
 VOCAB = 32
 
@@ -270,7 +270,7 @@ def test_zero_exponential_noise_on_an_impossible_token_never_fails_the_row():
     """Seeded Exp(1) noise is exactly 0 for about one (row, token) in 2**24 (a uniform that
     rounds to 1 in float32): on a token of probability 0 the race was 0 / 0 = NaN, which argmax
     picked, failing a healthy request ('no valid token'). Found by a 30-second load test."""
-    from aieng.sampler import exponential_race, seeded_exponential
+    from aieng.worker.sampler import exponential_race, seeded_exponential
 
     probs = torch.tensor([[0.0, 0.7, 0.3], [0.5, 0.0, 0.5], [0.0, 0.0, 0.0]])
     noise = torch.tensor([[0.0, 1.0, 1.0], [2.0, 0.0, 1.0], [0.0, 1.0, 1.0]])

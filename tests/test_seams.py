@@ -11,10 +11,10 @@ from core_driver import CoreDriver
 from tiny_models import VOCAB_SIZE, build_checkpoint, hf_greedy, load_hf
 from torch import nn
 
-import aieng.runner
+import aieng.worker.runner
 from aieng.attention import AttentionBackend, AttentionInputs
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
 from aieng.layers.linear import LinearMethod, WeightLoadError, set_weight_attrs
 from aieng.models.loader import load_model
 from aieng.sampling import SamplingParams
@@ -110,11 +110,13 @@ class TransposedLinear(LinearMethod):
 def test_fake_backend_and_linear_method_match_hf(arch, tmp_path, monkeypatch):
     folder = build_checkpoint(arch, tmp_path / arch)
     backend, method = LoopAttention(), TransposedLinear()
-    monkeypatch.setattr(aieng.runner, "select_attention_backend", lambda *args: backend)
+    monkeypatch.setattr(aieng.worker.runner, "select_attention_backend", lambda *args: backend)
     monkeypatch.setattr(
-        aieng.runner, "load_model", functools.partial(load_model, linear_methods=lambda p: method)
+        aieng.worker.runner,
+        "load_model",
+        functools.partial(load_model, linear_methods=lambda p: method),
     )
-    runner = aieng.runner.ModelRunner(
+    runner = aieng.worker.runner.ModelRunner(
         create_engine_config(EngineArgs(model=str(folder), block_size=4, kv_cache_memory=1 << 22))
     )
     qkv = runner.model.model.layers[0].self_attn.qkv_proj

@@ -8,9 +8,9 @@ import httpx
 import pytest
 from server_fixtures import ENGINE_DEFAULTS, ThreadServer, make_model_dir
 
-from aieng.async_engine import AsyncLLMEngine
-from aieng.engine import LLMEngine
-from aieng.engine_args import EngineArgs
+from aieng.config.engine_args import EngineArgs
+from aieng.engine.async_engine import AsyncLLMEngine
+from aieng.engine.llm_engine import LLMEngine
 from aieng.sampling import SamplingParams
 
 MAX_TOKENS = 1800

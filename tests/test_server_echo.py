@@ -12,7 +12,7 @@ from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
 from tiny_models import load_hf
 
 from aieng._core import Tokenizer
-from aieng.evaluate import perplexity, sliding_windows
+from aieng.benchmarks.evaluate import perplexity, sliding_windows
 
 TEXT = (
     "In the beginning God created the heaven and the earth. And the earth was without form, "

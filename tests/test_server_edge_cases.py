@@ -19,7 +19,7 @@ from server_fixtures import MODEL_NAME, VOCAB, ThreadServer, make_model_dir
 from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import build_checkpoint
 
-from aieng.models.default import default_model_path
+from aieng.config.default_model import default_model_path
 from aieng.server.cli import add_serve_arguments, server_config
 from aieng.server.config import ServerConfig
 from aieng.server.tool_parsers import HermesToolParser, ParsedCall

@@ -16,8 +16,8 @@ from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import build_checkpoint
 
 from aieng import LLM, SamplingParams, StructuredOutputsParams
-from aieng.engine_args import EngineArgs
-from aieng.spec_decode.config import SpeculativeConfig
+from aieng.config.engine_args import EngineArgs
+from aieng.config.speculative import SpeculativeConfig
 from aieng.spec_decode.drafts import SpeculativeDecoding
 from aieng.spec_decode.ngram import NgramProposer
 from aieng.spec_decode.proposer import ProposalRequest
@@ -115,7 +115,7 @@ def test_bad_configs_are_refused_by_name(config, match):
 def test_unset_batch_limit_is_the_measured_one_for_the_device(llama):
     """Without disable_by_batch_size, a CPU engine speculates for up to 8 running requests and
     not for more (benches/results/bench_speculative_sweep.md); 0 speculates at any batch."""
-    from aieng.spec_decode.config import measured_batch_limit
+    from aieng.config.speculative import measured_batch_limit
 
     unset = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
     assert measured_batch_limit(unset, "cpu") == 8

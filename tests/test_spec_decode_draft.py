@@ -18,11 +18,11 @@ from tiny_models import build_checkpoint
 
 from aieng import LLM, SamplingParams
 from aieng.cli import build_parser
-from aieng.engine_args import EngineArgs
-from aieng.isolated_sampling import RowRules
-from aieng.sampler import Sampler
-from aieng.spec_decode.config import SHIPPED_DRAFT_PATH, SHIPPED_DRAFT_TOKENS
-from aieng.spec_decode.verify import verify_and_sample
+from aieng.config.engine_args import EngineArgs
+from aieng.config.speculative import SHIPPED_DRAFT_PATH, SHIPPED_DRAFT_TOKENS
+from aieng.worker.isolated_sampling import RowRules
+from aieng.worker.sampler import Sampler
+from aieng.worker.spec_verify import verify_and_sample
 
 TINY_VOCAB = 384
 K = 3

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from aieng.isolated_sampling import RowRules
-from aieng.runner_io import SampledLogprobs
-from aieng.sampler import Sampler, SamplerOutput, SamplingTable
 from aieng.sampling import SamplingParams
-from aieng.spec_decode.verify import verify_and_sample
+from aieng.worker.isolated_sampling import RowRules
+from aieng.worker.runner_io import SampledLogprobs
+from aieng.worker.sampler import Sampler, SamplerOutput, SamplingTable
+from aieng.worker.spec_verify import verify_and_sample
 
 VOCAB = 8
 N = 6_000

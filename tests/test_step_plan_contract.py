@@ -1,6 +1,6 @@
-"""One plan contract (`aieng.step_plan`): every producer of a plan has every field of it — the
-Rust core's StepPlan, the snapshot a tensor-parallel rank receives, the one-off forwards — and
-the Rust plan has no array the contract does not name (a field added on one side only fails
+"""One plan contract (`aieng.worker.step_plan`): every producer of a plan has every field of it —
+the Rust core's StepPlan, the snapshot a tensor-parallel rank receives, the one-off forwards —
+and the Rust plan has no array the contract does not name (a field added on one side only fails
 here)."""
 
 import ast
@@ -12,9 +12,9 @@ import numpy as np
 import aieng
 from aieng._core import EngineCore
 from aieng._core import StepPlan as RustStepPlan
-from aieng.distributed.messages import PlanSnapshot
-from aieng.runner import _chunk_of, _single_prompt_plan
-from aieng.step_plan import (
+from aieng.executor.messages import PlanSnapshot
+from aieng.worker.runner import _chunk_of, _single_prompt_plan
+from aieng.worker.step_plan import (
     FORWARD_ARRAYS,
     STEP_ARRAYS,
     STEP_FIELDS,

@@ -18,8 +18,8 @@ import torch
 from server_fixtures import MODEL_NAME, ThreadServer
 
 from aieng import LLM, InvalidArgumentError, SamplingParams, StructuredOutputsParams
-from aieng.models.default import default_model_path
-from aieng.sampler import (
+from aieng.config.default_model import default_model_path
+from aieng.worker.sampler import (
     Sampler,
     SamplingTable,
     apply_grammar_bitmask,

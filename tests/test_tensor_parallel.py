@@ -28,11 +28,11 @@ from text_fixtures import byte_level_bpe, save_model_dir
 from tiny_models import QWEN3_MOE, save_tiny
 
 from aieng import LLM, SamplingParams
-from aieng.distributed.messages import HEAD_BYTES
-from aieng.engine import EngineDeadError
+from aieng.engine.llm_engine import EngineDeadError
 from aieng.executor import ExecutorError, WorkerFailedError
-from aieng.runner_io import NewSamplingRow
+from aieng.executor.messages import HEAD_BYTES
 from aieng.structured_outputs import StructuredOutputsParams
+from aieng.worker.runner_io import NewSamplingRow
 
 VOCAB = 384
 TIMEOUT_S = 4.0  # distributed_timeout_s of the failure tests

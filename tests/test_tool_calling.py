@@ -19,7 +19,7 @@ import transformers
 from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
 
 from aieng._core import Tokenizer
-from aieng.models.default import default_model_path
+from aieng.config.default_model import default_model_path
 from aieng.server.cli import add_serve_arguments, server_config
 from aieng.server.config import ServerConfig
 from aieng.server.tool_calls import closed_objects

@@ -21,14 +21,14 @@ from quantized_checkpoints import write_awq, write_gptq
 from tiny_models import COMMON, QWEN3_MOE, build_checkpoint, save_tiny
 from tp_model_ranks import Case, rank_main, score
 
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.distributed import parallel_state
-from aieng.kv_cache import KVCacheSpec
 from aieng.models.gemma import GemmaForCausalLM
 from aieng.models.llama import LlamaForCausalLM
 from aieng.models.loader import load_model
-from aieng.quantization.compressed_tensors_writer import QuantScheme
-from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
+from aieng.quantizer.compressed_tensors_writer import QuantScheme
+from aieng.quantizer.quantize import QuantizeOptions, quantize_checkpoint
+from aieng.worker.kv_cache import KVCacheSpec
 
 WORLD_SIZE = 2
 LENGTHS = (6, 17, 33)

@@ -19,14 +19,14 @@ from tokenizers import Tokenizer
 from train_fixtures import tiny_config, train_tiny, write_corpus
 
 from aieng import LLM, SamplingParams
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import create_engine_config
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
 from aieng.models.loader import load_model
-from aieng.runner import ModelRunner
 from aieng.train.causal_lm import batch_logits, batch_loss
 from aieng.train.corpus import kjv_books, read_documents, split_books, write_kjv
 from aieng.train.export import hf_state_dict
 from aieng.train.trainer import _encode, _eval_windows, lr_at, resume_run, train
+from aieng.worker.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from train_fixtures import tiny_config, write_corpus
 
 from aieng import LLM
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.pooling import sentence_transformers_pooling
 from aieng.train.bpe import train_tokenizer
 from aieng.train.causal_lm import new_model

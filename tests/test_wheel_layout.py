@@ -134,7 +134,7 @@ def test_wheel_installs_as_the_gpu_host_installs_it(wheel: Path, tmp_path: Path)
     probe = (
         "import aieng, sys\n"
         "from aieng.kernels import compile_kernel_source, cuda_source_dir\n"
-        "from aieng.models.default import default_model_path\n"
+        "from aieng.config.default_model import default_model_path\n"
         "site = sys.argv[1]\n"
         "for path in (aieng.__file__, cuda_source_dir(), default_model_path()):\n"
         "    assert str(path).startswith(site), f'{path} is not inside the install {site}'\n"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aieng.engine_config import create_engine_config
+from aieng.config.engine_config import create_engine_config
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,9 @@ class Case:
 
 def score(cases: list[Case]) -> dict[str, list[np.ndarray]]:
     """Each case's prompt logprobs through an ordinary ModelRunner on this process's rank."""
-    from aieng.engine_args import EngineArgs
+    from aieng.config.engine_args import EngineArgs
     from aieng.quantization import linear_method
-    from aieng.runner import ModelRunner
+    from aieng.worker.runner import ModelRunner
 
     kernel_available = linear_method.int4_kernel_available
     results = {}

@@ -54,7 +54,7 @@ from aieng.attention.cuda_self_check import (
 from aieng.attention.layer import Attention
 from aieng.attention.selector import select_attention_backend
 from aieng.attention.torch_paged import TorchPagedAttention
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 
 BLOCK_SIZE = 16
 

@@ -130,7 +130,7 @@ def build_checkpoint(folder: Path, shape: dict, num_layers: int, device: str) ->
     the weights are drawn on `device` (a 0.6B model initialises in seconds on a GPU)."""
     import transformers
 
-    from aieng.models.default import default_model_path
+    from aieng.config.default_model import default_model_path
 
     config = transformers.Qwen3Config(**{**shape, "num_hidden_layers": num_layers})
     torch.manual_seed(0)
@@ -144,7 +144,7 @@ def build_checkpoint(folder: Path, shape: dict, num_layers: int, device: str) ->
 
 
 def quantized(folder: Path, out: Path) -> Path:
-    from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
+    from aieng.quantizer.quantize import QuantizeOptions, quantize_checkpoint
 
     quantize_checkpoint(folder, out, QuantizeOptions(method="rtn"), progress=None)
     return out

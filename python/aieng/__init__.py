@@ -36,7 +36,7 @@ __all__ = [  # noqa: RUF022
 
 _LAZY = {
     "LLM": "aieng.llm",
-    "EngineArgs": "aieng.engine_args",
+    "EngineArgs": "aieng.config.engine_args",
     "SamplingParams": "aieng.sampling",
     "StructuredOutputsParams": "aieng.structured_outputs",
     "RequestOutput": "aieng.outputs",

@@ -7,11 +7,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from aieng._core import InvalidArgumentError
-from aieng.engine import LLMEngine, run_as_launched_worker
-from aieng.engine_args import EngineArgs
-from aieng.engine_client import EngineStats
-from aieng.models.default import default_model_path
-from aieng.offline_embed import embed_prompts
+from aieng.config.default_model import default_model_path
+from aieng.config.engine_args import EngineArgs
+from aieng.engine.engine_client import EngineStats
+from aieng.engine.llm_engine import LLMEngine, run_as_launched_worker
+from aieng.engine.offline_embed import embed_prompts
 from aieng.outputs import EmbeddingRequestOutput, RequestOutput
 from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
@@ -38,7 +38,7 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}")
         args = EngineArgs(model=model, **kwargs)
-        if args.model is None:  # the bundled default model (aieng.models.default)
+        if args.model is None:  # the bundled default model (aieng.config.default_model)
             args.model = str(default_model_path())
         worker_status = run_as_launched_worker(args)
         if worker_status is not None:  # a launcher's rank > 0: it served as a worker

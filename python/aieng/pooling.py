@@ -4,7 +4,7 @@ A checkpoint saved by sentence-transformers says how it pools: `modules.json` li
 (`sentence_transformers.models.Pooling` with its folder, `...Normalize`), and the pooling
 folder's `config.json` sets one `pooling_mode_*` flag (CLS, mean or last token). Without those
 files an explicit method is needed (`pooling="mean"`), and the embedding is then L2-normalised.
-The runner pools (`aieng.embedding_pooler`); this module only says how.
+The runner pools (`aieng.worker.embedding_pooler`); this module only says how.
 """
 
 from __future__ import annotations

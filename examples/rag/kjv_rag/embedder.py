@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 
 from aieng import LLM
+from aieng.config.default_model import default_model_path
 from aieng.core import Tokenizer
-from aieng.models.default import default_model_path
 
 DEFAULT_POOLING = "mean"  # the bundled model declares none: its mean-pooled final states
 

@@ -28,7 +28,7 @@ from aieng.attention.backend import (
     KVCache,
     QuantizedKVCache,
 )
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
 from aieng.kernels.fused_dispatch import fused_kv_write
 from aieng.kernels.reference import write_kv_cache, write_quantized_kv_cache

@@ -25,7 +25,7 @@ import torch
 from aieng.attention.backend import AttentionBackend, AttentionInputs, KVCache, QuantizedKVCache
 from aieng.attention.cuda_paged import CudaPagedAttention
 from aieng.attention.torch_paged import TorchPagedAttention
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
 from aieng.kernels.check_child import checked_names
 from aieng.kernels.paged_attention import (

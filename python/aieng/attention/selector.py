@@ -6,7 +6,7 @@ import torch
 
 from aieng.attention.backend import AttentionBackend
 from aieng.attention.torch_paged import TorchPagedAttention
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.distributed.parallel_state import kv_heads_per_rank
 
 BACKENDS = ("auto", "torch", "cuda", "cpu")

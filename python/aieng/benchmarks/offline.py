@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aieng.engine_args import EngineArgs
+from aieng.config.engine_args import EngineArgs
 
 HF_BATCH = 32
 

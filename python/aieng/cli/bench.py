@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from aieng.cli.common import engine_args, positive_int
-from aieng.engine_args import EngineArgs
+from aieng.config.engine_args import EngineArgs
 
 # aieng's side of the workload: every request at once (as many as --requests' default), and no
 # prefix caching, which random prompts cannot use.
@@ -54,7 +54,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from aieng.benchmarks import offline
-    from aieng.config import ModelConfig
+    from aieng.config.model_config import ModelConfig
 
     torch.set_num_threads(args.threads)
     engine = engine_args(args)

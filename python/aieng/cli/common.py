@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from aieng.cli_args import engine_args, model_folder
-from aieng.engine_args import non_negative_float, port_number, positive_int, probability
+from aieng.config.cli_args import engine_args, model_folder
+from aieng.config.engine_args import non_negative_float, port_number, positive_int, probability
 
 __all__ = [
     "engine_args",

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from aieng.cli.common import engine_args, positive_int
-from aieng.engine_args import EngineArgs
+from aieng.config.engine_args import EngineArgs
 
 
 def add_eval(commands) -> None:
@@ -28,7 +28,7 @@ def add_eval(commands) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from aieng.evaluate import perplexity
+    from aieng.benchmarks.evaluate import perplexity
 
     engine = engine_args(args)
     folder = Path(engine.model)

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from aieng.cli.common import load_llm, non_negative_float, positive_int, probability
-from aieng.engine_args import EngineArgs
+from aieng.config.engine_args import EngineArgs
 
 # One prompt at a time: a larger max_num_seqs would only reserve KV cache memory for nothing.
 ENGINE_DEFAULTS = {"max_num_seqs": 1}

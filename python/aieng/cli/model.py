@@ -1,8 +1,8 @@
 """`aieng model check OLD NEW`: may NEW replace OLD for OLD's clients? A CI gate.
 
 OLD and NEW are versioned model folders (or their aieng-model.json files). Fields added to the
-output schema pass; fields removed or retyped (and the other changes aieng.schema_compat names)
-fail. Exit status: 0 compatible, 1 incompatible (each problem on its own line), 2 a manifest
+output schema pass; fields removed or retyped (and the other changes aieng.config.schema_compat
+names) fail. Exit status: 0 compatible, 1 incompatible (each problem on its own line), 2 a manifest
 that cannot be read.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aieng.model_manifest import ManifestError, ModelManifest
-from aieng.schema_compat import input_problems, output_problems
+from aieng.config.model_manifest import ManifestError, ModelManifest
+from aieng.config.schema_compat import input_problems, output_problems
 
 
 def add_model(commands: argparse._SubParsersAction) -> None:

@@ -20,7 +20,7 @@ def group_size(text: str) -> int:
 
 
 def add_quantize(commands) -> None:
-    from aieng.quantization.defaults import DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN
+    from aieng.quantizer.defaults import DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN
 
     p = commands.add_parser(
         "quantize",
@@ -92,9 +92,9 @@ def add_quantize(commands) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from aieng.models.default import resolve_model
-    from aieng.quantization.compressed_tensors_writer import QuantScheme
-    from aieng.quantization.quantize import QuantizeOptions, quantize_checkpoint
+    from aieng.config.default_model import resolve_model
+    from aieng.quantizer.compressed_tensors_writer import QuantScheme
+    from aieng.quantizer.quantize import QuantizeOptions, quantize_checkpoint
 
     if args.threads:
         import torch

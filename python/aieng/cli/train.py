@@ -129,7 +129,7 @@ def config_from_args(args: argparse.Namespace, data: str, heldout: str | None):
         if f.name not in ("data", "out", "heldout") and getattr(args, f.name, None) is not None
     }
     if given.get("init_from") == "default":
-        from aieng.models.default import default_model_path
+        from aieng.config.default_model import default_model_path
 
         given["init_from"] = str(default_model_path())
     return dataclasses.replace(defaults, **given)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from aieng.engine_config import EngineConfig
+from aieng.config.engine_config import EngineConfig
 from aieng.executor.base import Executor, ExecutorError, WorkerFailedError
 
 __all__ = [
@@ -42,14 +42,15 @@ def make_executor(
         from aieng.executor.ray_executor import RayExecutor
 
         return RayExecutor(config, on_failure)
-    from aieng.distributed.rank import launched_place
     from aieng.executor.multiproc import MultiprocExecutor
+    from aieng.executor.rank import launched_place
 
     place = launched_place(config.args)
     if place is not None and place.rank > 0:
         raise LaunchedRankError(
             f"this process is tensor-parallel rank {place.rank} of {place.world_size}, started "
-            "by a launcher: it serves as a worker (aieng.engine.run_as_launched_worker), and "
-            "LLM(...) and `aieng serve` do that on their own"
+            "by a launcher: it serves as a worker "
+            "(aieng.engine.llm_engine.run_as_launched_worker), and LLM(...) and `aieng serve` do "
+            "that on their own"
         )
     return MultiprocExecutor(config, on_failure, launched=place is not None)

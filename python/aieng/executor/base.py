@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from aieng.engine_config import EngineConfig
+from aieng.config.engine_config import EngineConfig
 from aieng.errors import EngineFatalError
-from aieng.runner_io import ModelRunnerOutput, RunnerStep
-from aieng.worker import Worker
+from aieng.worker.runner_io import ModelRunnerOutput, RunnerStep
+from aieng.worker.worker import Worker
 
 
 class ExecutorError(RuntimeError):
@@ -95,7 +95,7 @@ class Executor(ABC):
         return self.driver.runner.load_times.phases()
 
     def gpu_memory(self):
-        """Rank 0's GPU memory figures now (aieng.gpu_memory.GpuMemory); None off CUDA."""
-        from aieng.gpu_memory import gpu_memory_figures
+        """Rank 0's GPU memory figures now (aieng.worker.gpu_memory.GpuMemory); None off CUDA."""
+        from aieng.worker.gpu_memory import gpu_memory_figures
 
         return gpu_memory_figures(self.driver.runner)

@@ -28,13 +28,13 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from aieng.engine_config import EngineConfig
+from aieng.config.engine_config import EngineConfig
 from aieng.executor.base import Executor, WorkerFailedError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from aieng.runner_io import ModelRunnerOutput, RunnerStep
+    from aieng.worker.runner_io import ModelRunnerOutput, RunnerStep
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class BroadcastExecutor(Executor):
         """Sets rank 0's share of the CPU threads; torch's count before, for the close."""
         import torch
 
-        from aieng.distributed.rank import cpu_threads
+        from aieng.executor.rank import cpu_threads
 
         self.world_size = config.parallel.tensor_parallel_size
         self._threads = cpu_threads(config, self.world_size)
@@ -122,7 +122,7 @@ class BroadcastExecutor(Executor):
         )
 
     def execute(self, step: RunnerStep) -> ModelRunnerOutput:
-        from aieng.distributed.messages import Execute
+        from aieng.executor.messages import Execute
 
         return self._on_every_rank(Execute.of(step), lambda: self.driver.execute(step))
 
@@ -133,7 +133,7 @@ class BroadcastExecutor(Executor):
         kwargs: Mapping[str, Any] | None = None,
         reduce: str | None = None,
     ) -> Any:
-        from aieng.distributed.messages import Call, run_call
+        from aieng.executor.messages import Call, run_call
 
         message = Call(method, tuple(args), dict(kwargs or {}), reduce)
         return self._on_every_rank(message, lambda: run_call(self.driver, message))
@@ -141,7 +141,7 @@ class BroadcastExecutor(Executor):
     def _on_every_rank(self, message: Any, run_local: Callable[[], Any]) -> Any:
         import torch
 
-        from aieng.distributed.messages import broadcast_message
+        from aieng.executor.messages import broadcast_message
 
         if self._ranks.failure is not None:
             raise WorkerFailedError(self._ranks.failure)
@@ -187,7 +187,7 @@ def close_group(ranks: Ranks, group: dist.ProcessGroup, threads_before: int) -> 
     import torch
 
     from aieng.distributed import parallel_state
-    from aieng.distributed.messages import Shutdown, broadcast_message
+    from aieng.executor.messages import Shutdown, broadcast_message
 
     ranks.close(lambda: broadcast_message(Shutdown(), group))
     parallel_state.destroy_tensor_parallel()

@@ -31,9 +31,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
-from aieng.distributed.rank import launched_place
-from aieng.engine_args import EngineArgs
-from aieng.engine_config import EngineConfig
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import EngineConfig
 from aieng.executor.base import ExecutorError, WorkerFailedError
 from aieng.executor.broadcast import (
     FAILURE,
@@ -46,11 +45,12 @@ from aieng.executor.broadcast import (
     start_failure,
     weak_callback,
 )
+from aieng.executor.rank import launched_place
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from aieng.distributed.rank import RankPlace
+    from aieng.executor.rank import RankPlace
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ def run_as_launched_worker(args: EngineArgs) -> int | None:
     place = launched_place(args)
     if place is None or place.rank == 0:
         return None
-    from aieng.distributed.worker import run_launched
-    from aieng.engine_config import create_engine_config
+    from aieng.config.engine_config import create_engine_config
+    from aieng.executor.worker_process import run_launched
 
     return run_launched(create_engine_config(args), place)
 
@@ -118,8 +118,8 @@ class _Workers(Ranks):
     def spawn(self, config: EngineConfig, world: int, addr: str, port: int) -> None:
         import torch.multiprocessing as mp
 
-        from aieng.distributed.rank import RankPlace
-        from aieng.distributed.worker import run_spawned
+        from aieng.executor.rank import RankPlace
+        from aieng.executor.worker_process import run_spawned
 
         ctx = mp.get_context("spawn")
         for rank in range(1, world):
@@ -256,8 +256,8 @@ class MultiprocExecutor(BroadcastExecutor):
         """on_failure(reason): called from a watcher thread when a worker dies between steps
         (held weakly, so the executor never keeps its engine alive). launched: a launcher
         started the ranks; else this spawns ranks 1..N-1."""
-        from aieng.distributed.rank import RankPlace, join_group
-        from aieng.worker import Worker
+        from aieng.executor.rank import RankPlace, join_group
+        from aieng.worker.worker import Worker
 
         check_size(config)
         self.config = config
@@ -288,7 +288,7 @@ class MultiprocExecutor(BroadcastExecutor):
     def _start_workers(self, config: EngineConfig, place: RankPlace) -> dist.ProcessGroup:
         """Spawns ranks 1..N-1 on this machine and joins them (env:// on MASTER_ADDR, a free
         MASTER_PORT unless MASTER_PORT is given)."""
-        from aieng.distributed.rank import join_group
+        from aieng.executor.rank import join_group
 
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT") or free_port(addr))

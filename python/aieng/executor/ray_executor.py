@@ -5,7 +5,7 @@ Rank 0's worker stays in the engine's process, as with the multiprocess executor
 ranks are `RankActor`s in a placement group of one bundle per rank (a CPU, and a GPU on CUDA;
 PACK: on one node when it fits). They rendezvous with rank 0 through env:// on rank 0's node
 address and a free port, then run the same worker loop as a spawned rank
-(`aieng.distributed.worker.run_worker`): torch.distributed over gloo on CPU, NCCL on GPU.
+(`aieng.executor.worker_process.run_worker`): torch.distributed over gloo on CPU, NCCL on GPU.
 
 Failures are the multiprocess executor's (the rules of `aieng.executor.broadcast`): fatal,
 typed (`WorkerFailedError`), and nothing is left behind. A watcher thread waits on every
@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from aieng.engine_config import EngineConfig
+from aieng.config.engine_config import EngineConfig
 from aieng.executor.base import WorkerFailedError
 from aieng.executor.broadcast import (
     FAILURE,
@@ -50,8 +50,8 @@ class RankActor:
     once every rank can join it at once."""
 
     def __init__(self) -> None:
-        import aieng.distributed.worker
-        import aieng.worker  # noqa: F401
+        import aieng.executor.worker_process
+        import aieng.worker.worker  # noqa: F401
 
         self._ready = threading.Event()
 
@@ -59,8 +59,8 @@ class RankActor:
         return True
 
     def serve(self, config: EngineConfig, rank: int, world: int, addr: str, port: int) -> None:
-        from aieng.distributed.rank import RankPlace
-        from aieng.distributed.worker import run_worker
+        from aieng.executor.rank import RankPlace
+        from aieng.executor.worker_process import run_worker
 
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
         place = RankPlace(rank, world, 0)  # Ray shows each actor its own device as device 0
@@ -211,8 +211,8 @@ class RayExecutor(BroadcastExecutor):
     def __init__(self, config: EngineConfig, on_failure: Callable[[str], None] | None = None):
         import ray
 
-        from aieng.distributed.rank import RankPlace, join_group
-        from aieng.worker import Worker
+        from aieng.executor.rank import RankPlace, join_group
+        from aieng.worker.worker import Worker
 
         if not ray.is_initialized():
             ray.init()  # RAY_ADDRESS's cluster, else a local one

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from aieng.engine_config import EngineConfig
+from aieng.config.engine_config import EngineConfig
 from aieng.executor.base import Executor
-from aieng.runner_io import ModelRunnerOutput, RunnerStep
-from aieng.worker import Worker
+from aieng.worker.runner_io import ModelRunnerOutput, RunnerStep
+from aieng.worker.worker import Worker
 
 
 class UniprocExecutor(Executor):

@@ -14,7 +14,7 @@ from torch import nn
 
 from aieng.attention.backend import ForwardContext
 from aieng.attention.layer import Attention
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
 from aieng.layers.linear import Linear, LinearMethodChooser
 from aieng.layers.parallel import qkv_parallel, row_parallel

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.layers.linear import Linear, LinearMethodChooser
 from aieng.layers.parallel import column_parallel, row_parallel
 from aieng.layers.vocab_parallel import VocabParallelEmbedding, lm_logits

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aieng.engine_args import CPU_LM_HEADS
+from aieng.config.engine_args import CPU_LM_HEADS
 from aieng.kernels.cpu_dense import passes_dense_check
 from aieng.kernels.cpu_int8 import cpu_int8_available, int8_matmul, pack_int8_weights
 from aieng.kernels.self_check import passes_check

@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from aieng.config import RopeConfig
+from aieng.config.model_config import RopeConfig
 from aieng.kernels.fused_dispatch import fused_rotary
 from aieng.kernels.reference import apply_rotary
 

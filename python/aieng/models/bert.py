@@ -4,7 +4,7 @@ absolute positions from pad_token_id + 1) — the models behind BGE, e5 and mult
 Post-LayerNorm layers (the residual is added before each norm), bidirectional multi-head
 attention over each prompt, a GELU MLP; the embeddings are the sum of the token's, its
 position's and token type 0's, normalised. Encoder-only: no KV cache, no LM head; the runner
-calls it on whole prompts (`aieng.embedding_pooler.encoder_step`) and pools its final hidden
+calls it on whole prompts (`aieng.worker.embedding_pooler.encoder_step`) and pools its final hidden
 states. Tensors are flat over the step's tokens (T), rows laid out one after another; only the
 attention pads them into a (rows, longest) batch. Parameter names follow Hugging Face's, with
 query/key/value fused into `qkv`; checkpoint prefixes (`bert.`, `roberta.`) are dropped and the
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.layers.linear import Linear, LinearMethodChooser, dense_everywhere
 
 # Tensors a checkpoint may hold that an embedding never reads.

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from aieng.attention.backend import ForwardContext
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.layers.activation import gelu_tanh_and_mul
 from aieng.layers.attention_block import AttentionOptions, DecoderSelfAttention
 from aieng.layers.blocks import GatedMLP, causal_lm_logits

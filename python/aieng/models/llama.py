@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from aieng.attention.backend import ForwardContext
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.distributed.parallel_state import get_tp_world_size
 from aieng.layers.activation import silu_and_mul
 from aieng.layers.attention_block import AttentionOptions, DecoderSelfAttention, NormFactory

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.layers.linear import LinearMethodChooser, dense_everywhere
 from aieng.models.llama import LlamaForCausalLM
 

@@ -17,8 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from aieng.config import ModelConfig
-from aieng.engine_args import checkpoint_dtype, torch_dtype
+from aieng.config.engine_args import checkpoint_dtype, torch_dtype
+from aieng.config.model_config import ModelConfig
 from aieng.layers.cpu_lm_head import prepare_cpu_lm_head
 from aieng.layers.linear import (
     LinearMethodChooser,

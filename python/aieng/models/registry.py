@@ -1,9 +1,9 @@
 """Architecture name (config.json `architectures[0]`) -> model class, by the family its spec
-names (`aieng.model_configs`)."""
+names (`aieng.config.model_configs`)."""
 
 from torch import nn
 
-from aieng.model_configs import ARCHITECTURES, spec_of
+from aieng.config.model_configs import ARCHITECTURES, spec_of
 from aieng.models.bert import BertModel
 from aieng.models.gemma import GemmaForCausalLM
 from aieng.models.llama import LlamaForCausalLM

@@ -24,7 +24,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from aieng.engine_args import CPU_QUANT_KERNELS
+from aieng.config.engine_args import CPU_QUANT_KERNELS
+from aieng.config.quantization import WeightScheme
 from aieng.kernels.cpu_int8 import (
     GEMV_MAX_M,
     cpu_int8_available,
@@ -33,7 +34,6 @@ from aieng.kernels.cpu_int8 import (
 )
 from aieng.kernels.self_check import passes_check
 from aieng.layers.linear import Linear
-from aieng.quantization.config import WeightScheme
 from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
 
 logger = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from aieng.config.quantization import WeightScheme
 from aieng.kernels.check_child import screen_in_child
 from aieng.kernels.errors import KernelError
 from aieng.kernels.int4 import (
@@ -36,7 +37,6 @@ from aieng.kernels.int4 import (
 )
 from aieng.kernels.self_check import RowBound, passes_check
 from aieng.layers.linear import Linear
-from aieng.quantization.config import WeightScheme
 from aieng.quantization.linear_method import QuantizedLinearMethod
 
 logger = logging.getLogger(__name__)

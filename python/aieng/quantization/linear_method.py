@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aieng.config.quantization import QuantizationConfigError, WeightScheme
 from aieng.distributed.parallel_state import get_tp_world_size
 from aieng.layers.linear import (
     Linear,
@@ -41,7 +42,6 @@ from aieng.layers.linear import (
     set_weight_attrs,
     sharded_param,
 )
-from aieng.quantization.config import QuantizationConfigError, WeightScheme
 from aieng.quantization.packing import AWQ_PACK_ORDER, pack_factor, unpack_int32
 
 logger = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from aieng.config.quantization import QuantizationConfig
 from aieng.kernels.cpu_int8 import cpu_isa
 from aieng.layers.linear import DenseLinearMethod, Linear, LinearMethod, LinearMethodChooser
-from aieng.quantization.config import QuantizationConfig
 from aieng.quantization.cpu_int8 import CpuQuantizedLinearMethod
 from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from ray import serve
 from ray.serve import Application
 
-from aieng.cli_args import engine_args
-from aieng.engine_args import EngineArgs
+from aieng.config.cli_args import engine_args
+from aieng.config.engine_args import EngineArgs
 from aieng.ray.ingress import OpenAIIngress
 from aieng.ray.options import RayServeOptions
 from aieng.ray.replica import EngineReplica

@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
-from aieng.engine_client import EngineStats
+from aieng.engine.engine_client import EngineStats
 
 STATS_KEY = "engine_stats"  # the key of a replica's EngineStats in its routing stats
 VERSION_KEY = "model_version"  # the model version it serves ("" without a manifest)

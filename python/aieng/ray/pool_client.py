@@ -24,8 +24,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, W
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from aieng._core import Grammar, GrammarCompiler, Tokenizer
-from aieng.engine import EngineDeadError
-from aieng.engine_client import EngineStats, ModelInfo
+from aieng.engine.engine_client import EngineStats, ModelInfo
+from aieng.engine.llm_engine import EngineDeadError
 from aieng.outputs import RequestOutput
 from aieng.ray.board import ReplicaBoard
 from aieng.sampling import SamplingParams

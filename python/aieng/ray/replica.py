@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from aieng.async_engine import AsyncLLMEngine
-from aieng.engine import EngineDeadError, LLMEngine
-from aieng.engine_args import EngineArgs
-from aieng.engine_client import ModelInfo
-from aieng.model_manifest import MANIFEST, ModelManifest
+from aieng.config.engine_args import EngineArgs
+from aieng.config.model_manifest import MANIFEST, ModelManifest
+from aieng.engine.async_engine import AsyncLLMEngine
+from aieng.engine.engine_client import ModelInfo
+from aieng.engine.llm_engine import EngineDeadError, LLMEngine
 from aieng.outputs import RequestOutput
 from aieng.ray.board import STATS_KEY, VERSION_KEY
 from aieng.sampling import SamplingParams

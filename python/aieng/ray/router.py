@@ -30,7 +30,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from aieng.engine_client import EngineStats
+from aieng.engine.engine_client import EngineStats
 from aieng.ray.board import STATS_KEY, VERSION_KEY, ReplicaBoard, ReplicaReport
 
 MAX_REMEMBERED_PREFIXES = 1 << 16  # prefix hashes kept (LRU); each names one replica

@@ -3,7 +3,7 @@
 The new version is a versioned model folder (a checkpoint and its `aieng-model.json`) every
 replica can read. It is gated first, as `aieng model check` and the server's hot switch gate a
 version: the same model name, another version, output and input schemas its old clients can
-still use (`aieng.schema_compat`), and the same tokenizer (the ingress tokenizes for every
+still use (`aieng.config.schema_compat`), and the same tokenizer (the ingress tokenizes for every
 replica). Then, one replica at a time:
 
 1. the router stops sending it new requests (`ReplicaBoard.drain`): the others take them;
@@ -33,10 +33,10 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from aieng.model_manifest import MANIFEST, ManifestError, ModelManifest
+from aieng.config.model_manifest import MANIFEST, ManifestError, ModelManifest
+from aieng.config.schema_compat import input_problems, output_problems
 from aieng.ray.board import ReplicaBoard
 from aieng.ray.router import TARGET_KEY
-from aieng.schema_compat import input_problems, output_problems
 from aieng.server.model_versions import VersionError, differing_tokenizer_file
 
 logger = logging.getLogger(__name__)

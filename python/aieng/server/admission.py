@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from aieng.engine_client import EngineStats
+from aieng.engine.engine_client import EngineStats
 from aieng.server.config import ServerConfig
 
 RETRY_AFTER_S = 1

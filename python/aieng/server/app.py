@@ -15,9 +15,9 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from aieng.async_engine import AsyncLLMEngine
-from aieng.engine import LLMEngine
-from aieng.engine_client import EngineClient
+from aieng.engine.async_engine import AsyncLLMEngine
+from aieng.engine.engine_client import EngineClient
+from aieng.engine.llm_engine import LLMEngine
 from aieng.server import admin, chat, completions, embeddings, routes
 from aieng.server.admin import EngineLeaseMiddleware
 from aieng.server.config import ServerConfig

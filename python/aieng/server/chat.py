@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from aieng.engine_client import EngineClient
+from aieng.engine.engine_client import EngineClient
 from aieng.errors import ChatTemplateError, InvalidArgumentError
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid

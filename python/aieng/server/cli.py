@@ -9,8 +9,8 @@ import logging
 import os
 from pathlib import Path
 
-from aieng.cli_args import engine_args
-from aieng.engine_args import (
+from aieng.config.cli_args import engine_args
+from aieng.config.engine_args import (
     EngineArgs,
     at_least,
     cli_type,
@@ -153,7 +153,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def server_config(args: argparse.Namespace, model_path: Path) -> ServerConfig:
-    from aieng.models.default import DEFAULT_MODEL_NAME
+    from aieng.config.default_model import DEFAULT_MODEL_NAME
 
     name = args.served_model_name or (
         DEFAULT_MODEL_NAME if args.model is None else model_path.name or str(model_path)
@@ -188,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Serves until SIGTERM or SIGINT; 0 after a clean drain, 1 if the model fails to load."""
     import uvicorn
 
-    from aieng.engine import LLMEngine
+    from aieng.engine.llm_engine import LLMEngine
     from aieng.server.app import build_app
     from aieng.server.request_log import configure_logging
     from aieng.server.shutdown import DrainingServer
@@ -212,7 +212,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as error:
         logger.error("%s", error)
         return 2
-    from aieng.engine import run_as_launched_worker
+    from aieng.engine.llm_engine import run_as_launched_worker
 
     worker_status = run_as_launched_worker(engine)  # a launcher's rank > 0: no server, a worker
     if worker_status is not None:

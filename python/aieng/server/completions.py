@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from aieng.engine_client import EngineClient
+from aieng.engine.engine_client import EngineClient
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from aieng.engine_client import EngineClient, EngineStats
-from aieng.gpu_memory import GpuMemory
+from aieng.engine.engine_client import EngineClient, EngineStats
 from aieng.server.admission import Admission, ServerState
 from aieng.server.config import ServerConfig
 from aieng.server.errors import ApiError, invalid
 from aieng.server.metrics import ServerMetrics
 from aieng.server.request_log import RequestRecord, log_request
 from aieng.server.traffic_split import mirror
+from aieng.worker.gpu_memory import GpuMemory
 
 if TYPE_CHECKING:
     from aieng.server.views import AdmittedGeneration, ModelVersionsView

@@ -17,7 +17,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from aieng.engine_client import EngineClient
+from aieng.engine.engine_client import EngineClient
 from aieng.errors import InvalidArgumentError
 from aieng.pooling import check_dimensions, resolve_pooling, truncate_dimensions
 from aieng.server.context import ServerContext, context_of

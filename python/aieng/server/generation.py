@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from fastapi import Request
 
-from aieng.engine import EngineDeadError
-from aieng.engine_client import EngineClient
+from aieng.engine.engine_client import EngineClient
+from aieng.engine.llm_engine import EngineDeadError
 from aieng.errors import AiengError, InvalidArgumentError, error_field
 from aieng.outputs import RequestOutput
 from aieng.pooling import PoolingParams

@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from aieng.engine_client import EngineStats
+from aieng.engine.engine_client import EngineStats
 
 if TYPE_CHECKING:
-    from aieng.gpu_memory import GpuMemory
+    from aieng.worker.gpu_memory import GpuMemory
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -101,7 +101,7 @@ class EngineCollector(Collector):
 
 class GpuMemoryCollector(Collector):
     """aieng_gpu_memory_bytes{component}: weights, KV cache, activation peak, CUDA context and
-    the device's totals (aieng.gpu_memory), read at scrape time; nothing off a GPU."""
+    the device's totals (aieng.worker.gpu_memory), read at scrape time; nothing off a GPU."""
 
     def __init__(self, figures: Callable[[], GpuMemory | None], model_name: str):
         self.figures, self.model_name = figures, model_name

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aieng.model_manifest import MANIFEST, ManifestError, ModelManifest, Version
+from aieng.config.model_manifest import MANIFEST, ManifestError, ModelManifest, Version
 from aieng.sampling import SamplingParams
 from aieng.server.traffic_split import TrafficSplit
 
 if TYPE_CHECKING:
-    from aieng.engine import LLMEngine
-    from aieng.engine_client import EngineClient
+    from aieng.engine.engine_client import EngineClient
+    from aieng.engine.llm_engine import LLMEngine
     from aieng.server.context import ServerContext
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def free_memory_bytes(device: str) -> int:
     if device == "cuda" and torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info()
         return int(free)
-    from aieng.host_memory import available_ram
+    from aieng.worker.host_memory import available_ram
 
     return available_ram()
 
@@ -402,7 +402,7 @@ class ModelVersions:
     async def _load(self, ctx: ServerContext, state: VersionState) -> EngineClient:
         """Loads a version into a new engine (in a worker thread), starts it and smoke-tests it;
         stopped again if the smoke generation fails."""
-        from aieng.async_engine import AsyncLLMEngine
+        from aieng.engine.async_engine import AsyncLLMEngine
 
         start = time.perf_counter()
         folder = state.manifest.folder

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from aieng.engine_client import EngineClient
+from aieng.engine.engine_client import EngineClient
 from aieng.server.admission import ServerState
 from aieng.server.chat import render_chat
 from aieng.server.context import ServerContext, context_of

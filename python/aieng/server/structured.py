@@ -6,7 +6,7 @@ naming the field and the problem."""
 
 from __future__ import annotations
 
-from aieng.engine_client import EngineClient
+from aieng.engine.engine_client import EngineClient
 from aieng.errors import InvalidArgumentError
 from aieng.sampling import SamplingParams
 from aieng.server.errors import invalid

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from aieng.engine_client import EngineClient
+from aieng.engine.engine_client import EngineClient
 from aieng.errors import InvalidArgumentError
 from aieng.sampling import SamplingParams
 from aieng.server.errors import invalid

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from aieng.engine_client import EngineClient
+    from aieng.engine.engine_client import EngineClient
     from aieng.server.views import AdmittedGeneration, ShadowHost
 
 shadow_log = logging.getLogger("aieng.shadow")

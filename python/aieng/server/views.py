@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aieng.engine_client import EngineClient, EngineStats
+from aieng.engine.engine_client import EngineClient, EngineStats
 from aieng.sampling import SamplingParams
 
 if TYPE_CHECKING:

@@ -1,6 +1,7 @@
 """The engine's side of the `draft_model` proposer: the draft model runs on the device next to
-the target (`draft_model.DraftModel`, held by the ModelRunner) and its proposals come back
-with each step's output; this proposer hands each request the ones made for its slot."""
+the target (`aieng.worker.draft_model.DraftModel`, held by the ModelRunner) and its proposals
+come back with each step's output; this proposer hands each request the ones made for its
+slot."""
 
 from __future__ import annotations
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aieng.spec_decode.config import SpeculativeConfig, measured_batch_limit
+from aieng.config.speculative import SpeculativeConfig, measured_batch_limit
 from aieng.spec_decode.draft_proposer import DraftModelProposer
 from aieng.spec_decode.ngram import NgramProposer
 from aieng.spec_decode.proposer import ProposalRequest, Proposer
-from aieng.spec_decode.verify import sampling_groups
+from aieng.worker.spec_verify import sampling_groups
 
 # A request whose drafts were accepted less often than this, over at least JUDGED_AFTER draft
 # tokens, proposes only every PROBE_EVERY-th step (its acceptance may come back): its

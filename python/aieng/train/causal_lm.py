@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from aieng.attention.backend import ForwardContext
 from aieng.attention.causal import CausalAttention, DenseBatch
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.layers.linear import Linear
 from aieng.layers.norm import RMSNorm
 from aieng.layers.vocab_parallel import VocabParallelEmbedding

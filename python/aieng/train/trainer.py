@@ -23,7 +23,7 @@ from typing import Any, Protocol, TextIO
 
 import torch
 
-from aieng.config import ModelConfig
+from aieng.config.model_config import ModelConfig
 from aieng.models.llama import LlamaForCausalLM
 from aieng.models.loader import load_weights
 from aieng.train.bpe import EOS_TOKEN, IM_END, save_tokenizer, train_tokenizer

@@ -1,0 +1,107 @@
+"""The KV cache spec: how many bytes a block takes and how the per-layer caches are allocated.
+
+The runner sizes the pool from `block_bytes` and the backend decides the layout of one layer's
+cache (`AttentionBackend.kv_cache_shape`). With `kv_cache_dtype="auto"` the elements are in the
+model's dtype and a layer's cache is a (K, V) tuple. With `"int8"` they are int8 and every token
+of every KV head also carries one scale for K and one for V, in the model's dtype (a float32 scale
+on a float16 model would cost head_dim 64 a further 2 bytes in 66, and buy nothing: values are
+quantized with the stored scale, so its rounding never adds error); a layer's cache is then a
+`QuantizedKVCache`. `token_bytes` and `block_bytes` count the scales, so a fixed budget holds
+D * s / (D + s') times the blocks, s and s' the bytes of a model element and of a scale: for
+head_dim 64, 128 / 66 = 1.94x those of float16 and 256 / 68 = 3.76x those of float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aieng.attention.backend import AttentionBackend, KVCache, QuantizedKVCache
+from aieng.config.engine_args import KV_CACHE_DTYPES
+from aieng.config.model_config import ModelConfig
+from aieng.distributed.parallel_state import kv_heads_per_rank
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype  # of the cache's elements: the model's, or torch.int8
+    scale_dtype: torch.dtype | None = None  # INT8: of the per-token, per-KV-head scales
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
+    ) -> KVCacheSpec:
+        """dtype: the model's; kv_cache_dtype: EngineArgs.kv_cache_dtype. Under tensor
+        parallelism, the cache of this rank's KV heads (aieng.layers.parallel)."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {kv_cache_dtype!r}"
+            )
+        quantized = kv_cache_dtype == "int8"
+        return cls(
+            0 if config.is_encoder else config.num_hidden_layers,  # an encoder caches nothing
+            kv_heads_per_rank(config.num_key_value_heads),  # this tensor-parallel rank's
+            config.head_dim,
+            block_size,
+            torch.int8 if quantized else dtype,
+            dtype if quantized else None,
+        )
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale_dtype is not None
+
+    @property
+    def cache_dtype(self) -> str:
+        """The cache's dtype by name: 'int8', or the model's ('float32', 'bfloat16', ...)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's K (or V) in one layer, its scales included."""
+        elements = self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        if self.scale_dtype is None:
+            return elements
+        return elements + self.num_kv_heads * self.scale_dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of K and V over all layers."""
+        return 2 * self.num_layers * self.block_size * self.token_bytes
+
+    def allocate(
+        self, num_blocks: int, device: torch.device, backend: AttentionBackend
+    ) -> list[KVCache]:
+        shape = backend.kv_cache_shape(
+            num_blocks, self.block_size, self.num_kv_heads, self.head_dim
+        )
+
+        # Zeroed: masked context positions may be read (through padding block 0) and must be
+        # finite (a zero scale dequantizes to zero).
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        if self.scale_dtype is None:
+            return [
+                (zeros(shape, self.dtype), zeros(shape, self.dtype)) for _ in range(self.num_layers)
+            ]
+        scale_shape = backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, 1)
+        return [
+            QuantizedKVCache(
+                zeros(shape, self.dtype),
+                zeros(shape, self.dtype),
+                zeros(scale_shape, self.scale_dtype),
+                zeros(scale_shape, self.scale_dtype),
+            )
+            for _ in range(self.num_layers)
+        ]
