@@ -141,6 +141,36 @@ def test_the_guard_catches_a_reach_through(tmp_path):
     assert len(_reached_internals(bad)) == 2  # .runner and .engine.engine
 
 
+def test_the_executor_reaches_its_workers_only_through_their_methods():
+    """The Worker owns its device: the executor never reads a worker's runner."""
+    files = sorted((PACKAGE / "executor").rglob("*.py"))
+    assert len(files) > 5
+    found = [
+        f"{f.name}:{node.lineno}"
+        for f in files
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "runner"
+    ]
+    assert found == [], found
+
+
+def test_a_worker_owns_its_device_and_describes_itself():
+    from aieng.worker.worker import Worker, WorkerInfo
+
+    worker = Worker(create_engine_config(_args(max_model_len=64)))
+    assert worker.init_device() is None  # the only rank: no group to join
+    worker.load_model()
+    memory = worker.determine_available_memory()
+    assert memory == 1 << 22  # kv_cache_memory, as given
+    num_blocks = worker.num_blocks_for(memory)
+    info = worker.initialize_cache(num_blocks)
+    assert isinstance(info, WorkerInfo)
+    assert info.device == "cpu" and info.kv_cache_dtype == "float32"
+    assert num_blocks == memory // info.block_bytes
+    assert set(info.load_phases) >= {"read", "kv_cache"} and "attention_backend" in info.kernels
+    assert worker.runner.num_blocks == num_blocks
+
+
 def test_engine_config_is_what_the_runner_takes():
     import inspect
 

@@ -26,7 +26,7 @@ from aieng.config.engine_args import EngineArgs
 from aieng.config.engine_config import EngineConfig, check_model_folder, create_engine_config
 from aieng.engine.engine_client import EngineStats, ModelInfo
 from aieng.errors import invalid_field, is_fatal
-from aieng.executor import Executor, make_executor
+from aieng.executor import make_executor
 from aieng.executor.multiproc import run_as_launched_worker
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from aieng.pooling import PoolingParams, sentence_transformers_pooling
@@ -40,6 +40,7 @@ from aieng.worker.runner_io import (
     PromptLogprobs,
     RunnerStep,
 )
+from aieng.worker.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -126,23 +127,23 @@ class _Request:
         )
 
 
-def _model_info(config: EngineConfig, executor: Executor) -> ModelInfo:
+def _model_info(config: EngineConfig, worker: WorkerInfo, num_blocks: int) -> ModelInfo:
     return ModelInfo(
         model_path=config.model_path,
         architecture=config.model.architecture,
         vocab_size=config.model.vocab_size,
         max_model_len=config.scheduler.max_model_len,
         eos_token_ids=config.eos_token_ids,
-        device=str(executor.device),
+        device=worker.device,
         dtype=config.dtype,
-        kv_cache_dtype=executor.kv_cache_dtype,
+        kv_cache_dtype=worker.kv_cache_dtype,
         block_size=config.cache.block_size,
-        num_blocks=executor.num_blocks,
+        num_blocks=num_blocks,
         max_num_seqs=config.scheduler.max_num_seqs,
         tensor_parallel_size=config.parallel.tensor_parallel_size,
         generation_defaults=dict(config.model.generation_defaults),
-        load_phases=executor.load_phases,
-        kernels=executor.kernels,
+        load_phases=worker.load_phases,
+        kernels=worker.kernels,
         pooling=sentence_transformers_pooling(config.model_path),
         hidden_size=config.model.hidden_size,
         is_encoder=config.model.is_encoder,
@@ -173,12 +174,13 @@ class LLMEngine:
         self.executor = make_executor(resolved, on_failure=self._runner_failed)
         try:
             memory = self.executor.determine_available_memory()
-            self.executor.initialize_cache(self.executor.num_blocks_for(memory))
+            num_blocks = self.executor.num_blocks_for(memory)
+            worker_info = self.executor.initialize_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()
             raise
         self.core = EngineCore(
-            num_blocks=self.executor.num_blocks,
+            num_blocks=num_blocks,
             block_size=resolved.cache.block_size,
             max_num_seqs=resolved.scheduler.max_num_seqs,
             max_num_batched_tokens=resolved.scheduler.max_num_batched_tokens,
@@ -187,7 +189,7 @@ class LLMEngine:
             long_prefill_token_threshold=resolved.scheduler.long_prefill_token_threshold,
             tokenizer=self.tokenizer,
         )
-        self.model_info = _model_info(resolved, self.executor)
+        self.model_info = _model_info(resolved, worker_info, num_blocks)
         spec = resolved.speculative
         self.speculation = SpeculativeDecoding(spec, resolved.device) if spec is not None else None
         self.requests: dict[str, _Request] = {}

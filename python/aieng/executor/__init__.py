@@ -45,7 +45,7 @@ def make_executor(
     from aieng.executor.multiproc import MultiprocExecutor
     from aieng.executor.rank import launched_place
 
-    place = launched_place(config.args)
+    place = launched_place(config.parallel.tensor_parallel_size)
     if place is not None and place.rank > 0:
         raise LaunchedRankError(
             f"this process is tensor-parallel rank {place.rank} of {place.world_size}, started "

@@ -12,12 +12,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from aieng.config.engine_config import EngineConfig
 from aieng.errors import EngineFatalError
+from aieng.worker.gpu_memory import GpuMemory
 from aieng.worker.runner_io import ModelRunnerOutput, RunnerStep
-from aieng.worker.worker import Worker
+from aieng.worker.worker import Worker, WorkerInfo
 
 
 class ExecutorError(RuntimeError):
@@ -56,46 +55,19 @@ class Executor(ABC):
 
     def determine_available_memory(self) -> int:
         """Bytes for the KV cache that every rank can give: the minimum over the ranks."""
-        return int(self.collective_rpc("available_kv_cache_memory", reduce="min"))
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", (num_blocks,))
+        return int(self.collective_rpc("determine_available_memory", reduce="min"))
 
     def num_blocks_for(self, memory: int) -> int:
         """How many KV blocks `memory` bytes hold on every rank (ValueError when not one)."""
-        return self.driver.runner.num_blocks_for(memory)
+        return self.driver.num_blocks_for(memory)
+
+    def initialize_cache(self, num_blocks: int) -> WorkerInfo:
+        """Every rank allocates `num_blocks` KV blocks; rank 0's WorkerInfo."""
+        return self.collective_rpc("initialize_cache", (num_blocks,))
 
     def prompt_logprobs(self, token_ids: Sequence[int], chunk_size: int | None = None):
         return self.collective_rpc("prompt_logprobs", (token_ids,), {"chunk_size": chunk_size})
 
-    # ------------------------------------------------------------------ rank 0's figures
-
-    @property
-    def block_bytes(self) -> int:
-        return self.driver.runner.block_bytes
-
-    @property
-    def kernels(self) -> dict[str, str]:
-        return self.driver.runner.kernel_names()
-
-    @property
-    def num_blocks(self) -> int:
-        return self.driver.runner.num_blocks
-
-    @property
-    def kv_cache_dtype(self) -> str:
-        return self.driver.runner.kv_spec.cache_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.driver.runner.device
-
-    @property
-    def load_phases(self) -> dict[str, float]:
-        return self.driver.runner.load_times.phases()
-
-    def gpu_memory(self):
-        """Rank 0's GPU memory figures now (aieng.worker.gpu_memory.GpuMemory); None off CUDA."""
-        from aieng.worker.gpu_memory import gpu_memory_figures
-
-        return gpu_memory_figures(self.driver.runner)
+    def gpu_memory(self) -> GpuMemory | None:
+        """Rank 0's GPU memory figures now; None off CUDA."""
+        return self.driver.gpu_memory()

@@ -105,7 +105,7 @@ class BroadcastExecutor(Executor):
         """Sets rank 0's share of the CPU threads; torch's count before, for the close."""
         import torch
 
-        from aieng.executor.rank import cpu_threads
+        from aieng.worker.device import cpu_threads
 
         self.world_size = config.parallel.tensor_parallel_size
         self._threads = cpu_threads(config, self.world_size)

@@ -50,8 +50,6 @@ from aieng.executor.rank import launched_place
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from aieng.executor.rank import RankPlace
-
 logger = logging.getLogger(__name__)
 
 __all__ = ["MultiprocExecutor", "check_size", "free_port", "run_as_launched_worker"]
@@ -65,7 +63,7 @@ def run_as_launched_worker(args: EngineArgs) -> int | None:
     > 0, serve as a worker and return the exit status; elsewhere None."""
     if args.tensor_parallel_size == 1:
         return None
-    place = launched_place(args)
+    place = launched_place(args.tensor_parallel_size)
     if place is None or place.rank == 0:
         return None
     from aieng.config.engine_config import create_engine_config
@@ -118,8 +116,8 @@ class _Workers(Ranks):
     def spawn(self, config: EngineConfig, world: int, addr: str, port: int) -> None:
         import torch.multiprocessing as mp
 
-        from aieng.executor.rank import RankPlace
         from aieng.executor.worker_process import run_spawned
+        from aieng.worker.device import RankPlace
 
         ctx = mp.get_context("spawn")
         for rank in range(1, world):
@@ -256,7 +254,7 @@ class MultiprocExecutor(BroadcastExecutor):
         """on_failure(reason): called from a watcher thread when a worker dies between steps
         (held weakly, so the executor never keeps its engine alive). launched: a launcher
         started the ranks; else this spawns ranks 1..N-1."""
-        from aieng.executor.rank import RankPlace, join_group
+        from aieng.worker.device import RankPlace
         from aieng.worker.worker import Worker
 
         check_size(config)
@@ -264,13 +262,10 @@ class MultiprocExecutor(BroadcastExecutor):
         threads_before = self._take_threads(config)
         self._ranks = _Workers()
         self._ranks.on_failure = weak_callback(on_failure)
-        place = RankPlace(0, self.world_size, 0)
+        self.driver = Worker(config, RankPlace(0, self.world_size, 0), samples=True)
         try:
-            if launched:
-                self._group = join_group(config, place)
-            else:
-                self._group = self._start_workers(config, place)
-            self.driver = Worker(config.for_rank(place.rank, place.local_rank), samples=True)
+            self._group = self._join() if launched else self._start_workers(config)
+            self.driver.load_model()
             if not launched:
                 timeout = config.parallel.distributed_timeout_s
                 self._ranks.wait_for("ready", timeout, f"distributed_timeout_s ({timeout:g} s)")
@@ -285,11 +280,15 @@ class MultiprocExecutor(BroadcastExecutor):
         self._started(threads_before)
         logger.info("tensor parallelism: %d ranks, this process is rank 0", self.world_size)
 
-    def _start_workers(self, config: EngineConfig, place: RankPlace) -> dist.ProcessGroup:
+    def _join(self) -> dist.ProcessGroup:
+        """Rank 0's worker selects its device and joins the group: the group of step messages."""
+        group = self.driver.init_device()
+        assert group is not None  # rank 0 of a group
+        return group
+
+    def _start_workers(self, config: EngineConfig) -> dist.ProcessGroup:
         """Spawns ranks 1..N-1 on this machine and joins them (env:// on MASTER_ADDR, a free
         MASTER_PORT unless MASTER_PORT is given)."""
-        from aieng.executor.rank import join_group
-
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT") or free_port(addr))
         _check_port_free(addr, port)
@@ -298,7 +297,7 @@ class MultiprocExecutor(BroadcastExecutor):
         # distributed_timeout_s, starts once they all can join it.
         self._ranks.wait_for("started", START_S, f"{START_S:g} s")
         with master_env(addr, port):
-            return join_group(config, place)
+            return self._join()
 
     def _first_worker_error(self) -> Exception | None:
         self._ranks.collect_reports()

@@ -59,8 +59,8 @@ class RankActor:
         return True
 
     def serve(self, config: EngineConfig, rank: int, world: int, addr: str, port: int) -> None:
-        from aieng.executor.rank import RankPlace
         from aieng.executor.worker_process import run_worker
+        from aieng.worker.device import RankPlace
 
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
         place = RankPlace(rank, world, 0)  # Ray shows each actor its own device as device 0
@@ -211,7 +211,7 @@ class RayExecutor(BroadcastExecutor):
     def __init__(self, config: EngineConfig, on_failure: Callable[[str], None] | None = None):
         import ray
 
-        from aieng.executor.rank import RankPlace, join_group
+        from aieng.worker.device import RankPlace
         from aieng.worker.worker import Worker
 
         if not ray.is_initialized():
@@ -225,9 +225,12 @@ class RayExecutor(BroadcastExecutor):
         try:
             self._ranks.start(config, addr, port)
             self._ranks.wait_started(START_S)
+            self.driver = Worker(config, RankPlace(0, self.world_size, 0), samples=True)
             with master_env(addr, port):
-                self._group = join_group(config, RankPlace(0, self.world_size, 0))
-            self.driver = Worker(config.for_rank(0, 0), samples=True)
+                group = self.driver.init_device()
+            assert group is not None  # rank 0 of a group
+            self._group = group
+            self.driver.load_model()
             self._ranks.wait_ready(config.parallel.distributed_timeout_s)
         except BaseException as error:
             lost = self._ranks.lost_rank()  # before the close, which ends every rank

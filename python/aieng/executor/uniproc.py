@@ -15,6 +15,8 @@ class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.driver = Worker(config)
+        self.driver.init_device()
+        self.driver.load_model()
 
     def collective_rpc(
         self,

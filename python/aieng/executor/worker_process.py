@@ -27,7 +27,7 @@ from aieng.config.engine_config import EngineConfig
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from aieng.executor.rank import RankPlace
+    from aieng.worker.device import RankPlace
     from aieng.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def run_worker(
     import torch
 
     from aieng.distributed import parallel_state
-    from aieng.executor.rank import cpu_threads, join_group
+    from aieng.worker.device import cpu_threads
     from aieng.worker.worker import Worker
 
     threads = cpu_threads(config, place.world_size)
@@ -68,11 +68,13 @@ def run_worker(
         logger.info("tensor-parallel rank %d: %d CPU threads", place.rank, threads)
     if report is not None:
         report("started", "")
-    group = join_group(config, place)
-    worker = Worker(config.for_rank(place.rank, place.local_rank), samples=False)
-    if report is not None:
-        report("ready", "")
+    worker = Worker(config, place, samples=False)
+    group = worker.init_device()
+    assert group is not None  # a rank of a group
     try:
+        worker.load_model()
+        if report is not None:
+            report("ready", "")
         serve_steps(worker, group)
     finally:
         parallel_state.destroy_tensor_parallel()
@@ -137,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = EngineArgs.from_cli_args(parser.parse_args(argv))
     if args.model is None:
         args.model = str(default_model_path())
-    place = launched_place(args)
+    place = launched_place(args.tensor_parallel_size)
     if place is None or place.rank == 0:
         parser.error("run by a launcher as a rank > 0 (RANK and WORLD_SIZE in the environment)")
     from aieng.config.engine_config import create_engine_config
