@@ -17,7 +17,7 @@ import pytest
 import aieng
 from aieng.config.default_model import default_model_path
 from aieng.config.engine_args import EngineArgs
-from aieng.config.engine_config import EngineConfig, create_engine_config
+from aieng.config.engine_config import EngineConfig, RunnerConfig, create_engine_config
 from aieng.config.model_config import ModelConfig
 from aieng.engine.async_engine import AsyncLLMEngine
 from aieng.engine.engine_client import EngineClient, ModelInfo
@@ -46,6 +46,21 @@ def test_the_config_is_resolved_once_and_frozen():
         config.device = "cuda"  # type: ignore[misc]
     rank = config.for_rank(1, 1)
     assert rank.parallel.rank == 1 and rank.device == "cpu"  # the CPU has no device index
+
+
+def test_the_config_keeps_no_raw_options_and_chooses_the_default_model():
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert "args" not in names and {"runner", "max_logprobs"} <= names
+    config = create_engine_config(EngineArgs(seed=7, enforce_eager=True, max_logprobs=5))
+    assert config.model_path == str(default_model_path())  # no model named: the bundled one
+    assert config.runner == RunnerConfig(
+        attention_backend="auto",
+        enforce_eager=True,
+        seed=7,
+        cpu_quant_kernel=EngineArgs().cpu_quant_kernel,
+        cpu_lm_head=EngineArgs().cpu_lm_head,
+    )
+    assert config.max_logprobs == 5
 
 
 def test_an_explicit_dtype_and_a_cuda_device_resolve_without_a_gpu():

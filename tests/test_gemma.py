@@ -129,7 +129,7 @@ def test_gemma_parameters_are_hf_parameters(reference):
 
 def test_gemma_layers_get_their_windows_caps_and_rope(reference):
     hf_config = reference.hf.config
-    config = reference.runner.config
+    config = reference.runner.model_config
     layers = reference.runner.model.model.layers
     for i, (layer, hf_layer) in enumerate(zip(layers, reference.hf.model.layers, strict=True)):
         hf_attn = hf_layer.self_attn
@@ -378,7 +378,7 @@ def test_window_masks_are_built_per_window():
 
 
 def test_the_selector_gives_the_backend_every_window(reference):
-    config = reference.runner.config
+    config = reference.runner.model_config
     backend = select_attention_backend("torch", config, torch.device("cpu"), torch.float32)
     assert set(backend.sliding_windows) == set(config.layer_sliding_windows)
     mistral = ModelConfig.from_dicts(

@@ -164,7 +164,7 @@ def test_step_without_samples_returns_nothing(reference):
 
 def test_kv_cache_is_sized_from_the_budget(reference):
     runner = reference.runner
-    config = runner.config
+    config = runner.model_config
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
     assert runner.block_bytes == per_token * BLOCK_SIZE
     assert runner.num_blocks == (1 << 22) // runner.block_bytes

@@ -121,7 +121,7 @@ def test_fake_backend_and_linear_method_match_hf(arch, tmp_path, monkeypatch):
     )
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.method is method and qkv.weight.shape[0] == qkv.input_size
-    assert runner.kv_caches[0][0].shape[1:] == (runner.config.num_key_value_heads, 4, 16)
+    assert runner.kv_caches[0][0].shape[1:] == (runner.model_config.num_key_value_heads, 4, 16)
 
     hf = load_hf(folder)
     generator = torch.Generator().manual_seed(3)
@@ -135,7 +135,7 @@ def test_fake_backend_and_linear_method_match_hf(arch, tmp_path, monkeypatch):
         torch.testing.assert_close(
             torch.tensor(request.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0
         )
-    num_layers = runner.config.num_hidden_layers
+    num_layers = runner.model_config.num_hidden_layers
     assert backend.layer_calls == backend.metadata_builds * num_layers  # metadata once a step
     assert method.applied > 0
 

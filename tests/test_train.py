@@ -133,7 +133,7 @@ def test_training_forward_matches_serving_forward(trained):
         )
     )
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, runner.config.vocab_size, (2, 64), generator=generator)
+    ids = torch.randint(3, runner.model_config.vocab_size, (2, 64), generator=generator)
     with torch.no_grad():
         logprobs = torch.log_softmax(batch_logits(runner.model, ids), dim=-1)
     for row, row_logprobs in zip(ids, logprobs, strict=True):

@@ -7,7 +7,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from aieng._core import InvalidArgumentError
-from aieng.config.default_model import default_model_path
 from aieng.config.engine_args import EngineArgs
 from aieng.engine.engine_client import EngineStats
 from aieng.engine.llm_engine import LLMEngine, run_as_launched_worker
@@ -37,9 +36,7 @@ class LLM:
         unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}")
-        args = EngineArgs(model=model, **kwargs)
-        if args.model is None:  # the bundled default model (aieng.config.default_model)
-            args.model = str(default_model_path())
+        args = EngineArgs(model=model, **kwargs)  # no model: the bundled default model
         worker_status = run_as_launched_worker(args)
         if worker_status is not None:  # a launcher's rank > 0: it served as a worker
             raise SystemExit(worker_status)

@@ -1,6 +1,7 @@
 """`EngineConfig`: the engine's options resolved once, from `EngineArgs` and the checkpoint.
 
-`create_engine_config(args)` reads the checkpoint's `config.json`, `generation_config.json` and
+`create_engine_config(args)` chooses the checkpoint (the bundled default model when `args.model`
+is None: decided here only), reads its `config.json`, `generation_config.json` and
 `tokenizer.json` once, resolves `device="auto"` (a CUDA device where one is present), the dtype
 (`auto`: the checkpoint's on CUDA, float32 on CPU), the context length, the token budget of a
 step and the end-of-sequence ids, and returns a frozen `EngineConfig`. Everything below the
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aieng.config.default_model import resolve_model
 from aieng.config.engine_args import DTYPES, EngineArgs, checkpoint_dtype
 from aieng.config.model_config import ModelConfig
 from aieng.config.speculative import SpeculativeConfig, check_draft
@@ -57,13 +59,20 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """The resolved options. `args` keeps the options as given, for the ones with nothing to
-    resolve (attention_backend, enforce_eager, seed, ...); never read `args.device`,
-    `args.dtype`, `args.max_model_len` or `args.max_num_batched_tokens`: their resolved values
-    are the fields below."""
+class RunnerConfig:
+    """The model runner's own options, as given: nothing to resolve in them."""
 
-    args: EngineArgs
+    attention_backend: str
+    enforce_eager: bool
+    seed: int
+    cpu_quant_kernel: str
+    cpu_lm_head: str
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The resolved options: everything below the engine reads these, never `EngineArgs`."""
+
     model_path: str
     model: ModelConfig
     device: str  # "cpu", "cuda" or "cuda:N": never "auto"
@@ -72,6 +81,8 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    runner: RunnerConfig
+    max_logprobs: int  # the most logprobs a request may ask for
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
@@ -102,10 +113,9 @@ class EngineConfig:
 
 
 def check_model_folder(args: EngineArgs) -> Path:
-    """The checkpoint folder `args.model` names (ValueError, FileNotFoundError otherwise)."""
-    if args.model is None:
-        raise ValueError("EngineArgs.model must name a checkpoint folder")
-    folder = Path(args.model)
+    """The checkpoint folder `args.model` names, or the bundled default model's when it names
+    none (FileNotFoundError when there is no such folder)."""
+    folder = resolve_model(args.model)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder not found: {folder}")
     return folder
@@ -134,7 +144,6 @@ def create_engine_config(args: EngineArgs, tokenizer: Any = None) -> EngineConfi
         )
     max_model_len = args.effective_max_model_len(model.max_position_embeddings)
     return EngineConfig(
-        args=args,
         model_path=str(folder),
         model=model,
         device=device,
@@ -158,6 +167,14 @@ def create_engine_config(args: EngineArgs, tokenizer: Any = None) -> EngineConfi
             distributed_timeout_s=args.distributed_timeout_s,
             distributed_executor_backend=args.distributed_executor_backend,
         ),
+        runner=RunnerConfig(
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            seed=args.seed,
+            cpu_quant_kernel=args.cpu_quant_kernel,
+            cpu_lm_head=args.cpu_lm_head,
+        ),
+        max_logprobs=args.max_logprobs,
         speculative=_speculative(args, folder),
     )
 

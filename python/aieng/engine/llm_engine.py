@@ -167,7 +167,6 @@ class LLMEngine:
             self.tokenizer = _tokenizer_of(args)
             self.engine_config = create_engine_config(args, self.tokenizer)
         resolved = self.engine_config
-        self.config = resolved.args
         self.vocab_size = resolved.model.vocab_size
         self.eos_token_ids = list(resolved.eos_token_ids)
         self.max_model_len = resolved.scheduler.max_model_len
@@ -280,7 +279,7 @@ class LLMEngine:
         assert isinstance(params, SamplingParams)
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
-        params.verify(self.vocab_size, self.config.max_logprobs)
+        params.verify(self.vocab_size, self.engine_config.max_logprobs)
         grammar = self.compile_grammar(params)
         text, ids = self.tokenize(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -298,7 +297,7 @@ class LLMEngine:
                 seq.logprobs = []
                 seq.cumulative_logprob = 0.0
             request.sequences.append(seq)
-        share_prompt = params.n > 1 and self.config.enable_prefix_caching
+        share_prompt = params.n > 1 and self.engine_config.cache.enable_prefix_caching
         try:
             for seq in request.sequences[:1] if share_prompt else request.sequences:
                 self._add_sequence(request, seq, priority)

@@ -131,14 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher started: rank 0 serves as `aieng serve` does, the others run here."""
     import argparse
 
-    from aieng.config.default_model import default_model_path
     from aieng.executor.rank import launched_place
 
     parser = argparse.ArgumentParser(prog="python -m aieng.executor.worker_process")
     EngineArgs.add_cli_args(parser)
     args = EngineArgs.from_cli_args(parser.parse_args(argv))
-    if args.model is None:
-        args.model = str(default_model_path())
     place = launched_place(args.tensor_parallel_size)
     if place is None or place.rank == 0:
         parser.error("run by a launcher as a rank > 0 (RANK and WORLD_SIZE in the environment)")

@@ -52,7 +52,7 @@ def build_app(
         if load_version is None:
             raise ValueError("model_dir needs load_version")
         catalog = scan_model_dir(Path(config.model_dir))
-        serving = serving_version(config, catalog)
+        serving = serving_version(config.model_path, catalog)
         for name, versions in catalog.items():
             own = name == serving.name
             first = serving if own else default_version(versions)

@@ -152,15 +152,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def server_config(args: argparse.Namespace, model_path: Path) -> ServerConfig:
+def server_config(
+    args: argparse.Namespace, model_path: Path, served_model_name: str | None = None
+) -> ServerConfig:
+    """The server's options; `model_path`: the folder the engine loads (the bundled model's when
+    no model was named); `served_model_name`: the name it is served under, where not the
+    folder's."""
     from aieng.config.default_model import DEFAULT_MODEL_NAME
 
-    name = args.served_model_name or (
-        DEFAULT_MODEL_NAME if args.model is None else model_path.name or str(model_path)
+    name = (
+        served_model_name
+        or args.served_model_name
+        or (DEFAULT_MODEL_NAME if args.model is None else model_path.name or str(model_path))
     )
     return ServerConfig(
         served_model_name=name,
-        model_path=str(args.model or model_path),
+        model_path=str(model_path),
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
@@ -197,18 +204,15 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
     try:
         engine = engine_args(args)
+        name = args.served_model_name
         if args.model_dir is not None:  # MODEL if it is one of them, else a latest stable
-            from types import SimpleNamespace
-
             from aieng.server.model_versions import scan_model_dir, serving_version
 
             catalog = scan_model_dir(Path(args.model_dir))
-            given = SimpleNamespace(model_path=getattr(args, "model", None) or "")
-            first = serving_version(given, catalog)
+            first = serving_version(args.model, catalog)
             engine = dataclasses.replace(engine, model=str(first.folder))
-            args.model = str(first.folder)
-            args.served_model_name = args.served_model_name or first.name
-        config = server_config(args, Path(engine.model))
+            name = name or first.name
+        config = server_config(args, Path(engine.model), name)
     except (FileNotFoundError, ValueError) as error:
         logger.error("%s", error)
         return 2

@@ -108,10 +108,12 @@ def latest_stable(versions: dict[str, ModelManifest]) -> ModelManifest:
     return max(stable, key=lambda m: m.version.sort_key())
 
 
-def serving_version(config: Any, catalog: dict[str, dict[str, ModelManifest]]) -> ModelManifest:
-    """The version the server's own engine starts with: the one at `config.model_path` if it is
-    in the catalog, else the latest stable of the first name."""
-    given = Path(config.model_path).resolve() if config.model_path else None
+def serving_version(
+    model_path: str | None, catalog: dict[str, dict[str, ModelManifest]]
+) -> ModelManifest:
+    """The version the server's own engine starts with: the one at `model_path` if it is in
+    the catalog, else the latest stable of the first name."""
+    given = Path(model_path).resolve() if model_path else None
     for versions in catalog.values():
         for manifest in versions.values():
             if manifest.folder is not None and manifest.folder == given:

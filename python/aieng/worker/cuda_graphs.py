@@ -279,7 +279,7 @@ class DecodeGraphs:
         size = max(s for s in self.sizes if s <= self.block_size)
         rows = max(1, size - 1)
         generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, self.runner.config.vocab_size, (rows,), generator=generator)
+        ids = torch.randint(0, self.runner.model_config.vocab_size, (rows,), generator=generator)
         positions = np.arange(rows, dtype=np.int64)
         plan = ForwardArrays(
             input_ids=ids.numpy(),

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from aieng.attention import AttentionInputs, ForwardContext, KVCache, select_attention_backend
+from aieng.config.engine_config import EngineConfig
 from aieng.models.loader import load_model
 from aieng.worker.kv_cache import KVCacheSpec
 from aieng.worker.sampler import SamplingTable
@@ -48,36 +49,34 @@ class StepResult:
 
 
 class DraftModel:
-    def __init__(
-        self,
-        path: str,
-        num_speculative_tokens: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        block_size: int,
-        kv_cache_dtype: str,
-        attention_backend: str,
-        max_model_len: int,
-        max_num_seqs: int,
-    ):
-        self.model, self.config = load_model(path, dtype, device)
-        if self.config.max_position_embeddings < max_model_len:
+    def __init__(self, config: EngineConfig):
+        """The draft of `config.speculative` (method draft_model), next to the target: on its
+        device, in its dtype, with its block size, KV cache dtype and attention backend."""
+        spec = config.speculative
+        if spec is None or spec.model is None:
+            raise ValueError("DraftModel: the config's speculative_config names no draft model")
+        device, dtype = config.torch_device, config.torch_dtype
+        block_size = config.cache.block_size
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        max_model_len = config.scheduler.max_model_len
+        self.model, self.model_config = load_model(spec.model, dtype, device)
+        if self.model_config.max_position_embeddings < max_model_len:
             raise ValueError(
                 f"speculative_config 'model': the draft's context "
-                f"({self.config.max_position_embeddings} positions) is shorter than "
+                f"({self.model_config.max_position_embeddings} positions) is shorter than "
                 f"max_model_len ({max_model_len})"
             )
-        self.k = num_speculative_tokens
+        self.k = spec.num_speculative_tokens
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.kv_spec = KVCacheSpec.for_model(self.config, block_size, dtype, kv_cache_dtype)
+        self.kv_spec = KVCacheSpec.for_model(self.model_config, block_size, dtype, kv_cache_dtype)
         self.attention = select_attention_backend(
-            attention_backend, self.config, device, dtype, kv_cache_dtype
+            config.runner.attention_backend, self.model_config, device, dtype, kv_cache_dtype
         )
         # Scratch blocks per row: the proposal steps reach at most k positions past its blocks.
         self.scratch_per_row = math.ceil(self.k / block_size) + 1
-        self.max_rows = max_num_seqs
+        self.max_rows = config.scheduler.max_num_seqs
         self.scratch_base = 0
         self.kv_caches: list[KVCache] = []
         self.generator = torch.Generator(device)
@@ -184,7 +183,7 @@ class DraftModel:
         temperature = torch.from_numpy(table.floats[slots, 0].astype(np.float32)).to(self.device)
         drafts: list[np.ndarray] = []
         qs: list[torch.Tensor] = []
-        limit = min(self.max_model_len, self.config.max_position_embeddings)
+        limit = min(self.max_model_len, self.model_config.max_position_embeddings)
         room = np.minimum(limit - next_pos, self.k)
         for j in range(int(room.max(initial=0))):
             token, q = self._draw(logits, greedy, temperature)

@@ -54,29 +54,29 @@ class ModelRunner:
         sizes and allocates its KV cache; a Worker leaves that to its executor, which asks every
         rank `available_kv_cache_memory()` and then calls `initialize_cache(num_blocks)`."""
         self.engine_config = config
-        args = config.args
+        options = config.runner
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.model: Any
         self.load_times = LoadTimes()
-        self.model, self.config = load_model(
+        self.model, self.model_config = load_model(
             config.model_path,
             self.dtype,
             self.device,
             config.model,
             times=self.load_times,
-            cpu_quant_kernel=args.cpu_quant_kernel,
-            cpu_lm_head=args.cpu_lm_head,
+            cpu_quant_kernel=options.cpu_quant_kernel,
+            cpu_lm_head=options.cpu_lm_head,
         )
         self.block_size = config.cache.block_size
         self.max_model_len = config.scheduler.max_model_len
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         kv_cache_dtype = config.cache.kv_cache_dtype
         self.kv_spec = KVCacheSpec.for_model(
-            self.config, self.block_size, self.dtype, kv_cache_dtype
+            self.model_config, self.block_size, self.dtype, kv_cache_dtype
         )
         self.attention = select_attention_backend(
-            args.attention_backend, self.config, self.device, self.dtype, kv_cache_dtype
+            options.attention_backend, self.model_config, self.device, self.dtype, kv_cache_dtype
         )
         if kv_cache_dtype not in self.attention.kv_cache_dtypes:
             raise ValueError(
@@ -86,9 +86,11 @@ class ModelRunner:
         max_blocks = math.ceil(self.max_model_len / self.block_size)
         self.inputs = InputBuffers(self.max_num_batched_tokens, max_blocks, self.device)
         self.sampling = SamplingTable(
-            self.config.vocab_size, self.device, capacity=max(64, config.scheduler.max_num_seqs)
+            self.model_config.vocab_size,
+            self.device,
+            capacity=max(64, config.scheduler.max_num_seqs),
         )
-        self.sampler = Sampler(self.device, args.seed)
+        self.sampler = Sampler(self.device, options.seed)
         self.prompt_scorer = PromptScorer(self.device)
         self.pooler = EmbeddingPooler()
         # An encoder-only model (BERT family) keeps no KV cache and only embeds.
@@ -108,7 +110,7 @@ class ModelRunner:
         kv_start = time.perf_counter()
         self.num_blocks = num_blocks
         # CUDA graphs pad decode steps with rows that write a scratch block past the core's.
-        graphs = graphs_wanted(self.engine_config.args.enforce_eager, self.device)
+        graphs = graphs_wanted(self.engine_config.runner.enforce_eager, self.device)
         graphs = graphs and not self.encoder
         pad_blocks = GRAPH_PAD_BLOCKS if graphs else 0
         self.kv_caches = self.kv_spec.allocate(
@@ -329,10 +331,9 @@ class ModelRunner:
         n = len(token_ids)
         if n < 2:
             raise ValueError(f"scoring needs at least 2 tokens, got {n}")
-        if n > self.config.max_position_embeddings:
-            raise ValueError(
-                f"{n} tokens exceed the model's context of {self.config.max_position_embeddings}"
-            )
+        context = self.model_config.max_position_embeddings
+        if n > context:
+            raise ValueError(f"{n} tokens exceed the model's context of {context}")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
         num_blocks = math.ceil(n / self.block_size)
@@ -376,17 +377,7 @@ def _draft_model(config: EngineConfig) -> DraftModel | None:
     spec = config.speculative
     if spec is None or spec.method != "draft_model" or spec.model is None:
         return None
-    return DraftModel(
-        spec.model,
-        spec.num_speculative_tokens,
-        config.torch_device,
-        config.torch_dtype,
-        config.cache.block_size,
-        config.cache.kv_cache_dtype,
-        config.args.attention_backend,
-        config.scheduler.max_model_len,
-        config.scheduler.max_num_seqs,
-    )
+    return DraftModel(config)
 
 
 def _single_prompt_plan(
