@@ -25,7 +25,7 @@ from aieng.engine.llm_engine import LLMEngine
 from aieng.sampling import SamplingParams
 
 PACKAGE = Path(aieng.__file__).resolve().parent
-FRONT_ENDS = [PACKAGE / "server", PACKAGE / "cli", PACKAGE / "llm.py"]
+FRONT_ENDS = [PACKAGE / "server", PACKAGE / "cli", PACKAGE / "ray", PACKAGE / "llm.py"]
 # Attributes that belong to the engine's insides: its runner, its Rust core, the engine an
 # AsyncLLMEngine wraps.
 INTERNALS = {"runner", "core", "engine_config"}
@@ -114,9 +114,43 @@ def test_the_async_engine_is_an_engine_client():
             assert client.gpu_memory() is None  # on the CPU
             return texts
         finally:
-            client.stop()
+            client.shutdown()
 
     assert "".join(asyncio.run(run()))
+    assert not client_thread_alive(engine)
+
+
+def client_thread_alive(engine: LLMEngine) -> bool:
+    import threading
+
+    return any(t.name == "aieng-engine" and t.is_alive() for t in threading.enumerate())
+
+
+def test_shutting_down_a_client_stops_its_loop_then_releases_the_engine():
+    async def run() -> AsyncLLMEngine:
+        client = await asyncio.to_thread(AsyncLLMEngine.from_engine_args, _args())
+        client.start()
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        outs = [out async for out in client.generate("r", [5, 6, 7], params)]
+        assert outs[-1].finished
+        client.shutdown()
+        client.shutdown()  # idempotent
+        return client
+
+    client = asyncio.run(run())
+    assert not client.alive and not client_thread_alive(client.engine)
+    assert client.engine.dead_reason == "the engine was shut down"
+    with pytest.raises(aieng.EngineStateError, match="shut down"):
+        _ = client.engine.runner  # the model, KV cache and graphs were dropped
+    assert client.engine.gpu_memory() is None
+
+
+def test_a_client_never_started_releases_its_engine_at_shutdown():
+    client = AsyncLLMEngine.from_engine_args(_args())
+    client.shutdown()
+    assert client.engine.dead_reason == "the engine was shut down"
+    with pytest.raises(aieng.EngineStateError):
+        _ = client.engine.runner
 
 
 def _reached_internals(path: Path) -> list[str]:

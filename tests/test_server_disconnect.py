@@ -39,7 +39,7 @@ def test_leaving_a_stream_aborts_before_the_next_step(model):
             whole = await engine.call(lambda e: e.check_pool_whole())
             return present, steps - steps_seen, whole
         finally:
-            engine.stop()
+            engine.shutdown()
 
     present, extra_steps, _ = asyncio.run(scenario())
     assert not present

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aieng._core import Grammar
+from aieng.config.engine_args import EngineArgs
 from aieng.engine.engine_client import EngineStats, ModelInfo
 from aieng.engine.llm_engine import EngineDeadError, LLMEngine
 from aieng.outputs import RequestOutput
@@ -66,9 +67,10 @@ class AsyncLLMEngine:
         self.engine = engine
         self.on_step = on_step  # called in the loop thread with each step's scheduled tokens
         self.stats: EngineStats = engine.stats()
-        self.failure: str | None = None  # why the loop died; None while it runs or after stop()
+        self.failure: str | None = None  # why the loop died; None while it runs or after shutdown
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False  # the loop thread no longer takes calls (guarded by _lock)
+        self._release_on_exit = False  # shutdown(): the loop thread releases the engine
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
@@ -83,10 +85,26 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="aieng-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, on_step: Callable[[int], None] | None = None
+    ) -> AsyncLLMEngine:
+        """A new engine for `engine_args` (it loads the model: call it off the event loop),
+        served by a new AsyncLLMEngine; `start()` it inside the event loop."""
+        return cls(LLMEngine(engine_args), on_step)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the loop, then releases the engine: its workers, KV cache and threads. The
+        loop thread releases it once its step ends (a step is never cut short); `timeout`
+        bounds the wait for that. Idempotent."""
+        with self._lock:
+            release_here = self._thread is None or self._closed
+            self._release_on_exit = True
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
+        if release_here:
+            self.engine.shutdown()
+        elif self._thread is not None:
             self._thread.join(timeout)
 
     @property
@@ -197,7 +215,10 @@ class AsyncLLMEngine:
         self._post([(None, EngineDeadError(self.not_running()))])
         with self._lock:
             self._closed = True
+            release = self._release_on_exit
         self._fail_calls()
+        if release:
+            self.engine.shutdown()
 
     def _turn(self) -> None:
         if not self.engine.has_unfinished():

@@ -440,7 +440,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Releases every process, thread and group the engine started (its tensor-parallel
-        workers); later calls raise EngineDeadError. Idempotent."""
+        workers) and its device memory (the model, the KV cache, the CUDA graphs) now, not at
+        the next garbage collection; later calls raise EngineDeadError. Idempotent."""
         if self.dead_reason is None:
             self.dead_reason = "the engine was shut down"
         self.executor.shutdown()

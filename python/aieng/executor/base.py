@@ -51,7 +51,8 @@ class Executor(ABC):
 
     @abstractmethod
     def shutdown(self) -> None:
-        """Releases every process, thread and group it started. Idempotent."""
+        """Releases every process, thread and group it started, and its workers' device
+        memory. Idempotent."""
 
     def determine_available_memory(self) -> int:
         """Bytes for the KV cache that every rank can give: the minimum over the ranks."""

@@ -166,8 +166,10 @@ class BroadcastExecutor(Executor):
         group's failure (`self._ranks.fail`)."""
 
     def shutdown(self) -> None:
-        """Tells the ranks to leave, joins them, leaves the group. Idempotent."""
+        """Tells the ranks to leave, joins them, leaves the group, releases rank 0's worker.
+        Idempotent."""
         self._finalizer()
+        self.driver.shutdown()
 
 
 def abandon_start(ranks: Ranks, threads_before: int) -> None:

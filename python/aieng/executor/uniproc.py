@@ -31,4 +31,4 @@ class UniprocExecutor(Executor):
         return self.driver.execute(step)
 
     def shutdown(self) -> None:
-        pass
+        self.driver.shutdown()

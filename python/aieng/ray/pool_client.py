@@ -83,7 +83,8 @@ class ReplicaPoolClient:
     def start(self) -> None:
         self._running = True
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops sending work to the pool (the replicas are Ray Serve's to release)."""
         self._running = False
         self.abort_all()
 

@@ -26,7 +26,7 @@ from aieng.config.engine_args import EngineArgs
 from aieng.config.model_manifest import MANIFEST, ModelManifest
 from aieng.engine.async_engine import AsyncLLMEngine
 from aieng.engine.engine_client import ModelInfo
-from aieng.engine.llm_engine import EngineDeadError, LLMEngine
+from aieng.engine.llm_engine import EngineDeadError
 from aieng.outputs import RequestOutput
 from aieng.ray.board import STATS_KEY, VERSION_KEY
 from aieng.sampling import SamplingParams
@@ -55,7 +55,7 @@ class EngineReplica:
 
     @staticmethod
     async def _start(engine_args: EngineArgs) -> AsyncLLMEngine:
-        engine = AsyncLLMEngine(await asyncio.to_thread(LLMEngine, engine_args))
+        engine = await asyncio.to_thread(AsyncLLMEngine.from_engine_args, engine_args)
         engine.start()
         return engine
 
@@ -121,8 +121,7 @@ class EngineReplica:
             self._admitting.set()
 
     def _stop_engine(self) -> None:
-        self.engine.stop()
-        self.engine.engine.shutdown()
+        self.engine.shutdown()
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve asks for this every `stats_period_s`; the routers keep it."""
@@ -136,5 +135,4 @@ class EngineReplica:
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.stop()
-            engine.engine.shutdown()
+            engine.shutdown()

@@ -71,7 +71,7 @@ def build_app(
             for versions in ctx.catalog.values():
                 versions.stop_all()
             if ctx.engine is not None:
-                ctx.engine.stop()
+                ctx.engine.shutdown()
 
     app = FastAPI(
         title="aieng",

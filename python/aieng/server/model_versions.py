@@ -20,7 +20,6 @@ A failed load leaves the serving version untouched, with the failure in the vers
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import time
@@ -209,7 +208,7 @@ class ModelVersions:
         if self._engine is not None:
             engines.append(self._engine)
         for engine in engines:
-            engine.stop()
+            engine.shutdown()
 
     def default_engine(self, ctx: ServerContext) -> EngineClient | None:
         return ctx.engine if self.primary else self._engine
@@ -415,7 +414,7 @@ class ModelVersions:
         try:
             await self._smoke(new, str(state.manifest.version))
         except BaseException:
-            new.stop()
+            new.shutdown()
             raise
         state.load_s = round(time.perf_counter() - start, 3)
         return new
@@ -486,9 +485,9 @@ class ModelVersions:
             return
         state = self.states[version]
         state.rss_before_unload = process_rss_bytes()
-        await asyncio.to_thread(engine.stop)
+        await asyncio.to_thread(engine.shutdown)
         del engine
-        await asyncio.to_thread(_release_memory)
+        await asyncio.to_thread(_return_cached_gpu_memory)
         state.rss_after_unload = process_rss_bytes()
         state.set("unloaded")
         logger.info(
@@ -500,8 +499,9 @@ class ModelVersions:
         )
 
 
-def _release_memory() -> None:
-    gc.collect()
+def _return_cached_gpu_memory() -> None:
+    """The engine's shutdown freed its tensors; torch's allocator keeps their memory cached
+    until this returns it to the device."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

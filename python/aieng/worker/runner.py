@@ -136,6 +136,15 @@ class ModelRunner:
         self.graphs = capture_decode_graphs(self, max_num_seqs, num_blocks) if graphs else None
         log_gpu_memory(self)
 
+    def release(self) -> None:
+        """Drops the model, the KV cache, the CUDA graphs and the draft model now: the graphs
+        hold the runner in a cycle, which would keep them all until a garbage collection."""
+        self.graphs = None
+        self.kv_caches = []
+        self.draft = None
+        self.model = None
+        self.num_blocks = 0
+
     @property
     def block_bytes(self) -> int:
         """A KV block's bytes: the target's, and the draft model's where there is one."""

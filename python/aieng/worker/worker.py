@@ -68,10 +68,11 @@ class Worker:
 
     @property
     def runner(self) -> ModelRunner:
-        """The loaded ModelRunner (EngineStateError before `load_model`). For tests and tools
-        that inspect the model in this process; the executor never reads it."""
+        """The loaded ModelRunner (EngineStateError before `load_model` or after `shutdown`).
+        For tests and tools that inspect the model in this process; the executor never reads
+        it."""
         if self._runner is None:
-            raise EngineStateError("the worker has not loaded its model (Worker.load_model)")
+            raise EngineStateError("the worker holds no model (before load_model, or shut down)")
         return self._runner
 
     def determine_available_memory(self) -> int:
@@ -104,6 +105,12 @@ class Worker:
     ) -> torch.Tensor:
         return self.runner.prompt_logprobs(token_ids, chunk_size)
 
+    def shutdown(self) -> None:
+        """Releases the model, the KV cache and the CUDA graphs now. Idempotent."""
+        if self._runner is not None:
+            self._runner.release()
+            self._runner = None
+
     def gpu_memory(self) -> GpuMemory | None:
-        """This rank's GPU memory figures now; None off CUDA."""
-        return gpu_memory_figures(self.runner)
+        """This rank's GPU memory figures now; None off CUDA or once shut down."""
+        return None if self._runner is None else gpu_memory_figures(self._runner)
