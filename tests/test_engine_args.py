@@ -14,6 +14,7 @@ from aieng.cli import build_parser
 from aieng.cli.generate import ENGINE_DEFAULTS as GENERATE_DEFAULTS
 from aieng.config.default_model import default_model_path
 from aieng.config.engine_args import DTYPES, EngineArgs, torch_dtype
+from aieng.config.engine_config import create_engine_config
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 ENV.pop("AIENG_DEBUG", None)
@@ -85,7 +86,8 @@ def test_defaults_agree_between_library_and_commands(monkeypatch):
     monkeypatch.setattr(llm_module, "LLMEngine", engine)
     with pytest.raises(Stop):
         LLM()
-    assert built == [EngineArgs(model=str(default_model_path()))]
+    assert built == [EngineArgs()]  # no model: create_engine_config chooses the bundled one
+    assert create_engine_config(built[0]).model_path == str(default_model_path())
     with pytest.raises(Stop):
         LLM("some/folder", block_size=32, enable_prefix_caching=False)
     assert built[-1] == EngineArgs(model="some/folder", block_size=32, enable_prefix_caching=False)

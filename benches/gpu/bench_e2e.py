@@ -215,7 +215,7 @@ def run(
     )
     try:
         kernels = dict(llm.engine.model_info.kernels)
-        graphs = llm.engine.executor.driver.runner.graphs is not None
+        graphs = llm.engine.runner.graphs is not None
         check_paths(kernels, graphs, expect, fmt, num_layers)
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
         llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up

@@ -52,7 +52,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, allocate_cache: bool = True):
         """Loads the model. With `allocate_cache` (a runner on its own: tests, tools) it also
         sizes and allocates its KV cache; a Worker leaves that to its executor, which asks every
-        rank `available_kv_cache_memory()` and then calls `initialize_cache(num_blocks)`."""
+        rank `Worker.determine_available_memory()` and then calls `initialize_cache(num_blocks)`."""
         self.engine_config = config
         options = config.runner
         self.device = config.torch_device
