@@ -6,6 +6,7 @@ graph keeps alive what backward needs (the saved arrays), nothing else."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -26,22 +27,30 @@ class VersionCounter:
         self.value += 1
 
 
+class Described(Protocol):
+    def describe(self) -> str: ...
+
+
 class SavedTensor:
-    """An array saved for backward, the counter of its buffer and the version it had then."""
+    """An array saved for backward, the counter of its buffer and the version it had then, and
+    (weakly) the tensor it came from, to name it in an error."""
 
-    __slots__ = ("counter", "data", "label", "version")
+    __slots__ = ("counter", "data", "shape", "source", "version")
 
-    def __init__(self, data: np.ndarray, counter: VersionCounter, label: str) -> None:
+    def __init__(self, data: np.ndarray, counter: VersionCounter, source: Described) -> None:
         self.data = data
         self.counter = counter
         self.version = counter.value
-        self.label = label
+        self.source = weakref.ref(source)
+        self.shape = data.shape
 
     def check(self, node_name: str) -> None:
         if self.counter.value != self.version:
+            source = self.source()
+            label = source.describe() if source is not None else f"a tensor of shape {self.shape}"
             raise SavedTensorModifiedError(
                 f"one of the tensors needed for gradient computation has been modified by an "
-                f"in-place operation: {self.label}, saved by {node_name}, is at version "
+                f"in-place operation: {label}, saved by {node_name}, is at version "
                 f"{self.counter.value}; expected version {self.version}. Compute it out of "
                 f"place, or change a copy of it."
             )

@@ -42,6 +42,7 @@ class Tensor:
     __slots__ = (
         "__weakref__",
         "_accumulator",
+        "_base",
         "_version",
         "data",
         "grad",
@@ -80,6 +81,7 @@ class Tensor:
         self.grad_fn: FunctionNode | None = None
         self.name = name
         self._version = version
+        self._base: Tensor | None = None  # the tensor whose buffer this one views
         self._accumulator: weakref.ref[AccumulateGrad] | None = None
 
     # -------------------------------------------------------------- description
@@ -117,12 +119,16 @@ class Tensor:
 
     def detach(self) -> Tensor:
         """The same buffer (and version counter), outside the graph."""
-        return Tensor._wrap(self.data, self._version)
+        view = Tensor._wrap(self.data, self._version)
+        view._base = self if self._base is None else self._base
+        return view
 
     def describe(self) -> str:
+        """How an error names it: its name, shape, the node that made it, what it views."""
         who = f"tensor '{self.name}'" if self.name else "a tensor"
         made_by = f", the output of {self.grad_fn.name}" if self.grad_fn else ""
-        return f"{who} of shape {self.shape}{made_by}"
+        of_base = f", a view of {self._base.describe()}" if self._base is not None else ""
+        return f"{who} of shape {self.shape}{made_by}{of_base}"
 
     def __repr__(self) -> str:
         extra = f", name={self.name!r}" if self.name else ""
@@ -316,14 +322,16 @@ def apply_function(function: type[Function], *inputs: Tensor, **constants: Any) 
     first = inputs[0]
     shares_buffer = function.is_view and np.may_share_memory(data, first.data)
     out = Tensor._wrap(data, first._version if shares_buffer else VersionCounter())
+    if shares_buffer:
+        out._base = first if first._base is None else first._base
     if is_grad_enabled() and any(t.requires_grad for t in inputs):
         ctx.next_nodes = tuple(t._grad_node() for t in inputs)
         saved = [
-            SavedTensor(inputs[i].data, inputs[i]._version, inputs[i].describe())
+            SavedTensor(inputs[i].data, inputs[i]._version, inputs[i])
             for i in function.saved_inputs
         ]
         if function.saves_output:
-            saved.append(SavedTensor(data, out._version, f"the output of {ctx.name}"))
+            saved.append(SavedTensor(data, out._version, out))
         ctx.saved = tuple(saved)
         out.grad_fn = ctx
         out.requires_grad = True
