@@ -33,24 +33,36 @@ class Described(Protocol):
 
 class SavedTensor:
     """An array saved for backward, the counter of its buffer and the version it had then, and
-    (weakly) the tensor it came from, to name it in an error."""
+    (weakly) the tensor it came from and the one that tensor views, to name them in an error."""
 
-    __slots__ = ("counter", "data", "shape", "source", "version")
+    __slots__ = ("base", "counter", "data", "source", "version")
 
-    def __init__(self, data: np.ndarray, counter: VersionCounter, source: Described) -> None:
+    def __init__(
+        self,
+        data: np.ndarray,
+        counter: VersionCounter,
+        source: Described,
+        base: Described | None = None,
+    ) -> None:
         self.data = data
         self.counter = counter
         self.version = counter.value
         self.source = weakref.ref(source)
-        self.shape = data.shape
+        self.base = None if base is None else weakref.ref(base)
+
+    def label(self) -> str:
+        source = self.source()
+        if source is not None:
+            return source.describe()
+        base = None if self.base is None else self.base()
+        of_base = f", a view of {base.describe()}" if base is not None else ""
+        return f"a tensor of shape {self.data.shape}{of_base}"
 
     def check(self, node_name: str) -> None:
         if self.counter.value != self.version:
-            source = self.source()
-            label = source.describe() if source is not None else f"a tensor of shape {self.shape}"
             raise SavedTensorModifiedError(
                 f"one of the tensors needed for gradient computation has been modified by an "
-                f"in-place operation: {label}, saved by {node_name}, is at version "
+                f"in-place operation: {self.label()}, saved by {node_name}, is at version "
                 f"{self.counter.value}; expected version {self.version}. Compute it out of "
                 f"place, or change a copy of it."
             )

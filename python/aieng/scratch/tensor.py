@@ -326,10 +326,8 @@ def apply_function(function: type[Function], *inputs: Tensor, **constants: Any) 
         out._base = first if first._base is None else first._base
     if is_grad_enabled() and any(t.requires_grad for t in inputs):
         ctx.next_nodes = tuple(t._grad_node() for t in inputs)
-        saved = [
-            SavedTensor(inputs[i].data, inputs[i]._version, inputs[i])
-            for i in function.saved_inputs
-        ]
+        kept = [inputs[i] for i in function.saved_inputs]
+        saved = [SavedTensor(t.data, t._version, t, t._base) for t in kept]
         if function.saves_output:
             saved.append(SavedTensor(data, out._version, out))
         ctx.saved = tuple(saved)
