@@ -3,10 +3,12 @@ topological, an in-place change to a saved tensor is caught by its version count
 freeing the graph after backward, a graph too deep for recursion, and clear errors for bad
 input. Torch is the reference wherever it has the same behaviour."""
 
+import ast
 import gc
 import sys
 import threading
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -354,3 +356,30 @@ def test_bad_targets_and_optimizer_arguments_raise_typed_errors():
         Adam([logits], betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="sizes"):
         MLP((2,), np.random.default_rng(0))
+
+
+# ------------------------------------------------------------------ self-contained
+
+
+def test_the_package_imports_only_numpy_the_standard_library_and_itself():
+    package = Path(__file__).resolve().parent.parent / "python" / "aieng" / "scratch"
+    outside = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if not (
+                    name == "aieng.scratch"
+                    or name.startswith("aieng.scratch.")
+                    or top == "numpy"
+                    or top in sys.stdlib_module_names
+                    or top == "__future__"
+                ):
+                    outside.add((path.name, name))
+    assert outside == set()
