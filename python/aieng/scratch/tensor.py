@@ -258,7 +258,8 @@ class Tensor:
         """Add d(self)/d(leaf), times `grad`, to the `.grad` of every leaf that requires grad.
         `grad` defaults to 1 for a one-element tensor. The graph's saved tensors are freed
         unless `retain_graph`."""
-        if not self.requires_grad:
+        root = self._grad_node()
+        if root is None:
             raise RuntimeError(
                 f"backward() on {self.describe()} that does not require grad: no graph was "
                 f"recorded (none of its inputs requires grad, or it was made under no_grad())"
@@ -273,7 +274,7 @@ class Tensor:
             seed = np.asarray(as_array(grad), dtype=self.dtype)
             if seed.shape != self.shape:
                 raise ValueError(f"grad has shape {seed.shape}, the tensor {self.shape}")
-        run_backward(self._grad_node(), seed, retain_graph)
+        run_backward(root, seed, retain_graph)
 
     def _grad_node(self) -> Node | None:
         """Where a gradient for this tensor goes: its grad_fn, the accumulator of a leaf that
