@@ -9,14 +9,14 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from aieng.scratch import MLP, Tensor, cross_entropy, nll_loss
 
 RTOL, ATOL = 1e-10, 1e-12
-PROPERTY = settings(max_examples=30, deadline=None)
+PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def floats(low: float, high: float) -> st.SearchStrategy[float]:
