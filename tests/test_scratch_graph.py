@@ -316,8 +316,10 @@ def test_bad_input_raises_typed_errors():
         (x * 2).backward(np.ones(3))
     with pytest.raises(TypeError, match="floating-point"):
         Tensor([1, 2], requires_grad=True)
-    with pytest.raises(TypeError, match="holds numbers"):
+    with pytest.raises(TypeError, match="holds real numbers"):
         Tensor({"a": 1})
+    with pytest.raises(TypeError, match="holds real numbers"):
+        Tensor(["a", "b"])
     with pytest.raises(TypeError, match="cannot combine"):
         x + "1"
     with pytest.raises(TypeError, match="constant number"):

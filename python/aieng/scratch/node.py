@@ -1,8 +1,9 @@
 """The recorded graph: a node per operation, the tensors it saved for backward (with the version
 each had when saved), and the leaf accumulators that receive the gradients.
 
-A node knows only the nodes its inputs came from (`next_nodes`), never the tensors themselves: the
-graph keeps alive what backward needs (the saved arrays), nothing else."""
+A node knows the nodes its inputs came from (`next_nodes`), not the tensors themselves (only
+weakly, to name them in an error): the graph keeps alive what backward needs — the saved arrays,
+and each leaf through its accumulator — nothing else."""
 
 from __future__ import annotations
 

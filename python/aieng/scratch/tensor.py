@@ -61,8 +61,8 @@ class Tensor:
     ) -> None:
         """A leaf over a copy of `data` (an array, a nested list, a number, or a Tensor)."""
         array = np.array(data.data if isinstance(data, Tensor) else data, dtype=dtype)
-        if array.dtype == object:
-            raise TypeError(f"a Tensor holds numbers, not {type(data).__name__}")
+        if array.dtype.kind not in "biuf":  # bool, signed, unsigned, floating
+            raise TypeError(f"a Tensor holds real numbers, not {array.dtype} ({data!r:.40})")
         if requires_grad and not np.issubdtype(array.dtype, np.floating):
             raise TypeError(f"only floating-point tensors can require grad, not {array.dtype}")
         self._init(array, VersionCounter(), name)
