@@ -334,6 +334,8 @@ def test_bad_input_raises_typed_errors():
         x.mean(axis=(0, -2))
     with pytest.raises(ValueError, match="permutation"):
         x.permute(0, 0)
+    with pytest.raises(ValueError, match="out of range"):
+        x.transpose(0, 2)
 
 
 def test_bad_targets_and_optimizer_arguments_raise_typed_errors():

@@ -191,7 +191,7 @@ class Tensor:
         return apply_function(Mean, self, axis=axis, keepdims=keepdims)
 
     def reshape(self, *shape: int | tuple[int, ...]) -> Tensor:
-        flat = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        flat = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         return apply_function(Reshape, self, shape=tuple(flat))
 
     def permute(self, *axes: int) -> Tensor:
@@ -199,6 +199,11 @@ class Tensor:
 
     def transpose(self, dim0: int, dim1: int) -> Tensor:
         """Swap two axes (torch's transpose)."""
+        for dim in (dim0, dim1):
+            if not -self.ndim <= dim < self.ndim:
+                raise ValueError(
+                    f"axis {dim} is out of range for a tensor of {self.ndim} dimensions"
+                )
         axes = list(range(self.ndim))
         axes[dim0], axes[dim1] = axes[dim1], axes[dim0]
         return self.permute(*axes)
