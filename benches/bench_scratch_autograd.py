@@ -5,7 +5,7 @@ three phases, best of --repeats; and, as a check that the two compute the same t
 2-64-2 spiral network trained by both from the same weights on the same batches (largest loss
 difference over the run, final accuracy).
 
-    .venv/bin/python benches/bench_scratch_autograd.py [--steps 200] [--repeats 5] [--quick]
+    .venv/bin/python benches/bench_scratch_autograd.py [--steps 100] [--repeats 3] [--quick]
 
 Writes benches/results/bench_scratch_autograd.{md,json} (not with --quick, unless --out).
 """
@@ -165,8 +165,8 @@ def report(results: list[dict], parity: dict, info: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=200, help="steps per timed repeat")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=100, help="steps per timed repeat")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a few steps, to check that it runs")
     ap.add_argument("--out", default=None, help="folder for the results (default: results/)")
     args = ap.parse_args()
