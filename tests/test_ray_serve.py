@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import ray
@@ -77,6 +78,37 @@ def test_two_replicas_answer_as_one_plain_server(model, pair):
     got = answers(client_of(pair.url))
     assert got == expected
     assert expected[0][1] == GREEDY["max_tokens"] and expected[1][1] == "length"
+
+
+def fanned_out(client: openai.OpenAI) -> list:
+    """Requests the ingress splits into several replica calls: a prompt list, n, several
+    embedding inputs (each within a bounded time: a lost call would hang the request)."""
+    batch = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, **GREEDY)
+    both = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], n=2, **GREEDY)
+    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, stream=True, **GREEDY)
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    vectors = client.embeddings.create(
+        model=MODEL_NAME, input=PROMPTS, encoding_format="float", extra_body={"pooling": "mean"}
+    )
+    return [
+        [c.text for c in batch.choices],
+        [(c.index, c.text) for c in both.choices],
+        texts,
+        np.array([d.embedding for d in vectors.data]),
+    ]
+
+
+def test_requests_that_fan_out_answer_as_one_plain_server(model, pair):
+    with ThreadServer(model, engine=ENGINE) as plain:
+        expected = fanned_out(client_of(plain.url))
+    client = openai.OpenAI(base_url=f"{pair.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    got = fanned_out(client)
+    assert got[:3] == expected[:3]
+    np.testing.assert_allclose(got[3], expected[3], atol=1e-5)
+    assert len(expected[0]) == 3 and len(expected[1]) == 4 and expected[3].shape[0] == 3
 
 
 def test_the_ingress_validates_like_the_server(pair):
