@@ -111,6 +111,49 @@ def test_requests_that_fan_out_answer_as_one_plain_server(model, pair):
     assert len(expected[0]) == 3 and len(expected[1]) == 4 and expected[3].shape[0] == 3
 
 
+def ray_log_lines(phrase: str, process: str = "") -> list[str]:
+    """The lines of this Ray session's logs that hold `phrase`: every process's, or only those
+    of the processes whose log holds `process` (an actor's name)."""
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    texts = [p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file()]
+    return [
+        line for text in texts if process in text for line in text.splitlines() if phrase in line
+    ]
+
+
+def test_a_client_cancel_ends_its_replica_calls_without_tracebacks(pair):
+    """Clients that go away mid-request (streamed, whole, fanned out): their replica calls end,
+    the KV blocks come back, and the ingress logs no "Task exception was never retrieved"."""
+    never_retrieved = len(ray_log_lines("exception was never retrieved"))
+    ingress = f"ServeReplica:{pair.name}:OpenAIIngress"
+    tracebacks = len(ray_log_lines("Traceback", ingress))
+    cancels = len(ray_log_lines("disconnected, cancelling request"))
+    body = {"model": MODEL_NAME, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    for prompt, stream in (("a", True), ("b", False), (["c", "d", "e"], False), (["f", "g"], True)):
+        with httpx.Client(timeout=httpx.Timeout(0.5, connect=10)) as client:
+            try:
+                with client.stream(
+                    "POST",
+                    f"{pair.url}/v1/completions",
+                    json={**body, "prompt": prompt, "stream": stream},
+                ) as response:
+                    for _ in response.iter_bytes():
+                        break  # the first chunk, then the client goes
+            except httpx.ReadTimeout:
+                pass
+
+    def idle() -> bool:
+        m = pair.metrics()
+        return m["aieng_num_requests_running"] == 0 and m["aieng_kv_cache_usage_perc"] == 0
+
+    assert pair.wait_for(idle, timeout=30, step=0.2), pair.metrics()
+    seen = lambda: len(ray_log_lines("disconnected, cancelling request")) >= cancels + 4  # noqa: E731
+    assert pair.wait_for(seen, timeout=30, step=0.5)  # Ray's one line per cancel
+    time.sleep(2.0)  # what the ingress logs on the way reaches its files
+    assert len(ray_log_lines("exception was never retrieved")) == never_retrieved
+    assert len(ray_log_lines("Traceback", ingress)) == tracebacks
+
+
 def test_the_ingress_validates_like_the_server(pair):
     with pytest.raises(openai.BadRequestError) as error:
         client_of(pair.url).completions.create(model=MODEL_NAME, prompt="hi", max_tokens=-1)

@@ -5,7 +5,8 @@ A request goes to the replica the router picks. If that replica fails before the
 produced any output (its actor died, its engine loop died), the request is sent again and the
 router picks among the replicas left, up to `max_retries` times: the client sees nothing of it.
 Once output has been streamed the request cannot be replayed: it ends with `ReplicaLostError`
-(the server's error event). No other request is touched.
+(the server's error event). No other request is touched. An aborted request (its client went
+away) ends its replica call, and its stream just stops.
 
 The tokenizer and the grammar compiler are the ingress's own, loaded from the checkpoint the
 replicas serve; the stats are the sum over the replicas that run (`pooled_stats`).
@@ -137,6 +138,8 @@ class ReplicaPoolClient:
                     yield out
                 return
             except Exception as error:
+                if stream.cancelled():  # aborted here (`abort`): the request ends, quietly
+                    return
                 cause = _cause(error)
                 if not isinstance(cause, REPLICA_FAILURES):
                     raise cause from None
