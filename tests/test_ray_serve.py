@@ -15,9 +15,13 @@ import numpy as np
 import openai
 import pytest
 import ray
-from ray_fixtures import RayApp, shutdown_cluster
-from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
+from ray import serve
+from ray_fixtures import RayApp, ray_cluster, shutdown_cluster
+from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir, wait_ready
 from test_hot_reload import version_folder
+
+from aieng.config.engine_args import EngineArgs
+from aieng.ray import RayServeOptions, build_app
 
 # 64 blocks of 4 tokens a replica (2 KiB each): its prefix cache holds 4 or 5 of the routing
 # test's 8 prefixes, so a replica that sees all 8 evicts what it will need next. Two requests
@@ -152,6 +156,23 @@ def test_a_client_cancel_ends_its_replica_calls_without_tracebacks(pair):
     time.sleep(2.0)  # what the ingress logs on the way reaches its files
     assert len(ray_log_lines("exception was never retrieved")) == never_retrieved
     assert len(ray_log_lines("Traceback", ingress)) == tracebacks
+
+
+def test_build_app_without_a_model_serves_the_bundled_one_under_its_name():
+    """`build_app(EngineArgs())`: the bundled model, called aieng-kjv-6m (not 'None')."""
+    port = ray_cluster()
+    engine = EngineArgs(kv_cache_memory=1 << 22, max_model_len=128)
+    app = build_app(engine, RayServeOptions(replica_num_cpus=0))
+    serve.run(app, name="bundled", route_prefix="/bundled", blocking=False)
+    url = f"http://127.0.0.1:{port}/bundled"
+    try:
+        wait_ready(url, timeout=120)
+        client = client_of(url)
+        assert [m.id for m in client.models.list()] == ["aieng-kjv-6m"]
+        reply = client.completions.create(model="aieng-kjv-6m", prompt="In the", max_tokens=4)
+        assert reply.model == "aieng-kjv-6m" and reply.choices[0].finish_reason == "length"
+    finally:
+        serve.delete("bundled")
 
 
 def test_the_ingress_validates_like_the_server(pair):
