@@ -321,6 +321,51 @@ def test_a_killed_replica_fails_only_its_streams_cleanly_and_comes_back(pair):
     assert pair.wait_for(idle, timeout=20, step=0.2), pair.metrics()
 
 
+def test_a_replica_dying_mid_fan_out_ends_the_request_cleanly(pair):
+    """A prompt list spread over both replicas, streamed and whole; one replica is killed once
+    tokens flow: each request ends within bounded time, complete or with a clean error naming
+    the lost replica (no hang), and the pool serves again after Ray replaces it."""
+    client = openai.OpenAI(base_url=f"{pair.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    prompts = [[10 + i, 20, 30, 40] for i in range(4)]
+    body = dict(model=MODEL_NAME, prompt=prompts, max_tokens=60, temperature=0)
+    started = threading.Event()
+
+    def streamed() -> str:
+        try:
+            for _ in client.completions.create(
+                **body, stream=True, extra_body={"ignore_eos": True}
+            ):
+                started.set()
+            return "ok"
+        except openai.APIError as error:
+            return f"error:{error.message}"
+
+    def whole() -> str:
+        try:
+            reply = client.completions.create(**body, extra_body={"ignore_eos": True})
+            return "ok" if len(reply.choices) == 4 else f"choices:{len(reply.choices)}"
+        except openai.APIStatusError as error:
+            return f"status:{error.status_code}:{error.message}"
+
+    before = {a._actor_id for a in pair.replica_actors()}
+    with ThreadPoolExecutor(2) as pool:
+        results = [pool.submit(streamed), pool.submit(whole)]
+        assert started.wait(30)
+        victim = pair.replica_actors()[0]
+        ray.kill(victim, no_restart=True)
+        outcomes = [r.result(timeout=90) for r in results]
+    assert all(o == "ok" or "replica" in o for o in outcomes), outcomes
+
+    def replaced() -> bool:
+        actors = pair.replica_actors()
+        return len(actors) == 2 and victim._actor_id not in {a._actor_id for a in actors}
+
+    assert before and pair.wait_for(replaced, timeout=60, step=0.5)
+    assert pair.wait_for(lambda: pair.running_replicas() == 2, timeout=60, step=0.5)
+    again = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=2)
+    assert [c.finish_reason for c in again.choices] == ["length"] * 3
+
+
 def test_autoscaling_adds_a_replica_under_load_and_drains_it_after(model):
     app = RayApp(
         "scaling",
