@@ -14,7 +14,7 @@ from ray import serve
 from ray.serve import Application
 
 from aieng.config.cli_args import engine_args
-from aieng.config.default_model import DEFAULT_MODEL_NAME
+from aieng.config.default_model import served_name
 from aieng.config.engine_args import EngineArgs
 from aieng.ray.ingress import OpenAIIngress
 from aieng.ray.options import RayServeOptions
@@ -47,11 +47,6 @@ def build_app(
         ray_actor_options={"num_cpus": options.ingress_num_cpus},
     )
     return ingress.bind(replicas, server, options, board)
-
-
-def served_name(model: str | None) -> str:
-    """The name a model is served under: its folder's, or the bundled model's own name."""
-    return DEFAULT_MODEL_NAME if model is None else Path(model).name or model
 
 
 def app(args: dict[str, str]) -> Application:
