@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cuda_int4 import quantized_layer_from, random_int4, scheme
+from test_cuda_int4 import (
+    CHECKPOINT_FORMATS,
+    checkpoint_layer,
+    quantized_layer_from,
+    random_int4,
+    scheme,
+)
 
 from aieng.kernels.int4 import int4_matmul, reference_matmul, repack
+from aieng.kernels.self_check import disagreement
 from aieng.layers.linear import Linear
-from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
+from aieng.quantization.cuda_int4 import CudaInt4LinearMethod, check_bound
 from aieng.quantization.linear_method import dequantize
 
 pytestmark = pytest.mark.skipif(
@@ -101,3 +108,25 @@ def test_method_takes_over_layers_on_the_gpu(dtype) -> None:
         got = layer(x)
         error = float((got.double() - want).norm() / want.norm())
         assert error < 2e-2, (m, error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt", CHECKPOINT_FORMATS)
+def test_checkpoint_layers_against_their_own_dequantization(fmt: str, dtype: torch.dtype) -> None:
+    """A layer of each checkpoint format, packed byte by byte from the format's specification
+    (not aieng's packing), unpacked by aieng and taken over by the kernels: every M a path
+    dispatches against x @ W^T with the writer's own dequantized W, per row within the start-up
+    check's bound — a checkpoint-unpacking bug shows here, where the kernels' own reference
+    (built from the unpacked weights) cannot see it."""
+
+    def method_for(scheme):
+        return CudaInt4LinearMethod(scheme, fmt)
+
+    layer, method, dense = checkpoint_layer(fmt, 300, 1024, dtype, method_for, device="cuda")
+    assert method.kernel == "cuda_int4" and method.paths == ("gemv", "gemm")
+    for m in (1, 5, 9, 16, 17, 64):
+        x = torch.randn(m, 1024, device="cuda").to(dtype)
+        got = layer(x)
+        torch.cuda.synchronize()
+        why = disagreement(got, x.float() @ dense.t(), check_bound(dtype))
+        assert why is None, (m, why)
