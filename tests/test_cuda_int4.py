@@ -26,6 +26,7 @@ from aieng.config.default_model import default_model_path
 from aieng.config.engine_args import EngineArgs
 from aieng.config.engine_config import create_engine_config
 from aieng.config.quantization import QuantizationConfig, WeightScheme
+from aieng.kernels.check_child import Screening
 from aieng.kernels.errors import KernelCompileError, KernelError
 from aieng.kernels.fused import check_cases as fused_check_cases
 from aieng.kernels.fused import (
@@ -856,3 +857,23 @@ def test_engine_with_the_cuda_int4_method_follows_the_reference(tmp_path, monkey
         return [request.output for request in scheduler.run()]
 
     assert run(cuda=True) == run(cuda=False)
+
+
+def test_every_weight_shape_is_screened_in_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CUDA device each distinct (N, K, group) is screened in its own child process once
+    (a kernel faulting on one shape's grid is off for that shape), not only the first layer's."""
+    screened: list[tuple] = []
+
+    def screen(suite, args, label=""):  # type: ignore[no-untyped-def]
+        screened.append(args[2:])
+        return Screening(passed=[f"kernel for {args[2]}x{args[3]}"])
+
+    monkeypatch.setattr(cuda_int4, "screen_in_child", screen)
+    monkeypatch.setattr(cuda_int4, "_SCREENED", {})
+    gpu = torch.device("cuda", 0)
+    qkv, down = repack(*random_int4(96, 256, 64)), repack(*random_int4(256, 128, 64))
+    for weights in (qkv, down, qkv, down):
+        passed = cuda_int4.screened_kernels(gpu, torch.float16, weights)
+        assert passed == {f"kernel for {weights.out_features}x{weights.in_features}"}
+    assert screened == [(96, 256, 64), (256, 128, 64)]
+    assert cuda_int4.screened_kernels(torch.device("cpu"), torch.float16, qkv) is None
