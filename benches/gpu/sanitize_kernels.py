@@ -60,8 +60,9 @@ def sanitize_attention(scope: Scope) -> int:
         for dtype in scope.dtypes:
             for int8 in (False, True):
                 backend: AttentionBackend
-                if scope.smoke:  # the reference stands in for the kernels on the CPU
+                if scope.smoke:  # the reference stands in for the kernels on the CPU, in
                     backend = TorchPagedAttention(sliding_windows=(window,))
+                    dtype = torch.float32  # float32: the bound is the float32 reference's
                 else:
                     backend = CudaPagedAttention(scope.device, dtype, int8, head_dim)
                 shape = (heads, kv_heads, head_dim, dtype, int8, (window,), scope.device)
