@@ -190,7 +190,13 @@ fi
 # 4. the part
 deadline=$((started + LIMIT))
 limited() {  # what is left of the part's time; SIGINT first: pytest still writes its junit xml
-    local left=$((deadline - SECONDS))
+    limited_share 1 1 "$@"
+}
+
+limited_share() {  # NUM DEN COMMAND...: at most NUM/DEN of what is left of the part's time
+    local num=$1 den=$2
+    shift 2
+    local left=$(((deadline - SECONDS) * num / den))
     if ((left < 10)); then
         say "run.sh $part: out of time (limit $LIMIT s) before: $*" >&2
         return 124
@@ -232,7 +238,10 @@ run_bench() {  # bench_X.py ARGS... -> its own status (non-zero when its kernel 
 }
 
 sanitizer() {  # memcheck, then racecheck, over the bfloat16 attention kernels
-    local driver=(benches/gpu/sanitize_kernels.py --kernels attention --dtypes bfloat16)
+    # memcheck: the four model shapes; racecheck (far slower): groups 1 and 4, head_dim 64 and
+    # 128. Block size 16 (each decode tile spans blocks); memcheck gets at most 3/5 of the time.
+    local driver=(benches/gpu/sanitize_kernels.py --kernels attention --dtypes bfloat16
+        --block-sizes 16)
     if [[ "$SMOKE" == 1 ]]; then
         limited "$PYTHON" "${driver[@]}" --smoke > "$PART_OUT/sanitize.log" 2>&1
         return $?
@@ -246,11 +255,16 @@ sanitizer() {  # memcheck, then racecheck, over the bfloat16 attention kernels
     # every allocation its own: out-of-bounds accesses inside torch's cached blocks show
     export PYTORCH_NO_CUDA_MEMORY_CACHING=1
     local args=(--error-exitcode 1 --report-api-errors no --print-limit 50)
-    local status=0 check
+    local status=0 check result
     for check in memcheck racecheck; do
-        limited "$tool" --tool "$check" "${args[@]}" "$PYTHON" "${driver[@]}" \
-            > "$PART_OUT/$check.log" 2>&1
-        local result=$?
+        if [[ $check == memcheck ]]; then
+            limited_share 3 5 "$tool" --tool memcheck "${args[@]}" "$PYTHON" "${driver[@]}" \
+                > "$PART_OUT/$check.log" 2>&1
+        else
+            limited "$tool" --tool racecheck "${args[@]}" "$PYTHON" "${driver[@]}" \
+                --attention-models 2 > "$PART_OUT/$check.log" 2>&1
+        fi
+        result=$?
         tail -n 3 "$PART_OUT/$check.log" | tee -a "$SUMMARY"
         say "run.sh sanitizer: $check status $result"
         ((result == 0)) || status=1
