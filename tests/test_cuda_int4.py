@@ -337,9 +337,12 @@ CHECKPOINT_FORMATS = {
 def checkpoint_layer(
     fmt: str, n: int, k: int, dtype: torch.dtype, method_for: Callable, device: str = "cpu"
 ) -> tuple[Linear, Any, torch.Tensor]:
-    """A Linear (K -> N) loaded from one checkpoint layer of `fmt` as the checkpoint stores it
-    -> (the layer after `process_weights_after_loading`, its method, the checkpoint's own
-    dequantized weight (N, K) float32, computed by the format's writer)."""
+    """A Linear (K -> N; N a multiple of 8, AWQ packing along it) loaded from one checkpoint
+    layer of `fmt` as the checkpoint stores it -> (the layer after
+    `process_weights_after_loading`, its method, the checkpoint's own dequantized weight (N, K)
+    float32, computed by the format's writer)."""
+    if n % 8:
+        raise ValueError(f"N = {n}: the formats pack 8 output channels per word")
     scheme, write = CHECKPOINT_FORMATS[fmt]
     tensors, dense = write(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)))
     method = method_for(scheme)
