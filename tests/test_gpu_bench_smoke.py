@@ -235,26 +235,25 @@ def test_a_lease_fits_its_limits() -> None:
 
 
 def test_the_kernel_tests_build_no_engine_and_never_skip_on_a_gpu() -> None:
-    """The `tests` part runs every tests/test_cuda_*gpu.py but the ENGINE_TESTS, and
-    tests/test_cuda_compile.py: none of those may build a checkpoint (the host's transformers)
-    or an engine, nor skip anything on a GPU (junit_summary fails the part on a skip): their one
-    skip marker is the module's "no GPU" guard (test_cuda_compile.py has none)."""
+    """The `tests` part runs every tests/test_cuda_*gpu.py but the ENGINE_TESTS: none of those
+    may build a checkpoint (the host's transformers) or an engine, nor skip anything on a GPU
+    (junit_summary fails the part on a skip): their one skip marker is the module's "no GPU"
+    guard."""
     script = RUN_SH.read_text()
     engine_list = script.split("ENGINE_TESTS=(")[1].split(")")[0]
     engine = set(re.findall(r"tests/test_cuda_\w+_gpu\.py", engine_list))
     assert engine and all((ROOT / name).is_file() for name in engine)
     kernel = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_cuda_*gpu.py")} - engine
     assert {"tests/test_cuda_attention_gpu.py", "tests/test_cuda_int4_gpu.py"} <= kernel
-    for name in (*kernel, "tests/test_cuda_compile.py"):
+    for name in kernel:
         source = (ROOT / name).read_text()
         for marker in ("build_checkpoint", "ModelRunner", "tiny_models", "pytest.skip(",
                        "importorskip", "LLM(", "pytest.xfail", "mark.xfail"):  # fmt: skip
             assert marker not in source, f"{name} uses {marker}"
         guards = re.findall(r"pytest\.mark\.skip\w*\(", source)
-        assert len(guards) == (0 if name.endswith("compile.py") else 1), (name, guards)
-        if guards:
-            guard = source.split("pytestmark = pytest.mark.skipif(")[1].split("reason=")[0]
-            assert "torch.cuda.is_available()" in guard, name
+        assert len(guards) == 1, (name, guards)
+        guard = source.split("pytestmark = pytest.mark.skipif(")[1].split("reason=")[0]
+        assert "torch.cuda.is_available()" in guard, name
 
 
 @pytest.mark.parametrize("part", ["benches", "sanitizer", "tests"])
