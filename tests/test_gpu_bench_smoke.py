@@ -202,6 +202,12 @@ def test_run_sh_lists_its_parts_and_refuses_without_a_gpu(tmp_path) -> None:
             check = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
             assert check.returncode == 0, check.stdout
 
+    # the aieng wheel alone travels: a second pytest would shadow the host's and its plugins
+    code = [line for line in (GPU_BENCHES / "stage.sh").read_text().splitlines()
+            if not line.lstrip().startswith("#")]  # fmt: skip
+    stage = "\n".join(code)
+    assert "maturin" in stage and "pip download" not in stage and "pytest" not in stage
+
     listing = run_sh(out=tmp_path)
     assert listing.returncode == 2
     for part in ("tests", "benches", "sanitizer", "engine-tests", "e2e", "attention", "int4"):
