@@ -168,9 +168,9 @@ def layout_disagreement(layer: Linear, weights: Int4Weights) -> str | None:
     got = dequantize_weights(weights)
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)}, the checkpoint's {tuple(want.shape)}"
-    excess = (got - want).abs() - SCALE_TOLERANCE * want.abs()
-    worst = int(excess.argmax())
-    if float(excess.view(-1)[worst]) > 0:
+    bad = ~((got - want).abs() <= SCALE_TOLERANCE * want.abs())  # NaN counts as bad
+    if bool(bad.any()):
+        worst = int(bad.view(-1).nonzero()[0])
         row, col = divmod(worst, want.shape[1])
         return (
             f"weight ({row}, {col}) is {float(got.view(-1)[worst]):.6g} in the layout, "
