@@ -38,6 +38,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cuda", "cpu")
 KV_CACHE_DTYPES = ("auto", "int8")
 CPU_QUANT_KERNELS = ("auto", "int8", "int8x2", "int4pack", "dequant")
 CPU_LM_HEADS = ("dense", "int8")
+CPU_NATIVE_MODES = ("auto", "off")
 
 Check = Callable[[Any], str | None]  # -> why the value is refused, or None
 
@@ -240,6 +241,15 @@ class EngineArgs:
         "scale per 32 weights: 1.125 bytes a weight, against float32's 4) on the int8 kernels, "
         "the embedding lookup keeping the float rows",
         choices=CPU_LM_HEADS,
+    )
+    cpu_native: str = option(
+        "auto",
+        "the native CPU decoder: one Rust call runs a step's whole forward (every layer, the "
+        "kernels on one thread pool, the GIL released); auto: on for the CPU where the model is "
+        "covered (dense Llama/Qwen/Gemma-style decoders in float32 or bfloat16, their INT4/INT8 "
+        "layers on the int8 kernels, a float KV cache), else the torch runner with one log line "
+        "naming why; off: always the torch runner",
+        choices=CPU_NATIVE_MODES,
     )
     speculative_config: dict | None = option(  # noqa: RUF009 (None default)
         None,
