@@ -160,6 +160,23 @@ def test_bfloat16_weights_follow_transformers(name, tmp_path):
     assert_close_by_the_int4_rule(_run(native, prompts), expected)
 
 
+def test_a_bfloat16_cache_under_float32_weights(tmp_path):
+    """kv_cache_dtype="bfloat16" halves the cache's bytes: the native decoder writes and reads
+    it (the closeness rule against transformers in float32); without the native decoder it is
+    refused by name."""
+    folder = build("qwen3", tmp_path)
+    native = runner(folder, kv_cache_dtype="bfloat16")
+    assert native.native is not None and native.kv_spec.dtype == torch.bfloat16
+    assert native.kv_caches[0][0].dtype == torch.bfloat16
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in LENGTHS]
+    hf = load_hf(folder)
+    expected = _expected(hf_greedy(hf, p, CLOSE.max_tokens) for p in prompts)
+    assert_close_by_the_int4_rule(_run(native, prompts), expected)
+    with pytest.raises(ValueError, match="read by the native CPU decoder only"):
+        runner(folder, kv_cache_dtype="bfloat16", cpu_native="off")
+
+
 @pytest.fixture(scope="module", params=[("llama", "awq-g32"), ("qwen2", "gptq-8bit-channel-asym")])
 def quantized(request, tmp_path_factory):
     arch, fmt = request.param

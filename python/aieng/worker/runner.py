@@ -76,10 +76,12 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.for_model(
             self.model_config, self.block_size, self.dtype, kv_cache_dtype
         )
+        # A bfloat16 cache is the native decoder's: the backend is chosen as for the model's.
+        attention_cache = "auto" if kv_cache_dtype == "bfloat16" else kv_cache_dtype
         self.attention = select_attention_backend(
-            options.attention_backend, self.model_config, self.device, self.dtype, kv_cache_dtype
+            options.attention_backend, self.model_config, self.device, self.dtype, attention_cache
         )
-        if kv_cache_dtype not in self.attention.kv_cache_dtypes:
+        if attention_cache not in self.attention.kv_cache_dtypes:
             raise ValueError(
                 f"kv_cache_dtype {kv_cache_dtype!r}: the attention backend "
                 f"{self.attention.name!r} reads only {', '.join(self.attention.kv_cache_dtypes)}"
@@ -109,6 +111,13 @@ class ModelRunner:
             self.kv_spec.quantized,
             self.attention.name,
         )
+        if self.native is None and self.kv_spec.dtype not in (self.dtype, torch.int8):
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r} on a {str(self.dtype).removeprefix('torch.')} "
+                "model is read "
+                "by the native CPU decoder only, which does not serve here (cpu_native, and the "
+                "start-up log line 'cpu native decoder: off' say why)"
+            )
         if allocate_cache:
             self.initialize_cache(self.num_blocks_for(self.available_kv_cache_memory()))
 
