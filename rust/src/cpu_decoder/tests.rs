@@ -398,3 +398,109 @@ fn weights_that_do_not_fit_the_config_are_refused() {
     let err = CpuDecoder::new(c, table, vec![], vec![1.0; HIDDEN], head, vec![]);
     assert!(err.is_err());
 }
+
+/// The decoder with every weight rounded to bfloat16, as bfloat16 bits.
+fn bf16_decoder(seed: u64) -> CpuDecoder {
+    let f32_decoder = decoder(config(NormPlacement::Pre, Activation::Silu), true, seed);
+    let bits = |lin: &Linear| {
+        let LinearWeights::F32(w) = &lin.weights else {
+            unreachable!()
+        };
+        let w: Vec<u16> = w
+            .as_slice()
+            .iter()
+            .map(|v| (v.to_bits() >> 16) as u16)
+            .collect();
+        Linear::new(
+            lin.n,
+            lin.k,
+            LinearWeights::Bf16(Buffer::owned(w)),
+            lin.bias.clone(),
+        )
+        .unwrap()
+    };
+    let layers = f32_decoder
+        .layers
+        .iter()
+        .map(|l| LayerWeights {
+            input_norm: l.input_norm.clone(),
+            post_attention_norm: l.post_attention_norm.clone(),
+            pre_feedforward_norm: l.pre_feedforward_norm.clone(),
+            post_feedforward_norm: l.post_feedforward_norm.clone(),
+            q_norm: l.q_norm.clone(),
+            k_norm: l.k_norm.clone(),
+            qkv: bits(&l.qkv),
+            o: bits(&l.o),
+            gate_up: bits(&l.gate_up),
+            down: bits(&l.down),
+            window: l.window,
+            rope: l.rope,
+        })
+        .collect();
+    let Table::F32(table) = &f32_decoder.embedding else {
+        unreachable!()
+    };
+    let table: Vec<u16> = table
+        .as_slice()
+        .iter()
+        .map(|v| (v.to_bits() >> 16) as u16)
+        .collect();
+    let rope = &f32_decoder.ropes[0];
+    CpuDecoder::new(
+        f32_decoder.config.clone(),
+        Table::Bf16(Buffer::owned(table)),
+        layers,
+        f32_decoder.final_norm.clone(),
+        bits(&f32_decoder.head),
+        vec![RopeTable {
+            cos: Buffer::owned(rope.cos.as_slice().to_vec()),
+            sin: Buffer::owned(rope.sin.as_slice().to_vec()),
+        }],
+    )
+    .unwrap()
+}
+
+#[test]
+fn bfloat16_weights_and_cache_give_one_prompts_logits_whole_or_in_chunks() {
+    let d = bf16_decoder(5);
+    let shape = CacheShape {
+        num_blocks: 16,
+        block_size: BLOCK,
+        kv_heads: KV_HEADS,
+        head_dim: D,
+    };
+    let prompt: Vec<i32> = (0..9).map(|i| (i * 3 + 2) % VOCAB as i32).collect();
+    let blocks = [3, 1, 8];
+    let whole_cache = KvCaches::zeros(LAYERS, shape, true);
+    let whole = step(
+        &d,
+        &whole_cache,
+        &[Row {
+            done: 0,
+            tokens: &prompt,
+            blocks: &blocks,
+        }],
+    );
+    let cache = KvCaches::zeros(LAYERS, shape, true);
+    assert!(cache.is_bf16());
+    step(
+        &d,
+        &cache,
+        &[Row {
+            done: 0,
+            tokens: &prompt[..5],
+            blocks: &blocks,
+        }],
+    );
+    let rest = step(
+        &d,
+        &cache,
+        &[Row {
+            done: 5,
+            tokens: &prompt[5..],
+            blocks: &blocks,
+        }],
+    );
+    close(&rest[0], &whole[0], 1e-5);
+    assert!(whole[0].iter().all(|v| v.is_finite()));
+}
