@@ -379,6 +379,7 @@ def kv_write(
 # float32 (N, K), bfloat16 bits as int16/uint16, or an Int8Weights (split: int8x2 activations).
 _DecoderLinear = tuple[_F32 | npt.NDArray[np.int16] | Int8Weights, _F32 | None, bool]
 
+@final
 class CpuKvCaches:
     """The runner's KV cache for the native decoder: one (K, V) pair of (num_blocks,
     block_size, H_kv, D) float32 or bfloat16-bits (uint16) arrays per layer, borrowed."""
@@ -387,6 +388,7 @@ class CpuKvCaches:
     @property
     def num_layers(self) -> int: ...
 
+@final
 class CpuDecoder:
     """The whole forward of a dense decoder on the CPU, one call per engine step (GIL
     released). config: the DecoderConfig fields by name; layers: one dict each (norm arrays,

@@ -139,7 +139,7 @@ fn optional<'py>(dict: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<Bound<
     Ok(dict.get_item(key)?.filter(|v| !v.is_none()))
 }
 
-fn config(d: &Bound<'_, PyDict>) -> PyResult<DecoderConfig> {
+fn decoder_config(d: &Bound<'_, PyDict>) -> PyResult<DecoderConfig> {
     let activation = match item(d, "activation")?.extract::<String>()?.as_str() {
         "silu" => Activation::Silu,
         "gelu_tanh" => Activation::GeluTanh,
@@ -208,14 +208,14 @@ impl PyCpuDecoder {
     /// split); ropes: (cos, sin) (positions, D/2) float32 tables.
     #[new]
     fn new(
-        config_dict: &Bound<'_, PyDict>,
+        config: &Bound<'_, PyDict>,
         embedding: &Bound<'_, PyAny>,
         layers: Vec<Bound<'_, PyDict>>,
         final_norm: PyReadonlyArray1<'_, f32>,
         head: &Bound<'_, PyAny>,
         ropes: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
     ) -> PyResult<Self> {
-        let config = config(config_dict)?;
+        let config = decoder_config(config)?;
         let embedding = match floats(embedding, "embedding")?.0 {
             Floats::F32(b) => Table::F32(b),
             Floats::Bf16(b) => Table::Bf16(b),
