@@ -258,14 +258,35 @@ def test_prefix_hits_sampling_and_structured_outputs_through_native(llama_dir):
     llm.engine.check_pool_whole()
 
 
-def test_moe_and_the_int8_cache_run_on_torch_with_one_line(tmp_path, caplog):
+def test_moe_and_the_torch_attention_run_on_torch_with_one_line(tmp_path, caplog):
     moe = test_moe_and_phi3.build("qwen3_moe", tmp_path / "moe")
     with caplog.at_level(logging.INFO, logger="aieng.worker.cpu_native"):
         assert runner(moe).native is None
-        assert runner(build("llama", tmp_path / "llama"), kv_cache_dtype="int8").native is None
+        llama = build("llama", tmp_path / "llama")
+        assert runner(llama, attention_backend="torch").native is None
     lines = [r.getMessage() for r in caplog.records if "native decoder" in r.getMessage()]
     assert len(lines) == 2
-    assert "MoE" in lines[0] and "INT8 KV cache" in lines[1]
+    assert "MoE" in lines[0] and "attention backend is 'torch'" in lines[1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_int8_cache_through_native_follows_the_torch_runner(tmp_path, dtype):
+    """The INT8 KV cache (scales in the model's dtype) written and read by the native decoder:
+    the closeness rule against the torch runner on the same cache (float32), and against
+    transformers on the bfloat16-rounded weights (bfloat16: the torch path rounds every op's
+    output, see the bfloat16 test)."""
+    folder = build("qwen2", tmp_path)
+    options = dict(kv_cache_dtype="int8", dtype=dtype)
+    native = runner(folder, **options)
+    assert native.native is not None and native.kv_spec.quantized
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in LENGTHS]
+    if dtype == "float32":
+        reference = _run(runner(folder, cpu_native="off", **options), prompts)
+    else:
+        hf = load_hf(folder).to(torch.bfloat16).to(torch.float32)
+        reference = _expected(hf_greedy(hf, p, CLOSE.max_tokens) for p in prompts)
+    assert_close_by_the_int4_rule(_run(native, prompts), reference)
 
 
 def test_a_bad_step_is_a_typed_error(tmp_path):

@@ -249,8 +249,8 @@ class EngineArgs:
         "the native CPU decoder: one Rust call runs a step's whole forward (every layer, the "
         "kernels on one thread pool, the GIL released); auto: on for the CPU where the model is "
         "covered (dense Llama/Qwen/Gemma-style decoders in float32 or bfloat16, their INT4/INT8 "
-        "layers on the int8 kernels, a float KV cache), else the torch runner with one log line "
-        "naming why; off: always the torch runner",
+        "layers on the int8 kernels, with the cpu attention backend), else the torch runner with "
+        "one log line naming why; off: always the torch runner",
         choices=CPU_NATIVE_MODES,
     )
     speculative_config: dict | None = option(  # noqa: RUF009 (None default)

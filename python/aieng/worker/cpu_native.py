@@ -10,8 +10,9 @@ what the torch model computes. Each step it writes the step's K/V into the runne
 (shared with the torch path and the core's block pool) and returns the final hidden states and
 the logits of the sampled rows.
 
-`native_unsupported_reason` says why a model runs on the torch runner instead (MoE layers, the
-INT8 KV cache, a quantized layer on a kernel other than int8/int8x2, tensor parallelism, ...).
+`native_unsupported_reason` says why a model runs on the torch runner instead (MoE layers, a
+quantized layer on a kernel other than int8/int8x2, tensor parallelism, an attention backend
+other than `cpu`, ...). It writes and reads float32, bfloat16 and INT8 caches.
 """
 
 from __future__ import annotations
@@ -178,7 +179,6 @@ def native_unsupported_reason(
     model: nn.Module,
     config: ModelConfig,
     device: torch.device,
-    kv_quantized: bool,
     attention_backend: str = "cpu",
 ) -> str | None:
     """Why the native decoder cannot run this model here, or None when it can. It attends with
@@ -192,8 +192,6 @@ def native_unsupported_reason(
         return "the Rust core was built without it"
     if get_tp_world_size() != 1:
         return "tensor parallelism runs on the torch runner"
-    if kv_quantized:
-        return "the INT8 KV cache runs on the torch runner"
     if config.num_experts or config.moe_layers:
         return "MoE layers run on the torch runner"
     try:
@@ -239,12 +237,14 @@ class NativeDecoder:
     def _caches_for(self, kv_caches: list[KVCache]) -> Any:
         """The `CpuKvCaches` over this list of layer caches (built once per list)."""
         if self._caches is None or self._caches[0] is not kv_caches:
-            pairs = []
+            layers = []
             for cache in kv_caches:
                 if isinstance(cache, QuantizedKVCache):
-                    raise NativeUnsupported("the INT8 KV cache")
-                pairs.append(tuple(_cache_array(t) for t in cache))
-            self._caches = (kv_caches, _core.CpuKvCaches(pairs))
+                    tensors = (cache.k, cache.v, cache.k_scale, cache.v_scale)
+                else:
+                    tensors = tuple(cache)
+                layers.append(tuple(_cache_array(t) for t in tensors))
+            self._caches = (kv_caches, _core.CpuKvCaches(layers))
         return self._caches[1]
 
     def forward(
@@ -291,14 +291,13 @@ def native_decoder(
     model: nn.Module,
     config: ModelConfig,
     device: torch.device,
-    kv_quantized: bool,
     attention_backend: str,
 ) -> NativeDecoder | None:
     """The native decoder for `mode` (EngineArgs.cpu_native), or None (on the CPU, after one
     log line naming why)."""
     if mode == "off" or device.type != "cpu":
         return None
-    reason = native_unsupported_reason(model, config, device, kv_quantized, attention_backend)
+    reason = native_unsupported_reason(model, config, device, attention_backend)
     if reason is None:
         try:
             decoder = NativeDecoder(model, config)

@@ -108,7 +108,6 @@ class ModelRunner:
             self.model,
             self.model_config,
             self.device,
-            self.kv_spec.quantized,
             self.attention.name,
         )
         if self.native is None and self.kv_spec.dtype not in (self.dtype, torch.int8):

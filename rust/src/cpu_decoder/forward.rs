@@ -3,9 +3,7 @@
 
 use super::kv::KvCaches;
 use super::{invalid, Activation, CpuDecoder, LayerWeights, NormPlacement, Scratch};
-use crate::kernels::elementwise::{
-    add_rms_norm, gelu_tanh_and_mul, kv_write, rotary, silu_and_mul, Heads,
-};
+use crate::kernels::elementwise::{add_rms_norm, gelu_tanh_and_mul, rotary, silu_and_mul, Heads};
 use crate::kernels::paged_attention::{paged_attention, PagedShape, Scoring, StepRows};
 use crate::kernels::{Isa, KernelError, ThreadCount};
 
@@ -277,8 +275,7 @@ impl CpuDecoder {
             }
         }
         let k_heads = heads(&s.k, t, c.kv_heads, d, kv_size, 0);
-        let (k_cache, v_cache) = guard.writable(index);
-        kv_write(k_heads, v_src, &s.slots, k_cache, v_cache)?;
+        guard.write(index, k_heads, v_src, &s.slots)?;
         let shape = guard_shape(guard, c.heads);
         let rows = StepRows {
             query_start_loc: inputs.query_start_loc,

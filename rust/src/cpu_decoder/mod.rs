@@ -134,7 +134,7 @@ impl CpuDecoder {
     ) -> Result<CpuDecoder, KernelError> {
         let c = &config;
         let (hidden, d) = (c.hidden, c.head_dim);
-        if c.kv_heads == 0 || c.heads % c.kv_heads != 0 || d == 0 || hidden == 0 {
+        if c.kv_heads == 0 || !c.heads.is_multiple_of(c.kv_heads) || d == 0 || hidden == 0 {
             return invalid(format!(
                 "cpu decoder: {} heads over {} KV heads of {d}, hidden {hidden}",
                 c.heads, c.kv_heads
@@ -152,7 +152,10 @@ impl CpuDecoder {
         }
         let half = d / 2;
         for (i, rope) in ropes.iter().enumerate() {
-            if d % 2 != 0 || rope.cos.len() != rope.sin.len() || rope.cos.len() % half != 0 {
+            if !d.is_multiple_of(2)
+                || rope.cos.len() != rope.sin.len()
+                || !rope.cos.len().is_multiple_of(half)
+            {
                 return invalid(format!(
                     "cpu decoder: RoPE table {i} is not (positions, {half})"
                 ));

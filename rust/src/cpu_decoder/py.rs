@@ -12,7 +12,7 @@ use numpy::{
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use super::kv::{CacheShape, KvCaches, KvLayer};
+use super::kv::{CacheShape, KvCaches, KvLayer, ScalePtr};
 use super::{
     Activation, Buffer, CpuDecoder, DecoderConfig, LayerWeights, Linear, LinearWeights,
     NormPlacement, RopeTable, StepInputs, Table,
@@ -339,63 +339,117 @@ struct PyCpuKvCaches {
 }
 
 fn cache_array(array: &Bound<'_, PyAny>, what: &str) -> PyResult<(KvSide, Vec<usize>)> {
-    if let Ok(mut a) = array.extract::<numpy::PyReadwriteArrayDyn<'_, f32>>() {
-        let shape = a.shape().to_vec();
-        let s = a
-            .as_slice_mut()
-            .map_err(|_| invalid(format!("{what} must be C-contiguous")))?;
-        return Ok((KvSide::F32(s.as_mut_ptr()), shape));
+    macro_rules! try_dtype {
+        ($t:ty, $side:ident) => {
+            if let Ok(mut a) = array.extract::<numpy::PyReadwriteArrayDyn<'_, $t>>() {
+                let shape = a.shape().to_vec();
+                let s = a
+                    .as_slice_mut()
+                    .map_err(|_| invalid(format!("{what} must be C-contiguous")))?;
+                return Ok((KvSide::$side(s.as_mut_ptr()), shape));
+            }
+        };
     }
-    if let Ok(mut a) = array.extract::<numpy::PyReadwriteArrayDyn<'_, u16>>() {
-        let shape = a.shape().to_vec();
-        let s = a
-            .as_slice_mut()
-            .map_err(|_| invalid(format!("{what} must be C-contiguous")))?;
-        return Ok((KvSide::Bf16(s.as_mut_ptr()), shape));
-    }
+    try_dtype!(f32, F32);
+    try_dtype!(u16, Bf16);
+    try_dtype!(i8, Int8);
     Err(invalid(format!(
-        "{what} must be a writable float32 or uint16 (bfloat16 bits) array"
+        "{what} must be a writable float32, uint16 (bfloat16 bits) or int8 array"
     )))
 }
 
 enum KvSide {
     F32(*mut f32),
     Bf16(*mut u16),
+    Int8(*mut i8),
+}
+
+fn scale_ptr(side: KvSide, what: &str) -> PyResult<ScalePtr> {
+    match side {
+        KvSide::F32(p) => Ok(ScalePtr::F32(p)),
+        KvSide::Bf16(p) => Ok(ScalePtr::Bf16(p)),
+        KvSide::Int8(_) => Err(invalid(format!("{what} must be float32 or bfloat16 bits"))),
+    }
+}
+
+/// One layer's (K, V) or INT8 (K, V, K scales, V scales), checked against `shape` (the first
+/// layer's); the owners of its arrays pushed onto `owners`.
+fn cache_layer(
+    i: usize,
+    arrays: &Bound<'_, PyTuple>,
+    shape: &mut Option<Vec<usize>>,
+    owners: &mut Vec<Py<PyAny>>,
+) -> PyResult<KvLayer> {
+    let items: Vec<Bound<'_, PyAny>> = arrays.iter().collect();
+    if items.len() != 2 && items.len() != 4 {
+        return Err(invalid(format!(
+            "layer {i}: (K, V) or (K, V, K scales, V scales), not {} arrays",
+            items.len()
+        )));
+    }
+    let (ks, k_shape) = cache_array(&items[0], &format!("layer {i} K"))?;
+    let (vs, v_shape) = cache_array(&items[1], &format!("layer {i} V"))?;
+    if k_shape.len() != 4 || v_shape != k_shape || shape.as_ref().is_some_and(|s| *s != k_shape) {
+        return Err(invalid(format!(
+            "layer {i}: K {k_shape:?} and V {v_shape:?} must be one (num_blocks, block_size, \
+             H_kv, D) shape for every layer"
+        )));
+    }
+    let mut scale_shape = k_shape.clone();
+    scale_shape[3] = 1;
+    *shape = Some(k_shape);
+    owners.extend(items.iter().map(|a| a.clone().unbind()));
+    let layer = match (ks, vs, items.len()) {
+        (KvSide::F32(k), KvSide::F32(v), 2) => KvLayer::F32 { k, v },
+        (KvSide::Bf16(k), KvSide::Bf16(v), 2) => KvLayer::Bf16 { k, v },
+        (KvSide::Int8(k), KvSide::Int8(v), 4) => {
+            let (kss, ks_shape) = cache_array(&items[2], &format!("layer {i} K scales"))?;
+            let (vss, vs_shape) = cache_array(&items[3], &format!("layer {i} V scales"))?;
+            if ks_shape != scale_shape || vs_shape != scale_shape {
+                return Err(invalid(format!(
+                    "layer {i}: scales {ks_shape:?} and {vs_shape:?}, not {scale_shape:?}"
+                )));
+            }
+            let (k_scale, v_scale) = (scale_ptr(kss, "K scales")?, scale_ptr(vss, "V scales")?);
+            if matches!(k_scale, ScalePtr::F32(_)) != matches!(v_scale, ScalePtr::F32(_)) {
+                return Err(invalid(format!(
+                    "layer {i}: K and V scales differ in dtype"
+                )));
+            }
+            KvLayer::Int8 {
+                k,
+                v,
+                k_scale,
+                v_scale,
+            }
+        }
+        _ => {
+            return Err(invalid(format!(
+                "layer {i}: K and V both float32 or both bfloat16 bits, or both int8 with \
+                 their scales"
+            )))
+        }
+    };
+    Ok(layer)
 }
 
 #[pymethods]
 impl PyCpuKvCaches {
     #[new]
-    fn new(layers: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)>) -> PyResult<Self> {
-        let mut views = Vec::with_capacity(layers.len());
+    fn new(layers: Vec<Bound<'_, PyTuple>>) -> PyResult<Self> {
+        let mut views: Vec<KvLayer> = Vec::with_capacity(layers.len());
         let mut shape: Option<Vec<usize>> = None;
-        let mut owners: Vec<Py<PyAny>> = Vec::with_capacity(2 * layers.len());
-        for (i, (k, v)) in layers.iter().enumerate() {
-            let (ks, k_shape) = cache_array(k, &format!("layer {i} K"))?;
-            let (vs, v_shape) = cache_array(v, &format!("layer {i} V"))?;
-            if k_shape.len() != 4
-                || v_shape != k_shape
-                || shape.as_ref().is_some_and(|s| *s != k_shape)
-            {
-                return Err(invalid(format!(
-                    "layer {i}: K {k_shape:?} and V {v_shape:?} must be one (num_blocks, \
-                     block_size, H_kv, D) shape for every layer"
-                )));
-            }
-            shape = Some(k_shape);
-            views.push(match (ks, vs) {
-                (KvSide::F32(k), KvSide::F32(v)) => KvLayer::F32 { k, v },
-                (KvSide::Bf16(k), KvSide::Bf16(v)) => KvLayer::Bf16 { k, v },
-                _ => return Err(invalid(format!("layer {i}: K and V differ in dtype"))),
-            });
-            if i > 0
-                && matches!(views[0], KvLayer::F32 { .. })
-                    != matches!(views[i], KvLayer::F32 { .. })
+        let mut owners: Vec<Py<PyAny>> = Vec::with_capacity(4 * layers.len());
+        for (i, arrays) in layers.iter().enumerate() {
+            let layer = cache_layer(i, arrays, &mut shape, &mut owners)?;
+            let kind = |l: &KvLayer| std::mem::discriminant(l);
+            if views
+                .first()
+                .is_some_and(|first| kind(first) != kind(&layer))
             {
                 return Err(invalid("every layer's cache must have one dtype".into()));
             }
-            owners.push(k.clone().unbind());
-            owners.push(v.clone().unbind());
+            views.push(layer);
         }
         let shape = shape.unwrap_or_else(|| vec![0, 1, 1, 1]);
         let shape = CacheShape {

@@ -504,3 +504,60 @@ fn bfloat16_weights_and_cache_give_one_prompts_logits_whole_or_in_chunks() {
     close(&rest[0], &whole[0], 1e-5);
     assert!(whole[0].iter().all(|v| v.is_finite()));
 }
+
+#[test]
+fn an_int8_cache_is_written_as_the_reference_quantizes() {
+    let d = decoder(config(NormPlacement::Pre, Activation::Silu), false, 9);
+    let shape = CacheShape {
+        num_blocks: 16,
+        block_size: BLOCK,
+        kv_heads: KV_HEADS,
+        head_dim: D,
+    };
+    let rows = shape.num_blocks * shape.block_size * KV_HEADS;
+    let (mut k, mut v) = (vec![0i8; rows * D], vec![0i8; rows * D]);
+    let (mut ks, mut vs) = (vec![0f32; rows], vec![0f32; rows]);
+    let layers: Vec<KvLayer> = (0..LAYERS)
+        .map(|_| KvLayer::Int8 {
+            k: k.as_mut_ptr(),
+            v: v.as_mut_ptr(),
+            k_scale: kv::ScalePtr::F32(ks.as_mut_ptr()),
+            v_scale: kv::ScalePtr::F32(vs.as_mut_ptr()),
+        })
+        .collect();
+    // Both layers share one cache here: the last layer's rows are what is left to check.
+    // SAFETY: the vectors outlive the caches and nothing else touches them during a step.
+    let cache = unsafe { KvCaches::borrowed(layers, shape, Box::new(())) };
+    assert!(cache.is_int8());
+    let prompt = [4, 9, 13];
+    let float = KvCaches::zeros(LAYERS, shape, false);
+    let got = step(
+        &d,
+        &cache,
+        &[Row {
+            done: 0,
+            tokens: &prompt,
+            blocks: &[2],
+        }],
+    );
+    let want = step(
+        &d,
+        &float,
+        &[Row {
+            done: 0,
+            tokens: &prompt,
+            blocks: &[2],
+        }],
+    );
+    close(&got[0], &want[0], 0.05);
+    for slot in 8..11 {
+        for h in 0..KV_HEADS {
+            let row = slot * KV_HEADS + h;
+            let scale = ks[row];
+            let qs = &k[row * D..][..D];
+            assert!(scale > 0.0 && qs.iter().any(|&q| q.abs() == 127), "{qs:?}");
+        }
+    }
+    drop(cache);
+    assert!(vs.iter().any(|&s| s > 0.0));
+}

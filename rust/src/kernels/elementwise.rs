@@ -302,7 +302,7 @@ impl CacheMut<'_> {
 
 /// float32 → bfloat16 bits, rounded to nearest even as torch's conversion (NaN stays NaN).
 #[inline(always)]
-fn to_bf16(x: f32) -> u16 {
+pub(crate) fn to_bf16(x: f32) -> u16 {
     let bits = x.to_bits();
     if x.is_nan() {
         return ((bits >> 16) | 0x40) as u16;
