@@ -269,13 +269,15 @@ def test_moe_and_the_torch_attention_run_on_torch_with_one_line(tmp_path, caplog
     assert "MoE" in lines[0] and "attention backend is 'torch'" in lines[1]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_int8_cache_through_native_follows_the_torch_runner(tmp_path, dtype):
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("qwen2", "float32"), ("qwen2", "bfloat16"), ("gemma2", "float32")]
+)
+def test_the_int8_cache_through_native_follows_the_torch_runner(tmp_path, name, dtype):
     """The INT8 KV cache (scales in the model's dtype) written and read by the native decoder:
     the closeness rule against the torch runner on the same cache (float32), and against
     transformers on the bfloat16-rounded weights (bfloat16: the torch path rounds every op's
     output, see the bfloat16 test)."""
-    folder = build("qwen2", tmp_path)
+    folder = build(name, tmp_path)
     options = dict(kv_cache_dtype="int8", dtype=dtype)
     native = runner(folder, **options)
     assert native.native is not None and native.kv_spec.quantized
