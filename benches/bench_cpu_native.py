@@ -3,11 +3,11 @@ benches/bench_offline.py (random weights, vocabulary 32000), 2 threads, one run,
 
 Rows: aieng with `cpu_native="auto"` (the native decoder: one Rust call per step) and with
 `cpu_native="off"` (the torch model walked op by op, the same kernels underneath), in float32 and
-with INT4 weights (`aieng quantize`, RTN g128) on the default `int8x2` kernel. Workloads: one
-stream (a 128-token prompt, 128 greedy tokens: decode tokens/s and time to the first token,
-median of STREAM_TRIALS runs) and offline (N requests, default 64, prompt and output lengths
-U[16, 256]: output tokens/s). The greedy tokens of the two paths are compared request by
-request. Nothing is recorded: the table is printed with the CPU it ran on.
+with INT4 weights (`aieng quantize --method rtn`, the LM head too) on the default `int8x2`
+kernel. Workloads: one stream (a 128-token prompt, 128 greedy tokens: decode tokens/s and time
+to the first token, median of STREAM_TRIALS runs) and offline (N requests, default 64, prompt
+and output lengths U[16, 256]: output tokens/s). The greedy tokens of the two paths are
+compared request by request. Nothing is recorded: the table is printed with the CPU it ran on.
 
     .venv/bin/python benches/bench_cpu_native.py [--requests 64] [--quick] [--no-int4]
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,8 +55,16 @@ def one_stream(folder: Path, trials: int, **options) -> tuple[float, float]:
 
 
 def quantize(folder: Path, out: Path) -> Path:
-    command = [sys.executable, "-m", "aieng", "quantize", str(folder), str(out)]
-    subprocess.run([*command, "--method", "rtn"], check=True, capture_output=True)
+    """`aieng quantize --method rtn` (INT4, the largest group size that divides, asymmetric,
+    the LM head too), as bench_offline.py's `--quantization rtn` does."""
+    from aieng.config.model_config import ModelConfig
+    from aieng.quantizer.compressed_tensors_writer import QuantScheme
+    from aieng.quantizer.quantize import QuantizeOptions, largest_group_size, quantize_checkpoint
+
+    group = largest_group_size(ModelConfig.from_pretrained(folder))
+    scheme = QuantScheme(4, group, symmetric=False)
+    options = QuantizeOptions(method="rtn", scheme=scheme, quantize_lm_head=True)
+    quantize_checkpoint(folder, out, options, progress=None)
     return out
 
 
