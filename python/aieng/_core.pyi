@@ -381,10 +381,11 @@ _DecoderLinear = tuple[_F32 | npt.NDArray[np.int16] | Int8Weights, _F32 | None, 
 
 @final
 class CpuKvCaches:
-    """The runner's KV cache for the native decoder: one (K, V) pair of (num_blocks,
-    block_size, H_kv, D) float32 or bfloat16-bits (uint16) arrays per layer, borrowed."""
+    """The runner's KV cache for the native decoder, borrowed: per layer (K, V), each
+    (num_blocks, block_size, H_kv, D) float32 or bfloat16 bits (uint16), or INT8's (K, V,
+    K scales, V scales), int8 values and (num_blocks, block_size, H_kv, 1) scales."""
 
-    def __new__(cls, layers: list[tuple[np.ndarray, np.ndarray]]) -> CpuKvCaches: ...
+    def __new__(cls, layers: list[tuple[np.ndarray, ...]]) -> CpuKvCaches: ...
     @property
     def num_layers(self) -> int: ...
 
