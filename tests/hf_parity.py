@@ -20,14 +20,14 @@ class HFReference:
     """The checkpoint in `folder`, its runner, random prompts of `lengths` and HF's greedy
     continuations of them."""
 
-    def __init__(self, folder, lengths, seed: int):
+    def __init__(self, folder, lengths, seed: int, **options):
+        """options: further EngineArgs of the runner."""
         self.folder = folder
         self.hf = load_hf(folder)
-        self.runner = ModelRunner(
-            create_engine_config(
-                EngineArgs(model=str(folder), block_size=BLOCK_SIZE, kv_cache_memory=1 << 22)
-            )
+        args = EngineArgs(
+            model=str(folder), block_size=BLOCK_SIZE, kv_cache_memory=1 << 22, **options
         )
+        self.runner = ModelRunner(create_engine_config(args))
         generator = torch.Generator().manual_seed(seed)
         self.prompts = [
             torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in lengths

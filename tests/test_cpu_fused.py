@@ -166,12 +166,14 @@ def test_a_kernel_failing_its_check_is_named_and_torch_runs(
 def test_hf_parity_holds_through_the_kernels(
     tmp_path, fresh_selection: FusedKernels, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A tiny Llama's runner (CPU attention backend) gives transformers' greedy tokens and
-    logprobs, batched and chunked, with every element-wise kernel in the path."""
+    """A tiny Llama's torch runner (CPU attention backend; the native decoder, which runs these
+    kernels from Rust, off) gives transformers' greedy tokens and logprobs, batched and chunked,
+    with every element-wise kernel in the path."""
     from hf_parity import HFReference, check_batched
     from tiny_models import build_checkpoint
 
-    reference = HFReference(build_checkpoint("llama", tmp_path / "model"), [5, 11, 17], seed=0)
+    folder = build_checkpoint("llama", tmp_path / "model")
+    reference = HFReference(folder, [5, 11, 17], seed=0, cpu_native="off")
     calls = count_kernel_calls(fresh_selection, monkeypatch)
     check_batched(reference, chunk_size=4)
     assert set(calls) == {"add_rms_norm", "silu_and_mul", "rotary", "kv_write"}

@@ -153,16 +153,18 @@ def test_gemma_layers_get_their_windows_caps_and_rope(reference):
 
 
 def test_gemma_with_an_int8_kv_cache_runs(tmp_path, monkeypatch):
-    """Soft-capped windowed and global layers over an INT8 cache; one metadata build per step
-    serves all three layers and both windows."""
+    """Soft-capped windowed and global layers over an INT8 cache through the torch runner (the
+    native decoder reads it too: tests/test_cpu_native.py); one metadata build per step serves
+    all three layers and both windows."""
     folder = build("gemma2", tmp_path / "gemma2")
-    runner = ModelRunner(
-        create_engine_config(
-            EngineArgs(
-                model=str(folder), block_size=4, kv_cache_memory=1 << 22, kv_cache_dtype="int8"
-            )
-        )
+    args = EngineArgs(
+        model=str(folder),
+        block_size=4,
+        kv_cache_memory=1 << 22,
+        kv_cache_dtype="int8",
+        cpu_native="off",
     )
+    runner = ModelRunner(create_engine_config(args))
     assert runner.kv_spec.quantized
     builds = []
     build_metadata = runner.attention.build_metadata

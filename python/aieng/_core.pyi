@@ -374,3 +374,52 @@ def kv_write(
 ) -> None:
     """k, v (T, H_kv, D) float32 into slot slots[t] of the caches (blocks, block_size, H_kv, D):
     both float32 or both bfloat16 as uint16 bits."""
+
+# A linear layer as the native decoder takes it: (weight, bias or None, split), the weight
+# float32 (N, K), bfloat16 bits as int16/uint16, or an Int8Weights (split: int8x2 activations).
+_DecoderLinear = tuple[_F32 | npt.NDArray[np.int16] | Int8Weights, _F32 | None, bool]
+
+@final
+class CpuKvCaches:
+    """The runner's KV cache for the native decoder, borrowed: per layer (K, V), each
+    (num_blocks, block_size, H_kv, D) float32 or bfloat16 bits (uint16), or INT8's (K, V,
+    K scales, V scales), int8 values and (num_blocks, block_size, H_kv, 1) scales."""
+
+    def __new__(cls, layers: list[tuple[np.ndarray, ...]]) -> CpuKvCaches: ...
+    @property
+    def num_layers(self) -> int: ...
+
+@final
+class CpuDecoder:
+    """The whole forward of a dense decoder on the CPU, one call per engine step (GIL
+    released). config: the DecoderConfig fields by name; layers: one dict each (norm arrays,
+    `_DecoderLinear`s qkv/o/gate_up/down, window, rope index); ropes: (cos, sin) tables."""
+
+    def __new__(
+        cls,
+        config: dict[str, object],
+        embedding: _F32 | npt.NDArray[np.int16],
+        layers: list[dict[str, object]],
+        final_norm: _F32,
+        head: _DecoderLinear,
+        ropes: list[tuple[_F32, _F32]],
+    ) -> CpuDecoder: ...
+    @property
+    def weight_bytes(self) -> int: ...
+    def step(
+        self,
+        input_ids: _I32,
+        positions: _I32,
+        slot_mapping: _I32,
+        query_start_loc: _I32,
+        seq_lens: _I32,
+        block_tables: _I32,
+        logits_rows: _I32,
+        caches: CpuKvCaches,
+        hidden_out: _F32,
+        logits_out: _F32,
+        threads: int,
+        isa: str | None = None,
+    ) -> None:
+        """Runs one step: the final hidden states (T, hidden) into hidden_out, the logits of
+        logits_rows (S, vocab) into logits_out, the step's K/V into caches."""

@@ -5,6 +5,7 @@
 //! bindings live in `py` behind the `python` cargo feature.
 
 pub mod block_pool;
+pub mod cpu_decoder;
 pub mod error;
 mod free_list;
 pub mod kernels;

@@ -36,9 +36,10 @@ DTYPES = {
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_BLOCK_SIZE = 1 << 16  # the Rust core's limit (BlockPool::new)
 ATTENTION_BACKENDS = ("auto", "torch", "cuda", "cpu")
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "bfloat16")
 CPU_QUANT_KERNELS = ("auto", "int8", "int8x2", "int4pack", "dequant")
 CPU_LM_HEADS = ("dense", "int8")
+CPU_NATIVE_MODES = ("auto", "off")
 
 Check = Callable[[Any], str | None]  # -> why the value is refused, or None
 
@@ -176,7 +177,9 @@ class EngineArgs:
         "auto",
         "element type of the KV cache; auto: the model's dtype; int8: K and V quantized "
         "symmetrically per token and KV head with a scale in the model's dtype, so a budget holds "
-        "about 1.9x the blocks of float16 or 3.8x of float32 (head_dim 64)",
+        "about 1.9x the blocks of float16 or 3.8x of float32 (head_dim 64); bfloat16: K and V "
+        "in bfloat16 whatever the model's dtype (half a float32 cache's bytes read per step), "
+        "read by the native CPU decoder (cpu_native) only",
         choices=KV_CACHE_DTYPES,
     )
     kv_cache_memory: int | None = option(
@@ -249,6 +252,15 @@ class EngineArgs:
         "declaration and a request's `pooling` come first",
         default_text="none: such a request must name its pooling",
         choices=POOLING_METHODS,
+    )
+    cpu_native: str = option(
+        "auto",
+        "the native CPU decoder: one Rust call runs a step's whole forward (every layer, the "
+        "kernels on one thread pool, the GIL released); auto: on for the CPU where the model is "
+        "covered (dense Llama/Qwen/Gemma-style decoders in float32 or bfloat16, their INT4/INT8 "
+        "layers on the int8 kernels, with the cpu attention backend), else the torch runner with "
+        "one log line naming why; off: always the torch runner",
+        choices=CPU_NATIVE_MODES,
     )
     speculative_config: dict | None = option(  # noqa: RUF009 (None default)
         None,

@@ -68,6 +68,7 @@ class RunnerConfig:
     seed: int
     cpu_quant_kernel: str
     cpu_lm_head: str
+    cpu_native: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ def create_engine_config(args: EngineArgs, tokenizer: Any = None) -> EngineConfi
             seed=args.seed,
             cpu_quant_kernel=args.cpu_quant_kernel,
             cpu_lm_head=args.cpu_lm_head,
+            cpu_native=args.cpu_native,
         ),
         max_logprobs=args.max_logprobs,
         speculative=_speculative(args, folder),

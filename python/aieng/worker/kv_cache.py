@@ -6,7 +6,9 @@ model's dtype and a layer's cache is a (K, V) tuple. With `"int8"` they are int8
 of every KV head also carries one scale for K and one for V, in the model's dtype (a float32 scale
 on a float16 model would cost head_dim 64 a further 2 bytes in 66, and buy nothing: values are
 quantized with the stored scale, so its rounding never adds error); a layer's cache is then a
-`QuantizedKVCache`. `token_bytes` and `block_bytes` count the scales, so a fixed budget holds
+`QuantizedKVCache`. With `"bfloat16"` they are bfloat16 whatever the model's dtype (the native
+CPU decoder writes and reads them; the torch attention backends take the model's dtype only).
+`token_bytes` and `block_bytes` count the scales, so a fixed budget holds
 D * s / (D + s') times the blocks, s and s' the bytes of a model element and of a scale: for
 head_dim 64, 128 / 66 = 1.94x those of float16 and 256 / 68 = 3.76x those of float32.
 """
@@ -48,6 +50,8 @@ class KVCacheSpec:
                 f"got {kv_cache_dtype!r}"
             )
         quantized = kv_cache_dtype == "int8"
+        if kv_cache_dtype == "bfloat16":  # a bfloat16 cache under any model (the native decoder)
+            dtype = torch.bfloat16
         return cls(
             0 if config.is_encoder else config.num_hidden_layers,  # an encoder caches nothing
             kv_heads_per_rank(config.num_key_value_heads),  # this tensor-parallel rank's

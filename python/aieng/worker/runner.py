@@ -27,6 +27,7 @@ from aieng.errors import is_fatal
 from aieng.kernels.cpu_int8 import cpu_isa
 from aieng.models.loader import LoadTimes, load_model
 from aieng.quantization.methods import describe_linear_kernels
+from aieng.worker.cpu_native import NativeDecoder, native_decoder
 from aieng.worker.cuda_graphs import GRAPH_PAD_BLOCKS, capture_decode_graphs, graphs_wanted
 from aieng.worker.draft_model import DraftModel, StepResult
 from aieng.worker.embedding_pooler import EmbeddingPooler, encoder_step
@@ -75,11 +76,13 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.for_model(
             self.model_config, self.block_size, self.dtype, kv_cache_dtype
         )
+        # A bfloat16 cache is the native decoder's: the backend is chosen as for the model's.
+        attention_cache = "auto" if kv_cache_dtype == "bfloat16" else kv_cache_dtype
         self.attention = select_attention_backend(
-            options.attention_backend, self.model_config, self.device, self.dtype, kv_cache_dtype,
+            options.attention_backend, self.model_config, self.device, self.dtype, attention_cache,
             self.block_size,
         )  # fmt: skip
-        if kv_cache_dtype not in self.attention.kv_cache_dtypes:
+        if attention_cache not in self.attention.kv_cache_dtypes:
             raise ValueError(
                 f"kv_cache_dtype {kv_cache_dtype!r}: the attention backend "
                 f"{self.attention.name!r} reads only {', '.join(self.attention.kv_cache_dtypes)}"
@@ -100,6 +103,21 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.graphs = None
         self.draft = _draft_model(config)  # draft_model speculation: the draft, beside
+        # On the CPU, the whole forward in one Rust call where the model is covered.
+        self.native: NativeDecoder | None = native_decoder(
+            options.cpu_native,
+            self.model,
+            self.model_config,
+            self.device,
+            self.attention.name,
+        )
+        if self.native is None and self.kv_spec.dtype not in (self.dtype, torch.int8):
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r} on a {str(self.dtype).removeprefix('torch.')} "
+                "model is read "
+                "by the native CPU decoder only, which does not serve here (cpu_native, and the "
+                "start-up log line 'cpu native decoder: off' say why)"
+            )
         if allocate_cache:
             self.initialize_cache(self.num_blocks_for(self.available_kv_cache_memory()))
 
@@ -143,6 +161,7 @@ class ModelRunner:
         self.graphs = None
         self.kv_caches = []
         self.draft = None
+        self.native = None
         self.model = None
         self.num_blocks = 0
 
@@ -221,8 +240,13 @@ class ModelRunner:
             return dataclasses.replace(output, sampled_token_ids=tokens, num_sampled=tokens + 1)
         width = -(-int(np.max(plan.seq_lens)) // self.block_size)
         block_tables = self.inputs.block_tables(np.asarray(plan.slots, np.int64), width)
+        native_logits = None  # the native decoder's logits of the sampled rows
         if self.graphs is not None and self.graphs.can_run(plan):
             hidden = self.graphs.run(plan, block_tables)  # (T, hidden), replayed
+        elif self.native is not None:
+            hidden, native_logits = self.native.forward(
+                plan, block_tables, self.kv_caches, plan.logits_indices
+            )
         else:
             hidden = self._forward(plan, block_tables, self.kv_caches)  # (T, hidden)
         scored = self._score_prompts(plan, hidden, failed) if self.prompt_scorer else None
@@ -232,8 +256,11 @@ class ModelRunner:
             if self.draft is not None:  # the draft prefills the same chunks
                 self.draft.step(plan, block_tables, StepResult.none(), self.sampling)
             return ModelRunnerOutput.empty(scored, failed, pooled)
-        rows = torch.from_numpy(np.asarray(logits_indices, np.int64)).to(self.device)
-        logits = self.model.compute_logits(hidden[rows])  # (S, vocab)
+        if native_logits is not None:
+            logits = native_logits  # (S, vocab)
+        else:
+            rows = torch.from_numpy(np.asarray(logits_indices, np.int64)).to(self.device)
+            logits = self.model.compute_logits(hidden[rows])  # (S, vocab)
         if not self.samples:
             return ModelRunnerOutput.empty()
         slots = np.asarray(plan.slots[plan.sample_request_rows], np.int64)
@@ -299,6 +326,8 @@ class ModelRunner:
         self, plan: ForwardPlan, block_tables: np.ndarray, kv_caches: list[KVCache] | None
     ) -> torch.Tensor:
         """plan: a step's plan or a one-off forward's arrays; block_tables (R, W)."""
+        if self.native is not None and kv_caches is not None:
+            return self.native.forward(plan, block_tables, kv_caches)[0]
         input_ids, positions, slot_mapping = self.inputs.write(
             plan.input_ids, plan.positions, plan.slot_mapping
         )

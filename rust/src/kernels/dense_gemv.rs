@@ -259,6 +259,98 @@ pub fn dense_gemv(
     Ok(())
 }
 
+/// Weight bytes of one panel of `dense_gemm`: rows of W read once for every row of x while
+/// they stay in L2.
+const GEMM_PANEL_BYTES: usize = 1 << 17;
+
+/// out (m, n) = x (m, k) · Wᵀ for any m (prefill): the output rows are split over the threads
+/// in groups of 4; each thread walks its rows a panel at a time (about `GEMM_PANEL_BYTES` of
+/// weights) and runs every DENSE_MAX_M rows of x over the panel, so the weights are read from
+/// memory once per call rather than once per DENSE_MAX_M rows. m ≤ DENSE_MAX_M is `dense_gemv`.
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: DenseWeights,
+    n: usize,
+    out: &mut [f32],
+    isa: Isa,
+    threads: ThreadCount,
+) -> Result<(), KernelError> {
+    if m <= DENSE_MAX_M {
+        return dense_gemv(x, m, k, w, n, out, isa, threads);
+    }
+    let invalid = |m: String| Err(KernelError::InvalidArgument(m));
+    if !isa.supported() {
+        return invalid(format!("this CPU cannot run {isa}"));
+    }
+    if x.len() != m * k || w.len() != n * k || out.len() != m * n {
+        return invalid(format!(
+            "dense GEMM: x ({}), W ({}) and out ({}) do not hold ({m}, {k}), ({n}, {k}), ({m}, {n})",
+            x.len(),
+            w.len(),
+            out.len()
+        ));
+    }
+    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+        return Err(KernelError::NotFinite(format!(
+            "activation row {} column {} is {} (the dense GEMM takes finite inputs only)",
+            i / k,
+            i % k,
+            x[i]
+        )));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let out_ptr = SharedMut::new(out.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if rows_fn(isa, 1, false).is_some() {
+        const GROUP: usize = 4; // every kernel's R divides it
+        let bf16 = matches!(w, DenseWeights::Bf16(_));
+        let w_ptr = match w {
+            DenseWeights::F32(w) => w.as_ptr().cast::<u8>(),
+            DenseWeights::Bf16(w) => w.as_ptr().cast::<u8>(),
+        } as usize;
+        let row_bytes = k * if bf16 { 2 } else { 4 };
+        let panel = (GEMM_PANEL_BYTES / (GROUP * row_bytes).max(1)).max(1);
+        let groups = n / GROUP;
+        split(threads, groups, |range| {
+            let mut start = range.start;
+            while start < range.end {
+                let end = (start + panel).min(range.end);
+                for m0 in (0..m).step_by(DENSE_MAX_M) {
+                    let rows = DENSE_MAX_M.min(m - m0);
+                    let (kernel, r) = rows_fn(isa, rows, bf16).expect("checked above");
+                    for n0 in (start * GROUP..end * GROUP).step_by(r) {
+                        // SAFETY: the ISA is supported; rows m0..m0 + rows of x and output
+                        // columns [n0, n0 + r) < n are in bounds, and only this thread writes
+                        // those columns.
+                        unsafe {
+                            kernel(
+                                x.as_ptr().add(m0 * k),
+                                k,
+                                w_ptr as *const u8,
+                                n0,
+                                out_ptr.get().add(m0 * n),
+                                n,
+                            )
+                        };
+                    }
+                }
+                start = end;
+            }
+        });
+        write_rows(x, m, k, w, groups * GROUP, n - groups * GROUP, out_ptr, n);
+        return Ok(());
+    }
+    split(threads, n, |range| {
+        write_rows(x, m, k, w, range.start, range.len(), out_ptr, n);
+    });
+    Ok(())
+}
+
 /// The portable path for output rows [n0, n0 + rows), written into out (m, n).
 #[allow(clippy::too_many_arguments)]
 fn write_rows(
@@ -321,6 +413,38 @@ mod tests {
                                     );
                                 }
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gemm_matches_the_gemv_row_chunks() {
+        for (m, n, k) in [(9, 7, 33), (20, 37, 200), (17, 64, 1000)] {
+            let x = values(m * k, 3);
+            let w32 = values(n * k, 4);
+            let w16: Vec<u16> = w32.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            for w in [DenseWeights::F32(&w32), DenseWeights::Bf16(&w16)] {
+                for isa in Isa::supported_paths() {
+                    let mut want = vec![0f32; m * n];
+                    for m0 in (0..m).step_by(DENSE_MAX_M) {
+                        let rows = DENSE_MAX_M.min(m - m0);
+                        let (xs, ys) = (
+                            &x[m0 * k..(m0 + rows) * k],
+                            &mut want[m0 * n..(m0 + rows) * n],
+                        );
+                        dense_gemv(xs, rows, k, w, n, ys, isa, ThreadCount::new(1)).unwrap();
+                    }
+                    for threads in [1, 3] {
+                        let mut y = vec![f32::NAN; m * n];
+                        dense_gemm(&x, m, k, w, n, &mut y, isa, ThreadCount::new(threads)).unwrap();
+                        for (i, (a, b)) in y.iter().zip(&want).enumerate() {
+                            assert!(
+                                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                                "{isa} m={m} n={n} k={k} [{i}]: {a} against {b}"
+                            );
                         }
                     }
                 }

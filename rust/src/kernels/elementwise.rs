@@ -139,6 +139,39 @@ pub fn silu_and_mul(
     Ok(())
 }
 
+/// x (rows, 2·I) = [gate | up] → out (rows, I) = gelu_tanh(gate) · up, GELU's tanh
+/// approximation as torch computes it: 0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))) (Gemma's
+/// GeGLU); `width` is I.
+pub fn gelu_tanh_and_mul(
+    x: &[f32],
+    out: &mut [f32],
+    width: usize,
+    rows: usize,
+    threads: ThreadCount,
+) -> Result<(), KernelError> {
+    if width == 0 || out.len() != rows * width || x.len() != 2 * rows * width {
+        return invalid(format!(
+            "gelu_tanh_and_mul: x of {} values and out of {} are not {rows} rows of 2 × {width}",
+            x.len(),
+            out.len()
+        ));
+    }
+    const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
+    let outs = SharedMut::new(out.as_mut_ptr());
+    over_rows(threads, rows, width, |range| {
+        for r in range {
+            let (gate, up) = x[2 * r * width..][..2 * width].split_at(width);
+            // SAFETY: each row belongs to one range of one thread.
+            let out = unsafe { std::slice::from_raw_parts_mut(outs.get().add(r * width), width) };
+            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                let inner = BETA * (g + 0.044715 * (g * g * g));
+                *o = 0.5 * g * (1.0 + inner.tanh()) * u;
+            }
+        }
+    });
+    Ok(())
+}
+
 /// A (T, H, D) float32 tensor as strided rows: element [t, h, i] at t·row + h·head + i.
 #[derive(Debug, Clone, Copy)]
 pub struct Heads<'a> {
@@ -269,7 +302,7 @@ impl CacheMut<'_> {
 
 /// float32 → bfloat16 bits, rounded to nearest even as torch's conversion (NaN stays NaN).
 #[inline(always)]
-fn to_bf16(x: f32) -> u16 {
+pub(crate) fn to_bf16(x: f32) -> u16 {
     let bits = x.to_bits();
     if x.is_nan() {
         return ((bits >> 16) | 0x40) as u16;
@@ -416,6 +449,30 @@ mod tests {
             }
         }
         assert!(silu_and_mul(&x, &mut out, width, rows + 1, ThreadCount::new(1)).is_err());
+    }
+
+    #[test]
+    fn gelu_tanh_and_mul_matches_the_formula() {
+        let (rows, width) = (3, 50);
+        let x = values(rows * 2 * width, 11);
+        let mut out = vec![0.0; rows * width];
+        gelu_tanh_and_mul(&x, &mut out, width, rows, ThreadCount::new(2)).unwrap();
+        for r in 0..rows {
+            for i in 0..width {
+                let (g, u) = (
+                    x[r * 2 * width + i] as f64,
+                    x[r * 2 * width + width + i] as f64,
+                );
+                let inner = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g);
+                let want = (0.5 * g * (1.0 + inner.tanh()) * u) as f32;
+                let got = out[r * width + i];
+                assert!(
+                    (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "{got} vs {want}"
+                );
+            }
+        }
+        assert!(gelu_tanh_and_mul(&x, &mut out, width, rows + 1, ThreadCount::new(1)).is_err());
     }
 
     #[test]

@@ -6,6 +6,8 @@ use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
     PyReadonlyArrayDyn, PyReadwriteArray2, PyReadwriteArray3, PyUntypedArrayMethods,
 };
+use std::sync::Arc;
+
 use pyo3::prelude::*;
 
 use super::dense_gemv::{self as dense, DenseWeights};
@@ -57,8 +59,9 @@ fn cpu_isa_paths() -> Vec<&'static str> {
 /// A 4- or 8-bit weight repacked for the int8 dot-product kernels, from the integers q (N, K)
 /// uint8 in [0, 2^bits), scales and zero points (N, G) float32: w = (q - z) * s per group.
 #[pyclass(name = "Int8Weights", module = "aieng._core", frozen)]
-struct PyInt8Weights {
-    inner: PackedWeights,
+pub(crate) struct PyInt8Weights {
+    /// Shared with the native decoder (`crate::cpu_decoder`) that multiplies by it too.
+    pub(crate) inner: Arc<PackedWeights>,
 }
 
 #[pymethods]
@@ -87,7 +90,8 @@ impl PyInt8Weights {
         let z = contiguous(zeros.as_slice(), "zeros")?;
         let inner = py
             .detach(|| PackedWeights::pack(q, s, z, n, k, bits))
-            .map_err(kernel_error)?;
+            .map_err(kernel_error)?
+            .into();
         Ok(PyInt8Weights { inner })
     }
 
