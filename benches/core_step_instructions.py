@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -71,7 +72,8 @@ def count(core_dir: str | None, args: argparse.Namespace) -> dict:
             "--requests", str(args.requests), "--block-size", str(args.block_size),
             "--budget", str(args.budget), "--steps", str(args.steps),
         ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        env = dict(os.environ, PYTHONHASHSEED="0")  # the same Python-side run every time
+        done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
         window = json.loads(done.stdout.strip().splitlines()[-1])
         dumps = sorted(Path(tmp).glob("callgrind.out*"), key=dump_number)
         totals = [total(d) for d in dumps]
@@ -105,7 +107,10 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--steps", type=int, default=64, help="most full-load steps counted")
     ap.add_argument("--no-previous", action="store_true")
-    ap.add_argument("--previous-commit", default=None)
+    ap.add_argument(
+        "--previous-commit", default=None,
+        help="comma-separated commits counted beside this checkout (default: the previous release)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--drive", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -117,20 +122,22 @@ def main() -> None:
     if not args.no_previous:
         import previous_core
 
-        commit = args.previous_commit or previous_core.PREVIOUS
-        rows.append(
-            {"core": f"previous release {commit}", **count(str(previous_core.build(commit)), args)}
-        )
-        print(rows[-1], flush=True)
+        for commit in (args.previous_commit or previous_core.PREVIOUS).split(","):
+            name = "previous release" if commit == previous_core.PREVIOUS else "commit"
+            folder = str(previous_core.build(commit))
+            rows.append({"core": f"{name} {commit}", **count(folder, args)})
+            print(rows[-1], flush=True)
     valgrind = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout
     md = [
         "# Instructions per step of the Rust core (benches/core_step_instructions.py)",
         "",
         f"bench_core.py's workload: {args.requests} requests, block size {args.block_size}, "
-        f"budget {args.budget} tokens; {args.steps} steps at full load ({args.requests} "
-        "running) counted by callgrind inside the bindings' schedule() and update() (the "
-        f"plan's numpy arrays included). {valgrind.strip()}. Counts repeat exactly from run to "
-        "run on one build; timings on this shared machine do not.",
+        f"budget {args.budget} tokens; the steps at full load ({args.requests} running, at "
+        f"most {args.steps}, until the first request finishes) counted by callgrind inside the "
+        "bindings' schedule() and update() (the plan's numpy arrays included, its "
+        f"deallocation not). {valgrind.strip()}. Counts repeat to within 0.1% from run to run "
+        "on one build (the allocator's state differs by a few instructions); timings on this "
+        "shared machine do not. `python benches/core_step_instructions.py`.",
         "",
         "| core | steps counted | instructions per step |",
         "|---|---|---|",

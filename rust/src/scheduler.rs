@@ -685,17 +685,22 @@ impl EngineCore {
                 // output token that follows j more; it may not end the request while
                 // min_tokens are not out.
                 let last = plan.input_ids.len() - e.num_draft - 1;
-                let banning = r.tokens.len() < r.stops.min_len;
-                for j in 0..=e.num_draft {
-                    if banning && r.tokens.len() + j < r.stops.min_len {
-                        let sample = plan.logits_indices.len() as i32;
-                        for &id in r.stop_ids() {
-                            plan.banned_rows.push(sample);
-                            plan.banned_ids.push(id as i32);
-                        }
-                    }
-                    plan.logits_indices.push((last + j) as i32);
+                if e.num_draft == 0 && r.may_stop() {
+                    // The common row: one sample, nothing banned.
+                    plan.logits_indices.push(last as i32);
                     plan.sample_request_rows.push(row as i32);
+                } else {
+                    for j in 0..=e.num_draft {
+                        if r.tokens.len() + j < r.stops.min_len {
+                            let sample = plan.logits_indices.len() as i32;
+                            for &id in r.stop_ids() {
+                                plan.banned_rows.push(sample);
+                                plan.banned_ids.push(id as i32);
+                            }
+                        }
+                        plan.logits_indices.push((last + j) as i32);
+                        plan.sample_request_rows.push(row as i32);
+                    }
                 }
             }
             plan.slots.push(e.slot as i32);
@@ -773,12 +778,15 @@ impl EngineCore {
             }
             let r = self.req_mut(e.slot);
             // Drafts count as computed as far as the tokens taken confirm them.
-            let confirmed = tokens
-                .iter()
-                .zip(&r.draft[..e.num_draft])
-                .take_while(|(&t, &d)| t == d as i64)
-                .count()
-                .min(tokens.len().saturating_sub(1));
+            let confirmed = match e.num_draft {
+                0 => 0,
+                n => tokens
+                    .iter()
+                    .zip(&r.draft[..n])
+                    .take_while(|(&t, &d)| t == d as i64)
+                    .count()
+                    .min(tokens.len().saturating_sub(1)),
+            };
             r.num_computed += e.num_new - e.num_draft + confirmed;
             if drafted && !r.draft.is_empty() {
                 r.draft.clear();
