@@ -195,7 +195,11 @@ def build_ggufs(fp32: Path, work: Path, src: Path, env: dict, site: str | None) 
             "sys.argv[5], int(sys.argv[6]))"
         )
         args = [str(HERE), site or "", str(f32), str(path), mode, str(os.cpu_count() or 1)]
-        subprocess.run([sys.executable, "-c", code, *args], check=True, env=env)
+        done = subprocess.run(
+            [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"llama.cpp could not quantize to {mode}: {done.stderr[-2000:]}")
     return paths
 
 
