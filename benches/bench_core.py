@@ -6,26 +6,31 @@ schedule(), reads the plan arrays a model runner reads (the core's new blocks fo
 its persistent block table; the peer's dense block table), and calls update() with
 random sampled tokens. The workload runs --repeats times and the timings are pooled.
 Peer in the same run: the same step in plain Python (benches/python_scheduler.py,
-nano-vllm style).
+nano-vllm style). --previous adds the previous release's core (benches/previous_core.py builds
+it once, commit e346e0b unless --previous-commit says otherwise), run in a process of its own,
+so that a regression shows beside the figure it regresses from. Timings on a shared machine
+vary; benches/core_step_instructions.py counts the instructions of the same step (repeatable).
 
-    .venv/bin/python benches/bench_core.py [--requests 256] [--out benches/results]
+    .venv/bin/python benches/bench_core.py [--requests 256] [--previous] [--out benches/results]
 """
 
 import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from aieng.core import EngineCore
+sys.path.insert(0, str(Path(__file__).parent))
 
-try:
-    from python_scheduler import PyScheduler
-except ImportError:  # run as a module from the repo root
-    from benches.python_scheduler import PyScheduler
+from python_scheduler import PyScheduler
+
+CORE = "aieng (Rust core)"
+PEER = "plain Python peer"
 
 RUNNER_FIELDS = (
     "input_ids",
@@ -95,17 +100,37 @@ def summary(full_load: list, every: list, generated: int, runs: int) -> dict[str
     }
 
 
-def run(requests: int, block_size: int, engine_name: str, budget: int, repeats: int) -> dict:
+def core_class(core_dir: Path | None):
+    """EngineCore of this checkout, or of the `_core` extension in `core_dir` (a previous
+    release's, benches/previous_core.py)."""
+    if core_dir is None:
+        from aieng.core import EngineCore
+
+        return EngineCore
+    sys.path.insert(0, str(core_dir))
+    from _core import EngineCore
+
+    return EngineCore
+
+
+def run(
+    requests: int,
+    block_size: int,
+    engine_name: str,
+    budget: int,
+    repeats: int,
+    core_dir: Path | None = None,
+) -> dict:
     work = workload(requests)
     sampled_pool = np.random.default_rng(1).integers(3, 32000, size=1 << 20, dtype=np.int64)
     full_load, every, generated = [], [], 0
     for _ in range(repeats):
-        engine = build(work, requests, block_size, engine_name, budget)
+        engine = build(work, requests, block_size, engine_name, budget, core_dir)
         full, all_steps, tokens = drive(engine, sampled_pool, requests)
         full_load += full
         every += all_steps
         generated += tokens
-        if engine_name == "aieng (Rust core)":
+        if engine_name != PEER:
             engine.check_invariants()
             stats = engine.stats()["pool"]
             assert stats["num_free_blocks"] == stats["num_blocks"]
@@ -113,10 +138,17 @@ def run(requests: int, block_size: int, engine_name: str, budget: int, repeats: 
     return {"engine": engine_name, "block_size": block_size, **result}
 
 
-def build(work: list, requests: int, block_size: int, engine_name: str, budget: int):
+def build(
+    work: list,
+    requests: int,
+    block_size: int,
+    engine_name: str,
+    budget: int,
+    core_dir: Path | None = None,
+):
     num_blocks = sum(-(-(len(p) + o) // block_size) for p, o in work) + 16
-    if engine_name == "aieng (Rust core)":
-        engine = EngineCore(
+    if engine_name != PEER:
+        engine = core_class(core_dir)(
             num_blocks=num_blocks,
             block_size=block_size,
             max_num_seqs=requests,
@@ -155,15 +187,36 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="runs of the workload, pooled")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--no-peer", action="store_true", help="skip the plain-Python peer")
+    ap.add_argument("--previous", action="store_true", help="add the previous release's row")
+    ap.add_argument("--previous-commit", default=None, help="default: previous_core.PREVIOUS")
+    ap.add_argument("--core-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--label", default=CORE, help=argparse.SUPPRESS)
+    ap.add_argument("--rows-json", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rows_json:  # a child run of --previous: the core rows alone, as JSON
+        rows = [
+            run(
+                args.requests,
+                bs,
+                args.label,
+                args.max_num_batched_tokens,
+                args.repeats,
+                args.core_dir,
+            )
+            for bs in (16, 256)
+        ]
+        args.rows_json.write_text(json.dumps(rows))
+        return
     rows = []
     for block_size in (16, 256):
-        engines = ["aieng (Rust core)"] + ([] if args.no_peer else ["plain Python peer"])
+        engines = [CORE] + ([] if args.no_peer else [PEER])
         for name in engines:
             rows.append(
                 run(args.requests, block_size, name, args.max_num_batched_tokens, args.repeats)
             )
             print(f"  done: {name}, block size {block_size}", flush=True)
+    if args.previous:
+        rows += previous_rows(args)
     md = table(rows)
     print(md)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -182,6 +235,24 @@ def main() -> None:
     )
     (args.out / "bench_core.md").write_text(note)
     (args.out / "bench_core.json").write_text(json.dumps(rows, indent=2))
+
+
+def previous_rows(args: argparse.Namespace) -> list[dict]:
+    """The previous release's core on the same workload, in a process of its own."""
+    import previous_core
+
+    commit = args.previous_commit or previous_core.PREVIOUS
+    folder = previous_core.build(commit)
+    out = folder / "bench_core_rows.json"
+    command = [
+        sys.executable, __file__, "--core-dir", str(folder), "--rows-json", str(out),
+        "--label", f"{CORE}, previous release {commit}", "--requests", str(args.requests),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--repeats", str(args.repeats),
+    ]  # fmt: skip
+    subprocess.run(command, check=True)
+    print(f"  done: previous release {commit}", flush=True)
+    return json.loads(out.read_text())
 
 
 def cpu_model() -> str:

@@ -1,419 +1,628 @@
-"""CPU peers: aieng's CPU kernels and engine against llama.cpp — one run, same machine, 2 threads.
+"""aieng against llama.cpp on the CPU, each engine as its own users run it.
 
-1. Kernels (aieng's Rust core): the machine's copy bandwidth (torch, measured here); GEMV at
-   M = 1 in GB/s of weights read and as a fraction of that bandwidth — int8 W4A8 and W8A8,
-   int8x2 (two int8 terms per activation), dense float32 and bfloat16, each beside torch
-   (F.linear, torch's INT4 kernel); the int8 GEMM at M = 512 in int8 operations/s against the
-   measured `vpdpbusd` peak (`_core.int8_peak_ops`: independent chains on registers).
-2. Engines on the "base" Llama of benches/bench_offline.py (random weights, vocabulary 32000):
-   aieng fp32 (cpu attention, dense GEMV), W4A16 (torch int4pack), W4A8 (int8), int8x2 (the
-   default `auto`) — the INT4 checkpoint by `aieng quantize` (RTN, g128, asymmetric, LM head
-   too) — and llama.cpp F32, Q8_0, Q4_0 (benches/llama_cpp_peer.py). Offline: N requests
-   (default 64), prompt and output lengths U[16, 256], output tokens/s; one stream: a 128-token
-   prompt and 128 greedy tokens, decode tokens/s and time to the first token. llama.cpp runs
-   the offline requests twice: one at a time (the high-level `Llama.generate`) and continuously
-   batched in one context of up to 64 sequences (benches/llama_cpp_batched.py); the batched
-   run's greedy tokens are compared with the one-at-a-time run's, request by request.
-3. `--shape qwen0.5b`: the same engines on a random-weight Llama of Qwen2.5-0.5B's shape
-   (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocabulary 151,936, tied
-   embeddings; the INT4 checkpoint quantizes the tied head too) — fp32, W4A16, W4A8 — with
-   16 offline requests by default (the 64 of the base run take too long here at fp32), and no
-   kernel rows. Results go to bench_cpu_peers_qwen0.5b.md/json; the base run is unchanged.
+Rules of this bench (issue 36, item 5): no environment variable that changes an engine's
+behaviour is set by the bench, and those inherited from the shell that tune OpenMP, ggml or
+llama.cpp (OMP_*, GOMP_*, KMP_*, MKL_*, OPENBLAS_*, GGML_*, LLAMA_*, TORCH_NUM_THREADS) are
+removed from every cell's environment (listed in the results; --keep-environment passes them
+on and says so). Every (engine, mode, workload) runs in a process of its own
+(benches/cpu_peers_cell.py) under a time limit, which records its environment and versions.
+aieng runs with its defaults (one thread per CPU, its own kernel and cache choices), the mode's
+own option only; llama.cpp with its defaults (llama-cpp-python's `Llama`, f16 KV cache) but the
+same thread count as aieng and a context that holds the workload.
 
-    .venv/bin/python benches/bench_cpu_peers.py [--shape base|qwen0.5b] [--requests N] [--quick]
-        [--llama-cpp-src /path/to/llama-cpp-python-sdist/vendor/llama.cpp] [--out benches/results]
+Engines (--engines, default all):
+  aieng-fp32, aieng-bf16 (dtype bfloat16), aieng-int8 (W8A8: the 8-bit checkpoint,
+  cpu_quant_kernel int8), aieng-int4 (W4A8: the 4-bit checkpoint, cpu_quant_kernel int8),
+  aieng-auto (the 4-bit checkpoint, nothing set); llama-F32, llama-Q8_0, llama-Q4_0 (the F32
+  GGUF by llama.cpp's convert_hf_to_gguf.py, quantized by llama_model_quantize).
+  Checkpoints (RTN, asymmetric, the largest group of 128/64/32, LM head too) by `aieng quantize`.
+Shapes (--shapes, default all; random weights, context 4096):
+  base (the 134M Llama of bench_offline.py, vocabulary 32000, untied), qwen0.5b (Qwen2.5-0.5B's
+  shape: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocabulary 151936,
+  tied), qwen1.5b (hidden 1536, 28 layers, 12 heads, 2 KV heads, intermediate 8960, vocabulary
+  151936, tied).
+Workloads (--workloads, default all):
+  offline   64 requests (16 at the larger shapes), prompt and output lengths U[16, 256], greedy,
+            output tokens/s (llama.cpp twice: one request at a time, and continuously batched
+            in one context of up to 64 sequences, benches/llama_cpp_batched.py);
+  stream    one 128-token prompt, 128 greedy tokens: decode tokens/s, median of 5;
+  ttft128, ttft1024   time to the first token of a 128- and a 1024-token prompt (5 and 3 runs);
+  ctx4096   one stream decoding 128 tokens after a 3968-token prompt (to 4096): decode tokens/s.
+Kernel table: one-stream decode against the machine's read bandwidth (torch.sum over 256 MiB)
+over the bytes one token reads: the weights (llama.cpp: its GGUF's tensors; aieng: the
+checkpoint's linear layers and head at the mode's bytes per weight, the packed int8 layout
+measured) and the KV cache at the run's mean context.
 
-Without --llama-cpp-src (or without llama_cpp installed) the llama.cpp rows are left out.
+    .venv/bin/python benches/bench_cpu_peers.py --llama-site /work/llama_site \\
+        --llama-cpp-src /work/llama_src/llama_cpp_python-0.3.36.tar.gz [--shapes base,...]
+        [--engines ...] [--workloads ...] [--quick] [--resume] [--tag NAME] [--timeout S]
 
-OpenMP's threads (torch's, and llama.cpp's ggml built with OpenMP) spin-wait between parallel
-regions by default; on a machine shared with other work that spin holds the core a descheduled
-peer needs, and small torch ops took 40x longer here (1.7 ms against 77 ms in one measurement).
-The run therefore sets OMP_WAIT_POLICY=PASSIVE (unless set) for every engine alike, and records it.
+Without llama_cpp importable (--llama-site or installed) the llama.cpp cells are left out and
+the results say so. --resume keeps the cells of the same --tag already measured. Results:
+benches/results/bench_cpu_peers[_TAG].md and .json, written after every cell.
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads the OpenMP runtime
-
 import argparse
 import json
+import os
+import platform
+import subprocess
 import sys
-import tempfile
+import tarfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
 
-sys.path.insert(0, str(Path(__file__).parent))
+import bench_offline  # noqa: E402
+import cpu_peers_cell as cell  # noqa: E402
 
-import bench_offline
-import llama_cpp_batched
-import llama_cpp_peer
-
-from aieng import _core
-from aieng.benchmarks.offline import machine, run_aieng, workload
-from aieng.kernels.cpu_dense import dense_gemv
-from aieng.kernels.cpu_int8 import int8_matmul, pack_int8_weights
-
-THREADS = 2
-# One-stream runs per engine, the median reported: one run varied by about ±20% on these VMs.
-STREAM_TRIALS = 5
-SETTING = (1024, 64)  # max_num_batched_tokens, max_num_seqs
-AIENG_MODES = {  # row name -> EngineArgs.cpu_quant_kernel (None: the fp32 checkpoint)
-    "aieng fp32": None,
-    "aieng W4A16 (int4pack)": "int4pack",
-    "aieng W4A8 (int8)": "int8",
-    "aieng W4A16-equivalent (int8x2, auto)": "int8x2",
+AIENG_ENGINES = {
+    "aieng-fp32": "aieng fp32",
+    "aieng-bf16": "aieng bf16",
+    "aieng-int8": "aieng W8A8 (int8)",
+    "aieng-int4": "aieng W4A8 (int8)",
+    "aieng-auto": "aieng auto (INT4 checkpoint, nothing set)",
 }
-LLAMA_MODES = ("F32", "Q8_0", "Q4_0")
-LLAMA_SLOTS = 64  # sequences one batched llama.cpp context decodes together
-# Qwen2.5-0.5B's shape as a Llama (no attention biases), random weights.
-QWEN05B = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
-# --only's names: aieng's cpu_quant_kernel (fp32: the float checkpoint), llama.cpp's types.
-ENGINE_KEYS = ("fp32", *(k for k in AIENG_MODES.values() if k), *LLAMA_MODES)
-SHAPES = {  # --shape -> (aieng rows, default offline requests)
-    "base": (tuple(AIENG_MODES), 64),
-    "qwen0.5b": (("aieng fp32", "aieng W4A16 (int4pack)", "aieng W4A8 (int8)"), 16),
+LLAMA_ENGINES = {"llama-F32": "F32", "llama-Q8_0": "Q8_0", "llama-Q4_0": "Q4_0"}
+ENGINES = (*AIENG_ENGINES, *LLAMA_ENGINES)
+WORKLOADS = tuple(cell.WORKLOADS)
+QUICK_WORKLOADS = ("offline", "stream", "ttft128")
+QUICK_REQUESTS = 8
+CONTEXT = 4096
+SHAPES = {  # name -> (LlamaConfig fields, offline requests)
+    "base": (
+        {**bench_offline.MODELS["base"], "vocab_size": 32000, "tie_word_embeddings": False},
+        64,
+    ),
+    "qwen0.5b": (
+        dict(
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+        16,
+    ),
+    "qwen1.5b": (
+        dict(
+            hidden_size=1536,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            intermediate_size=8960,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+        16,
+    ),
 }
+# Inherited variables removed from every cell's environment (see the module docstring).
+STRIPPED_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GGML_", "LLAMA_")
+STRIPPED_NAMES = ("TORCH_NUM_THREADS", "PYTORCH_NUM_THREADS")
 
 
-def best_time(run, reps: int) -> float:
-    run()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def cell_environment(keep: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """(the cells' environment, the variables removed from it)."""
+    env = dict(os.environ)
+    removed = {
+        k: v for k, v in env.items() if k.startswith(STRIPPED_PREFIXES) or k in STRIPPED_NAMES
+    }
+    if not keep:
+        for k in removed:
+            del env[k]
+    return env, removed
 
 
-def copy_bandwidth() -> float:
-    """STREAM-style copy: bytes read + bytes written per second (256 MiB)."""
-    source = torch.randn(64 << 20)
-    target = torch.empty_like(source)
-    return 2 * source.numel() * 4 / best_time(lambda: target.copy_(source), 5)
+# ------------------------------------------------------------------------------ checkpoints
 
 
-def read_bandwidth() -> float:
-    """Bytes read per second by torch's sum over 256 MiB: the ceiling a GEMV streams at."""
-    source = torch.randn(64 << 20)
-    return source.numel() * 4 / best_time(lambda: source.sum(), 5)
+def build_checkpoints(shape: str, work: Path) -> dict[str, Path]:
+    """fp32, int8 and int4 checkpoints of `shape` under `work` (kept for --resume)."""
+    fp32, int8, int4 = work / "fp32", work / "int8", work / "int4"
+    if not (fp32 / "config.json").exists():
+        build_float(shape, fp32)
+    for bits, out in ((8, int8), (4, int4)):
+        if not (out / "config.json").exists():
+            quantize(fp32, out, bits)
+    return {"fp32": fp32, "int8": int8, "int4": int4}
 
 
-def kernel_rows(bandwidth: float, reading: float) -> list[dict]:
-    n, k = 16384, 4096  # 32 MiB at 4 bits: past the last-level cache
-    generator = torch.Generator().manual_seed(0)
-    q4 = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int32)
-    q8 = torch.randint(0, 256, (n, k), generator=generator, dtype=torch.int32)
-    scales = torch.rand(n, k // 128, generator=generator) * 0.01 + 0.001
-    zeros4, zeros8 = torch.full_like(scales, 8.0), torch.full_like(scales, 128.0)
-    w4 = pack_int8_weights(q4, scales, zeros4, 4)
-    w8 = pack_int8_weights(q8, scales, zeros8, 8)
-    x = torch.randn(1, k, generator=generator)
-    rows = []
+def build_float(shape: str, folder: Path) -> None:
+    """A random-weight Llama of `shape` beside bench_offline's tokenizer files (the small
+    checkpoint is built for them, then its config and weights are replaced)."""
+    import torch
+    import transformers
 
-    def row(name: str, seconds: float, nbytes: int) -> None:
-        rate = nbytes / seconds
-        rows.append(
-            {
-                "kernel": name,
-                "M": 1,
-                "ms": seconds * 1e3,
-                "GB/s": rate / 1e9,
-                "of_copy": rate / bandwidth,
-                "of_read": rate / reading,
-            }
-        )
-
-    row("aieng int8 W4A8 GEMV", best_time(lambda: int8_matmul(x, w4), 20), w4.nbytes)
-    row("aieng int8x2 W4 GEMV", best_time(lambda: int8_matmul(x, w4, split=True), 20), w4.nbytes)
-    row("aieng int8 W8A8 GEMV", best_time(lambda: int8_matmul(x, w8), 20), w8.nbytes)
-    if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
-        pairs = torch.stack([scales.t(), (8 - zeros4.t()) * scales.t()], -1).to(torch.bfloat16)
-        xb = x.to(torch.bfloat16)
-        seconds = best_time(
-            lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, 128, pairs), 20
-        )
-        row("torch int4pack W4A16 GEMV", seconds, packed.numel() + pairs.numel() * 2)
-    dense = torch.randn(n // 2, k, generator=generator)  # 128 MiB float32
-    for dtype in (torch.float32, torch.bfloat16):
-        w = dense.to(dtype)
-        nbytes = w.numel() * w.element_size()
-        row(f"aieng dense GEMV {dtype}", best_time(lambda w=w: dense_gemv(x, w), 10), nbytes)
-        xd = x.to(dtype)
-        row(f"torch F.linear {dtype}", best_time(lambda w=w, xd=xd: F.linear(xd, w), 10), nbytes)
-    peak = _core.int8_peak_ops(THREADS)
-    m, gemm_n, gemm_k = 512, 4096, 4096
-    wg = pack_int8_weights(q4[:gemm_n, :gemm_k], scales[:gemm_n, :32], zeros4[:gemm_n, :32], 4)
-    xg = torch.randn(m, gemm_k, generator=generator)
-    out = torch.empty(m, gemm_n)
-    for name, split in (("aieng int8 W4A8 GEMM", False), ("aieng int8x2 W4 GEMM", True)):
-        seconds = best_time(lambda split=split: int8_matmul(xg, wg, out=out, split=split), 3)
-        ops = 2 * m * gemm_n * gemm_k * (2 if split else 1)  # int8 operations the kernel runs
-        rows.append(
-            {
-                "kernel": name,
-                "M": m,
-                "ms": seconds * 1e3,
-                "int8 GOPS": ops / seconds / 1e9,
-                "of_peak": ops / seconds / peak if peak else None,
-            }
-        )
-    xf = torch.randn(m, gemm_k, generator=generator)
-    wf = dense[:gemm_n, :gemm_k].contiguous()
-    seconds = best_time(lambda: F.linear(xf, wf), 3)
-    rows.append({"kernel": "torch F.linear float32 GEMM", "M": m, "ms": seconds * 1e3})
-    rows.append({"kernel": "vpdpbusd peak (measured)", "int8 GOPS": (peak or 0) / 1e9})
-    return rows
+    bench_offline.build_checkpoint("small", folder)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        max_position_embeddings=CONTEXT, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        torch_dtype="float32", **SHAPES[shape][0],
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
 
 
-def quantized_checkpoint(folder: Path, out: Path) -> Path:
+def quantize(folder: Path, out: Path, bits: int) -> None:
     from aieng.config.model_config import ModelConfig
     from aieng.quantizer.compressed_tensors_writer import QuantScheme
     from aieng.quantizer.quantize import QuantizeOptions, largest_group_size, quantize_checkpoint
 
     group = largest_group_size(ModelConfig.from_pretrained(folder))
     options = QuantizeOptions(
-        method="rtn", scheme=QuantScheme(4, group, symmetric=False), quantize_lm_head=True
+        method="rtn", scheme=QuantScheme(bits, group, symmetric=False), quantize_lm_head=True
     )
     quantize_checkpoint(folder, out, options, progress=None)
+
+
+def llama_source(src: Path, work: Path) -> Path:
+    """llama.cpp's source folder (vendor/llama.cpp of llama-cpp-python's sdist): `src` itself,
+    or extracted from the sdist .tar.gz into `work`."""
+    if src.is_dir():
+        return src
+    target = work / "llama_cpp_src"
+    if not (target / "convert_hf_to_gguf.py").exists():
+        with tarfile.open(src) as archive:
+            members = [m for m in archive.getmembers() if "/vendor/llama.cpp/" in m.name]
+            archive.extractall(work / "sdist", members=members, filter="data")
+        (found,) = (work / "sdist").glob("*/vendor/llama.cpp")
+        found.rename(target)
+    return target
+
+
+def build_ggufs(fp32: Path, work: Path, src: Path, env: dict, site: str | None) -> dict:
+    """F32 by llama.cpp's converter, Q8_0 and Q4_0 by llama_model_quantize (in a subprocess)."""
+    import llama_cpp_peer
+
+    f32 = work / "model-F32.gguf"
+    if not f32.exists():
+        llama_cpp_peer.convert(fp32, f32, src)
+    paths = {"F32": f32}
+    for mode in ("Q8_0", "Q4_0"):
+        path = paths[mode] = work / f"model-{mode}.gguf"
+        if path.exists():
+            continue
+        code = (
+            "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import llama_cpp_peer; "
+            "llama_cpp_peer.quantize(*map(__import__('pathlib').Path, sys.argv[3:5]), "
+            "sys.argv[5], int(sys.argv[6]))"
+        )
+        args = [str(HERE), site or "", str(f32), str(path), mode, str(os.cpu_count() or 1)]
+        done = subprocess.run(
+            [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"llama.cpp could not quantize to {mode}: {done.stderr[-2000:]}")
+    return paths
+
+
+def aieng_bytes_per_weight(folder: Path) -> dict[str, float]:
+    """Bytes per weight of aieng's packed int8-kernel layouts at the checkpoint's group size
+    (8- and 4-bit), measured by packing a matrix; float32 and bfloat16 by their size."""
+    import torch
+
+    from aieng.config.model_config import ModelConfig
+    from aieng.kernels.cpu_int8 import pack_int8_weights
+    from aieng.quantizer.quantize import largest_group_size
+
+    group = largest_group_size(ModelConfig.from_pretrained(folder))
+    n, k = 256, group * 16
+    scales = torch.full((n, k // group), 0.01)
+    out = {"fp32": 4.0, "bf16": 2.0}
+    for name, bits in (("int8", 8), ("int4", 4)):
+        q = torch.randint(0, 1 << bits, (n, k), dtype=torch.int32)
+        zeros = torch.full_like(scales, float(1 << (bits - 1)))
+        out[name] = pack_int8_weights(q, scales, zeros, bits).nbytes / (n * k)
+    out["auto"] = out["int4"]
     return out
 
 
-def qwen_checkpoint(folder: Path) -> tuple[Path, int]:
-    """A random-weight Llama of Qwen2.5-0.5B's shape, beside bench_offline's tokenizer files
-    (the small checkpoint is built for them, then its config and weights are replaced)."""
-    import transformers
-
-    bench_offline.build_checkpoint("small", folder)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        torch_dtype="float32", **QWEN05B,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(folder, safe_serialization=True)
-    params = sum(p.numel() for p in model.parameters())
-    del model
-    return folder, params
+def weights_read(shape: str) -> int:
+    """Weights one decode step multiplies: every layer's linears and the LM head."""
+    c = SHAPES[shape][0]
+    hidden, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = hidden // heads
+    attention = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
+    mlp = 3 * hidden * c["intermediate_size"]
+    return c["num_hidden_layers"] * (attention + mlp) + c["vocab_size"] * hidden
 
 
-def aieng_rows(
-    folder: Path, int4: Path, prompts, output_lens, kv_bytes: int, stream, names
-) -> list[dict]:
+# ------------------------------------------------------------------------------------ cells
+
+
+def cell_specs(args, shape: str, paths: dict, ggufs: dict | None) -> list[tuple[str, dict]]:
+    requests = QUICK_REQUESTS if args.quick else SHAPES[shape][1]
+    vocab = SHAPES[shape][0]["vocab_size"]
+    base = {"vocab": vocab, "threads": args.threads, "quick": args.quick, "requests": requests}
+    specs = []
+    for engine in args.engines:
+        for workload in args.workloads:
+            if engine in AIENG_ENGINES:
+                mode = engine.removeprefix("aieng-")
+                model = str(paths[cell.AIENG_MODES[mode][0]])
+                spec = {**base, "engine": "aieng", "mode": mode, "model": model}
+                specs.append((f"{engine}|{workload}", {**spec, "workload": workload}))
+                continue
+            if ggufs is None:
+                continue
+            mode = LLAMA_ENGINES[engine]
+            spec = {
+                **base, "engine": "llama.cpp", "mode": mode, "model": str(ggufs[mode]),
+                "workload": workload, "llama_site": args.llama_site,
+                "gguf_py": str(args.llama_src / "gguf-py") if args.llama_src else None,
+            }  # fmt: skip
+            variants = ("one at a time", "batched") if workload == "offline" else (None,)
+            for variant in variants:
+                key = f"{engine}|{workload}" + (f"|{variant}" if variant else "")
+                specs.append((key, {**spec, "variant": variant}))
+    return specs
+
+
+def run_cell(spec: dict, work: Path, env: dict, timeout: float) -> dict:
+    spec_path, out_path = work / "cell_spec.json", work / "cell_out.json"
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    command = [sys.executable, str(HERE / "cpu_peers_cell.py"), str(spec_path), str(out_path)]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "limit_s": timeout}
+    if done.returncode != 0 or not out_path.exists():
+        tail = (done.stderr or done.stdout)[-3000:]
+        return {"status": "failed", "returncode": done.returncode, "error": tail}
+    return {
+        "status": "ok",
+        "wall_s": time.perf_counter() - start,
+        **json.loads(out_path.read_text()),
+    }
+
+
+# ---------------------------------------------------------------------------------- results
+
+
+def fmt(value, digits: int = 1) -> str:
+    if value is None:
+        return ""
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def value_of(result: dict | None, workload: str) -> float | None:
+    """The headline figure of a cell: tokens/s (offline, stream, ctx4096) or ms (TTFT)."""
+    if not result or result.get("status") != "ok":
+        return None
+    if workload == "offline":
+        return result.get("tokens_per_s")
+    if workload.startswith("ttft"):
+        return result.get("ttft_ms")
+    return result.get("decode_tokens_per_s")
+
+
+def status_note(result: dict | None) -> str:
+    if result is None:
+        return ""
+    return {"timeout": "timed out", "failed": "failed"}.get(result["status"], "")
+
+
+def rows_of(cells: dict) -> list[tuple[str, str, dict]]:
+    """(row label, cell key prefix, {workload: result}) per engine row, in ENGINES order."""
     rows = []
-    for name in names:
-        kernel = AIENG_MODES[name]
-        model = folder if kernel is None else int4
-        options = {"cpu_quant_kernel": kernel} if kernel else {}
-        batch = prompts and run_aieng(
-            model, prompts, output_lens, kv_cache_memory=kv_bytes,
-            max_num_batched_tokens=SETTING[0], max_num_seqs=SETTING[1], **options,
-        )  # fmt: skip
-        one = run_aieng(
-            model, [stream[0]], [stream[1]], kv_cache_memory=64 << 20, max_num_seqs=1,
-            reps=STREAM_TRIALS, **options,
-        )  # fmt: skip
-        decodes = [(stream[1] - 1) / (end - first) for first, end in one.first_request_s]
-        rows.append(
-            {
-                "engine": name,
-                "offline_tokens_per_s": batch.tokens_per_s if batch else None,
-                "stream_decode_tokens_per_s": float(np.median(decodes)),
-                "stream_decode_trials": decodes,
-                "stream_ttft_ms": float(np.median([f for f, _ in one.first_request_s])) * 1e3,
-            }
-        )
-        print(rows[-1], flush=True)
-    return rows
+    for engine in ENGINES:
+        if engine in AIENG_ENGINES:
+            rows.append((AIENG_ENGINES[engine], engine, {}))
+        else:
+            mode = LLAMA_ENGINES[engine]
+            rows.append((f"llama.cpp {mode}", engine, {}))
+            rows.append((f"llama.cpp {mode}, batched (offline)", engine + "|batched", {}))
+    out = []
+    for label, key, found in rows:
+        for workload in WORKLOADS:
+            if key.endswith("|batched"):
+                name = key.replace("|batched", f"|{workload}|batched")
+            elif workload == "offline" and key in LLAMA_ENGINES:
+                name = f"{key}|offline|one at a time"
+            else:
+                name = f"{key}|{workload}"
+            if name in cells:
+                found[workload] = cells[name]
+        if found:
+            out.append((label, key, found))
+    return out
 
 
-def llama_rows(
-    folder: Path, src: Path, work: Path, prompts, output_lens, stream, modes=LLAMA_MODES
-) -> list[dict]:
-    f32 = llama_cpp_peer.convert(folder, work / "model-f32.gguf", src)
-    slots = min(LLAMA_SLOTS, len(prompts))
-    rows: list[dict] = []
-    for mode in modes:
-        path = f32 if mode == "F32" else work / f"model-{mode}.gguf"
-        if mode != "F32":
-            llama_cpp_peer.quantize(f32, path, mode, THREADS)
-        llm = llama_cpp_peer.load(path, THREADS, 1024)
-        serial = prompts and llama_cpp_peer.run_requests(llm, prompts, output_lens)
-        one = llama_cpp_peer.run_stream(llm, stream[0], stream[1], reps=STREAM_TRIALS)
-        del llm
-        rows.append(
-            {
-                "engine": f"llama.cpp {mode}" + (" (one request at a time)" if serial else ""),
-                "offline_tokens_per_s": serial["tokens_per_s"] if serial else None,
-                "stream_decode_tokens_per_s": one["decode_tokens_per_s"],
-                "stream_decode_trials": one["decode_trials"],
-                "stream_ttft_ms": one["ttft_s"] * 1e3,
-            }
-        )
-        print(rows[-1], flush=True)
-        if not serial:
+def shape_markdown(shape: str, data: dict, bandwidth: float | None, quick: bool) -> list[str]:
+    cells, model = data["cells"], data["model"]
+    rows = rows_of(cells)
+    heads = {
+        "offline": f"offline, {model['requests']} requests: output tok/s",
+        "stream": "one stream: decode tok/s",
+        "ttft128": "first token, 128-token prompt: ms",
+        "ttft1024": "first token, 1024-token prompt: ms",
+        "ctx4096": "decode at 4096 context: tok/s",
+    }
+    md = [
+        f"## {shape}: {model['description']}",
+        "",
+        "| engine | " + " | ".join(heads.values()) + " |",
+        "|---|" + "---|" * len(heads),
+    ]
+    for label, _, found in rows:
+        values = []
+        for w in heads:
+            note = status_note(found.get(w))
+            values.append(note or fmt(value_of(found.get(w), w), 0 if w.startswith("ttft") else 1))
+        md.append(f"| {label} | " + " | ".join(values) + " |")
+    md += ["", *ratio_table(rows, heads), "", *kernel_table(shape, rows, bandwidth, data), ""]
+    greedy = data.get("batched_greedy")
+    if greedy:
+        md += [
+            "llama.cpp batched offline, requests whose greedy tokens equal its one-at-a-time "
+            "run's: " + ", ".join(f"{k} {v}" for k, v in greedy.items()) + ".",
+            "",
+        ]
+    if quick:
+        md += ["(--quick: fewer requests and runs; a smoke run, not a result.)", ""]
+    return md
+
+
+def ratio_table(rows: list, heads: dict) -> list[str]:
+    """aieng with nothing set, and aieng's best mode, against llama.cpp's best mode."""
+    md = [
+        "| workload | aieng auto (nothing set) | aieng best | llama.cpp best | auto / llama.cpp "
+        "best | aieng best / llama.cpp best |",
+        "|---|---|---|---|---|---|",
+    ]
+    for w in heads:
+        lower = w.startswith("ttft")  # milliseconds: less is better
+        aieng, llama = [], []
+        for label, key, found in rows:
+            v = value_of(found.get(w), w)
+            if v is not None:
+                (aieng if key.startswith("aieng") else llama).append((v, label))
+        if not aieng:
             continue
-        batched = llama_cpp_batched.run_batched(path, prompts, output_lens, THREADS, slots)
-        pairs = list(zip(serial["token_ids"], batched["token_ids"], strict=True))
-        rows.append(
-            {
-                "engine": f"llama.cpp {mode} (batched, {slots} sequences)",
-                "offline_tokens_per_s": batched["tokens_per_s"],
-                "greedy_same_as_one_at_a_time": f"{sum(a == b for a, b in pairs)}/{len(pairs)}",
-                "first_difference": [common_prefix(a, b) for a, b in pairs if a != b],
-            }
+        pick = min if lower else max
+        best_a, best_l = pick(aieng), pick(llama) if llama else None
+        auto = next((v for v, label in aieng if "auto" in label), None)
+
+        def ratio(a, b, lower=lower):
+            if a is None or b is None:
+                return ""
+            return f"{(b[0] / a if lower else a / b[0]):.2f}x"
+
+        md.append(
+            f"| {w} | {fmt(auto)} | {fmt(best_a[0])} ({best_a[1]}) | "
+            + (f"{fmt(best_l[0])} ({best_l[1]})" if best_l else "")
+            + f" | {ratio(auto, best_l)} | {ratio(best_a[0], best_l)} |"
         )
-        print(rows[-1], flush=True)
-    return rows
+    md.append("")
+    md.append("A ratio above 1 means aieng is faster (TTFT: llama.cpp's time over aieng's).")
+    return md
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )
+def kernel_table(shape: str, rows: list, bandwidth: float | None, data: dict) -> list[str]:
+    if not bandwidth:
+        return []
+    per_weight = data.get("aieng_bytes_per_weight", {})
+    weights = weights_read(shape)
+    md = [
+        f"Kernel table: one-stream decode against the bandwidth limit (read bandwidth "
+        f"{bandwidth:.1f} GB/s over the bytes a token reads: weights + KV cache at the mean "
+        "context).",
+        "",
+        "| engine | workload | weights MB/token | KV MB/token | limit tok/s | measured tok/s | "
+        "of the limit |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, key, found in rows:
+        for w, (prompt, output) in (("stream", (128, 128)), ("ctx4096", (4096 - 128, 128))):
+            result = found.get(w)
+            measured = value_of(result, w)
+            if measured is None or key.endswith("|batched"):
+                continue
+            if key.startswith("aieng"):
+                wbytes = weights * per_weight.get(key.removeprefix("aieng-"), 0.0)
+            else:
+                wbytes = result.get("weight_bytes_per_token", 0)
+            kv = result.get("kv_bytes_per_token", 0) * (prompt + output / 2)
+            if not wbytes:
+                continue
+            limit = bandwidth * 1e9 / (wbytes + kv)
+            md.append(
+                f"| {label} | {w} | {wbytes / 1e6:.1f} | {kv / 1e6:.1f} | {limit:.1f} | "
+                f"{measured:.1f} | {measured / limit:.0%} |"
+            )
+    return md
 
 
-def table(rows: list[dict], columns: list[str]) -> str:
-    def cell(value) -> str:
-        if isinstance(value, float):
-            return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
-        return "" if value is None else str(value)
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    env = result["environment"]
+    lines = [
+        "# aieng against llama.cpp on the CPU, each with its defaults (benches/bench_cpu_peers.py)",
+        "",
+        f"{m['cpu']}, {m['nproc']} CPUs; {result['threads']} threads for each engine (aieng's "
+        f"default: one per CPU; llama.cpp given the same); Python {m['python']}; aieng "
+        f"{m.get('aieng', '?')}, torch {m.get('torch', '?')}; llama-cpp-python "
+        f"{m.get('llama_cpp_python') or 'not available'}. Read bandwidth "
+        f"{fmt(result.get('read_bandwidth_GB_s'))} GB/s. No environment variable set by the "
+        "bench; "
+        + (
+            "removed from the cells' environment: "
+            + ", ".join(f"{k}={v}" for k, v in env["removed"].items())
+            if env["removed"] and not env["kept"]
+            else "inherited and KEPT (not the engines' defaults): "
+            + ", ".join(f"{k}={v}" for k, v in env["removed"].items())
+            if env["removed"]
+            else "none inherited that tunes either engine"
+        )
+        + ". Every cell's own environment and versions are in the JSON.",
+        "",
+    ]
+    for shape, data in result["shapes"].items():
+        lines += shape_markdown(shape, data, result.get("read_bandwidth_GB_s"), result["quick"])
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=tuple(SHAPES), default="base")
-    ap.add_argument(
-        "--requests", type=int, default=None, help="64 (base), 16 (qwen0.5b); 0: one stream only"
+def machine_info() -> dict:
+    from aieng.benchmarks.offline import machine
+
+    info = machine(os.cpu_count() or 1)
+    info["python"] = platform.python_version()
+    try:
+        import aieng
+
+        info["aieng"] = aieng.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def llama_version(site: str | None, env: dict) -> str | None:
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import llama_cpp; "
+        "print(llama_cpp.__version__)"
     )
-    ap.add_argument("--quick", action="store_true", help="8 requests, a smoke run")
-    ap.add_argument("--llama-cpp-src", type=Path, default=None)
-    ap.add_argument("--skip-kernels", action="store_true")
+    done = subprocess.run(
+        [sys.executable, "-c", code, site or ""], env=env, capture_output=True, text=True
+    )
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    listed = lambda known: lambda text: checked_list(text, known)  # noqa: E731
+    ap.add_argument("--engines", type=listed(ENGINES), default=list(ENGINES))
+    ap.add_argument("--workloads", type=listed(WORKLOADS), default=None)
+    ap.add_argument("--shapes", type=listed(tuple(SHAPES)), default=list(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="8 requests, one run each: a smoke run")
+    ap.add_argument("--resume", action="store_true", help="keep cells already measured")
+    ap.add_argument("--tag", default="", help="results go to bench_cpu_peers_TAG.*")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per cell")
+    ap.add_argument("--llama-site", default=None, help="a folder where llama_cpp is installed")
     ap.add_argument(
-        "--only", default=None,
-        help="comma-separated engines to run, of: " + ",".join(ENGINE_KEYS) + " (default all)",
+        "--llama-cpp-src", type=Path, default=None,
+        help="llama-cpp-python's sdist (.tar.gz) or its vendor/llama.cpp folder (the converter)",
     )  # fmt: skip
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/aieng_cpu_peers"))
+    ap.add_argument("--keep-environment", action="store_true")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
-    torch.set_num_threads(THREADS)
-    names, default_requests = SHAPES[args.shape]
-    llama_modes = LLAMA_MODES
-    if args.only:
-        wanted = args.only.split(",")
-        if unknown := [w for w in wanted if w not in ENGINE_KEYS]:
-            ap.error(f"--only: unknown engines {unknown}; known: {', '.join(ENGINE_KEYS)}")
-        names = tuple(n for n in names if (AIENG_MODES[n] or "fp32") in wanted)
-        llama_modes = tuple(m for m in LLAMA_MODES if m in wanted)
-    requests = 8 if args.quick else default_requests if args.requests is None else args.requests
-    qwen = args.shape == "qwen0.5b"
-    vocab = QWEN05B["vocab_size"] if qwen else 32000
-    load = os.getloadavg()
-    info = {
-        **machine(THREADS),
-        "aieng_cpu_isa": _core.cpu_isa(),
-        "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"],
-    }
-    print(info, flush=True)
-    bandwidth, reading = copy_bandwidth(), read_bandwidth()
-    kernels = [] if args.skip_kernels or qwen else kernel_rows(bandwidth, reading)
-    for row in kernels:
-        print(row, flush=True)
-    prompts, output_lens = workload(requests, vocab) if requests else ([], [])
-    stream = (workload(1, 32000, max_len=128, seed=1)[0][0][:16] * 8, 128)
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        if qwen:
-            folder, params = qwen_checkpoint(work / "model")
-            config = QWEN05B
-        else:
-            folder, params = bench_offline.build_checkpoint("base", work / "model")
-            config = bench_offline.MODELS["base"]
-        int4 = quantized_checkpoint(folder, work / "model-int4")
-        kv_bytes = bench_offline.kv_budget(config, requests)
-        engines = aieng_rows(folder, int4, prompts, output_lens, kv_bytes, stream, names)
-        if args.llama_cpp_src is not None:
-            engines += llama_rows(
-                folder, args.llama_cpp_src, work, prompts, output_lens, stream, llama_modes
-            )
-    load_after = os.getloadavg()
+    args.workloads = args.workloads or list(QUICK_WORKLOADS if args.quick else WORKLOADS)
+    args.timeout = args.timeout or (600.0 if args.quick else 3600.0)
+    args.threads = os.cpu_count() or 1  # aieng's default (worker/device.py cpu_threads)
+    args.llama_src = None
+    return args
+
+
+def checked_list(text: str, known: tuple[str, ...]) -> list[str]:
+    names = [t for t in text.split(",") if t]
+    if unknown := [n for n in names if n not in known]:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; known: {', '.join(known)}")
+    return names
+
+
+def main() -> None:
+    args = parse_args()
+    env, removed = cell_environment(args.keep_environment)
+    stem = "bench_cpu_peers" + (f"_{args.tag}" if args.tag else "")
+    json_path = args.out / f"{stem}.json"
+    previous = json.loads(json_path.read_text()) if args.resume and json_path.exists() else {}
+    info = machine_info()
+    info["llama_cpp_python"] = llama_version(args.llama_site, env)
     result = {
         "machine": info,
-        "load_average_before": load,
-        "load_average_after": load_after,
-        "copy_bandwidth_GB_s": bandwidth / 1e9,
-        "read_bandwidth_GB_s": reading / 1e9,
-        "model": {"name": args.shape, "parameters": params, **config},
-        "requests": requests,
-        "kernels": kernels,
-        "engines": engines,
+        "threads": args.threads,
+        "quick": args.quick,
+        "environment": {"removed": removed, "kept": args.keep_environment},
+        "read_bandwidth_GB_s": previous.get("read_bandwidth_GB_s"),
+        "shapes": previous.get("shapes", {}),
     }
-    md = [
-        "# aieng CPU kernels and engine against llama.cpp (benches/bench_cpu_peers.py)",
-        "",
-        f"{info['cpu']} ({info['cpu_features']}), {info['nproc']} CPUs, {THREADS} threads for "
-        f"every engine; aieng's kernels on {info['aieng_cpu_isa']}; torch {info['torch']}; "
-        f"OMP_WAIT_POLICY={info['OMP_WAIT_POLICY']}. "
-        f"Measured bandwidth: copy {bandwidth / 1e9:.1f} GB/s (read + written), read "
-        f"{reading / 1e9:.1f} GB/s (torch.sum). Load average (1, 5, 15 min) {fmt_load(load)} at "
-        f"the start, {fmt_load(load_after)} at the end (2 cores: above about 2, other jobs "
-        f"shared them). One stream: the median of {STREAM_TRIALS} runs per engine (every run is "
-        "in the JSON); offline: one run.",
-        "",
-    ]
-    if kernels:
-        columns = ["kernel", "M", "ms", "GB/s", "of_copy", "of_read", "int8 GOPS", "of_peak"]
-        md += ["## Kernels", "", table(kernels, columns), ""]
-    model = (
-        "Qwen2.5-0.5B-shaped Llama (tied embeddings" if qwen else "base Llama (untied head"
-    ) + f", {params / 1e6:.0f}M parameters, random weights)"
-    md += [
-        f"## Engines: {model}, "
-        + (f"{requests} requests U[16, 256]" if requests else "no offline run")
-        + "; one stream of a 128-token prompt and 128 greedy tokens",
-        "",
-        table(
-            engines,
-            [
-                "engine",
-                "offline_tokens_per_s",
-                "stream_decode_tokens_per_s",
-                "stream_ttft_ms",
-                "greedy_same_as_one_at_a_time",
-            ],
-        ),
-        "",
-        "greedy_same_as_one_at_a_time: requests whose batched llama.cpp tokens equal its "
-        "one-at-a-time tokens; first_difference in the JSON gives where the others part.",
-        "",
-    ]
-    text = "\n".join(md)
-    print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "bench_cpu_peers" + ("_qwen0.5b" if qwen else "")
-    (args.out / f"{stem}.md").write_text(text)
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+
+    def save() -> None:
+        json_path.write_text(json.dumps(result, indent=1))
+        (args.out / f"{stem}.md").write_text(markdown(result))
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    if not result["read_bandwidth_GB_s"]:
+        bw = run_cell({"engine": "machine"}, args.work, env, 300)
+        result["read_bandwidth_GB_s"] = bw.get("read_bandwidth_GB_s")
+    llama = info["llama_cpp_python"] is not None and args.llama_cpp_src is not None
+    if not llama:
+        print(
+            "llama.cpp cells left out: llama_cpp not importable or no --llama-cpp-src", flush=True
+        )
+    for shape in args.shapes:
+        work = args.work / shape
+        work.mkdir(parents=True, exist_ok=True)
+        print(f"{shape}: checkpoints in {work}", flush=True)
+        paths = build_checkpoints(shape, work)
+        ggufs = None
+        if llama:
+            args.llama_src = llama_source(args.llama_cpp_src, args.work)
+            ggufs = build_ggufs(paths["fp32"], work, args.llama_src, env, args.llama_site)
+        requests = QUICK_REQUESTS if args.quick else SHAPES[shape][1]
+        data = result["shapes"].setdefault(shape, {"cells": {}})
+        data["model"] = {
+            **SHAPES[shape][0],
+            "requests": requests,
+            "description": describe(shape, requests),
+        }
+        data["aieng_bytes_per_weight"] = aieng_bytes_per_weight(paths["fp32"])
+        for key, spec in cell_specs(args, shape, paths, ggufs):
+            done = data["cells"].get(key)
+            if args.resume and done and done.get("status") == "ok":
+                continue
+            print(f"  {key} ...", flush=True)
+            data["cells"][key] = run_cell(spec, args.work, env, args.timeout)
+            print(f"  {key}: {summary(data['cells'][key])}", flush=True)
+            data["batched_greedy"] = batched_greedy(data["cells"])
+            save()
+    save()
+    print((args.out / f"{stem}.md").read_text())
 
 
-def fmt_load(load: tuple[float, float, float]) -> str:
-    return ", ".join(f"{x:.1f}" for x in load)
+def describe(shape: str, requests: int) -> str:
+    c = SHAPES[shape][0]
+    params = weights_read(shape) + (
+        0 if c["tie_word_embeddings"] else c["vocab_size"] * c["hidden_size"]
+    )
+    return (
+        f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
+        f"{c['num_attention_heads']} heads, {c['num_key_value_heads']} KV heads, intermediate "
+        f"{c['intermediate_size']}, vocabulary {c['vocab_size']}, "
+        + ("tied" if c["tie_word_embeddings"] else "untied")
+        + f" (about {params / 1e6:.0f}M weights), random weights"
+    )
+
+
+def summary(result: dict) -> str:
+    if result["status"] != "ok":
+        return result["status"] + (
+            f": {result.get('error', '')[-300:]}" if "error" in result else ""
+        )
+    keys = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms", "cell_s")
+    return ", ".join(f"{k} {result[k]:.1f}" for k in keys if isinstance(result.get(k), float))
+
+
+def batched_greedy(cells: dict) -> dict[str, str]:
+    """Per llama.cpp mode: batched requests whose greedy tokens equal the one-at-a-time run's."""
+    out = {}
+    for engine, mode in LLAMA_ENGINES.items():
+        one = cells.get(f"{engine}|offline|one at a time", {})
+        batched = cells.get(f"{engine}|offline|batched", {})
+        if one.get("status") == "ok" and batched.get("status") == "ok":
+            pairs = list(zip(one["token_ids"], batched["token_ids"], strict=True))
+            out[mode] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+    return out
 
 
 if __name__ == "__main__":

@@ -20,8 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 CONVERT = """
 import sys
 root = sys.argv[1]
@@ -67,6 +65,8 @@ def quantize(source: Path, out: Path, ftype: str, threads: int) -> Path:
 
 
 def load(gguf: Path, threads: int, context: int):
+    """llama-cpp-python's `Llama` with its defaults but the thread count and the context
+    (n_batch 512 is its default too)."""
     from llama_cpp import Llama
 
     return Llama(
@@ -101,20 +101,3 @@ def run_requests(llm, prompts: list[list[int]], output_lens: list[int]) -> dict:
     wall = time.perf_counter() - start
     tokens = sum(map(len, token_ids))
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "token_ids": token_ids}
-
-
-def run_stream(llm, prompt: list[int], max_tokens: int, reps: int = 2) -> dict:
-    """One request, `reps` times: the median time to the first token and decode tokens/s
-    after it, and every run's decode tokens/s."""
-    firsts, decodes = [], []
-    for _ in range(reps):
-        start = time.perf_counter()
-        tokens, first = generate(llm, prompt, max_tokens)
-        wall = time.perf_counter() - start
-        firsts.append(first)
-        decodes.append((len(tokens) - 1) / (wall - first))
-    return {
-        "ttft_s": float(np.median(firsts)),
-        "decode_tokens_per_s": float(np.median(decodes)),
-        "decode_trials": decodes,
-    }

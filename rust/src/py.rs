@@ -9,7 +9,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 use crate::block_pool::{BlockPool, BlockTable, PoolStats};
 use crate::error::CoreError;
-use crate::request::{RequestParams, StopReason};
+use crate::request::{RequestParams, SlotIds, StopReason};
 use crate::scheduler::{EngineCore, FinishedRequest, SchedulerConfig, StepUpdate};
 use crate::step_plan::StepPlan;
 use crate::structured::{Grammar, GrammarCompiler, GrammarSpec, PendingMasks};
@@ -391,24 +391,16 @@ struct PyStepPlan {
     banned_rows: Py<PyArray1<i32>>,
     #[pyo3(get)]
     banned_ids: Py<PyArray1<i32>>,
-    /// Each row's request id, as the core held them when it planned the step.
-    row_ids: Vec<String>,
+    /// Each slot's request id as the core held them when it planned the step (shared,
+    /// not copied), and each row's slot: the `request_ids` list is built from them.
+    slot_ids: SlotIds,
+    row_slots: Vec<i32>,
     id_list: PyOnceLock<Py<PyList>>,
     grammar_masks: Option<PendingMasks>,
 }
 
 impl PyStepPlan {
-    fn new(py: Python<'_>, plan: StepPlan, core: &PyEngineCore) -> Self {
-        let row_ids = plan
-            .slots
-            .iter()
-            .map(|&slot| {
-                core.core
-                    .request_id(slot as u32)
-                    .expect("a scheduled slot holds a request")
-                    .to_string()
-            })
-            .collect();
+    fn new(py: Python<'_>, plan: StepPlan) -> Self {
         PyStepPlan {
             num_requests: plan.seq_lens.len(),
             num_tokens: plan.input_ids.len(),
@@ -426,7 +418,8 @@ impl PyStepPlan {
             new_block_ids: array(py, &plan.new_block_ids),
             banned_rows: array(py, &plan.banned_rows),
             banned_ids: array(py, &plan.banned_ids),
-            row_ids,
+            slot_ids: plan.request_ids,
+            row_slots: plan.slots,
             id_list: PyOnceLock::new(),
             grammar_masks: plan.grammar_masks,
         }
@@ -437,7 +430,16 @@ impl PyStepPlan {
 impl PyStepPlan {
     #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        once(py, &self.id_list, || PyList::new(py, &self.row_ids))
+        once(py, &self.id_list, || {
+            PyList::new(
+                py,
+                self.row_slots.iter().map(|&slot| {
+                    self.slot_ids
+                        .get(slot as u32)
+                        .expect("a planned slot is named")
+                }),
+            )
+        })
     }
 
     /// The token masks of the constrained sampling rows, waited for (without the GIL):
@@ -699,7 +701,7 @@ impl PyEngineCore {
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
         let core = &mut self.core;
         let plan = py.detach(|| core.schedule())?;
-        Ok(PyStepPlan::new(py, plan, self))
+        Ok(PyStepPlan::new(py, plan))
     }
 
     /// Applies the tokens sampled for the last plan: one per sampling row, or

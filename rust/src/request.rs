@@ -1,5 +1,7 @@
 //! A request as the scheduler sees it: its tokens, its limits, and why it ended.
 
+use std::sync::Arc;
+
 use crate::error::{CoreError, Result};
 use crate::structured::SharedMatcher;
 use crate::text::{IncrementalDetokenizer, StopStep, StopStrings, Tokenizer};
@@ -112,7 +114,8 @@ pub(crate) struct Request {
     pub(crate) reported_blocks: usize,
     pub(crate) prompt_len: usize,
     pub(crate) stops: Stops,
-    pub(crate) id: String,
+    /// Shared with the core's id index and its [`SlotIds`]: never copied per step.
+    pub(crate) id: Arc<str>,
     pub(crate) params: RequestParams,
     pub(crate) num_preemptions: u32,
     pub(crate) status: Status,
@@ -124,6 +127,31 @@ pub(crate) struct Request {
     /// Speculative tokens proposed to follow `tokens`, verified by the next step that
     /// decodes it (then cleared); never set for a request with a grammar.
     pub(crate) draft: Vec<u32>,
+}
+
+/// The id of the request in each slot, as a plan names its rows' requests. A plan holds
+/// the table as it was when planned: one reference per step, no copy per row. A slot's
+/// entry changes only when a new request takes the slot (the table is copied then only
+/// if a plan still holds it); a retired request's entry stays until then, read by no
+/// later plan.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SlotIds(Arc<Vec<Arc<str>>>);
+
+impl SlotIds {
+    /// The id of the request in `slot` when the table was taken; None for a slot never used.
+    pub fn get(&self, slot: u32) -> Option<&str> {
+        self.0.get(slot as usize).map(|id| &**id)
+    }
+
+    /// Names `slot`'s new request.
+    pub(crate) fn set(&mut self, slot: u32, id: Arc<str>) {
+        let ids = Arc::make_mut(&mut self.0);
+        let slot = slot as usize;
+        if slot >= ids.len() {
+            ids.resize(slot + 1, Arc::from(""));
+        }
+        ids[slot] = id;
+    }
 }
 
 /// When a request ends, as lengths of its whole sequence, from its params.
@@ -194,7 +222,7 @@ impl TextState {
 impl Request {
     /// A waiting request; `text` when the core has a tokenizer.
     pub(crate) fn new(
-        id: &str,
+        id: Arc<str>,
         arrival: u64,
         prompt: &[u32],
         params: RequestParams,
@@ -214,7 +242,7 @@ impl Request {
             reported_blocks: 0,
             prompt_len: prompt.len(),
             stops,
-            id: id.to_string(),
+            id,
             params,
             num_preemptions: 0,
             status: Status::Waiting,
@@ -252,5 +280,35 @@ impl Request {
             return Some((FinishReason::Stop, Some(StopReason::Token(token))));
         }
         (self.tokens.len() >= self.stops.max_len).then_some((FinishReason::Length, None))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_held_slot_table_keeps_the_ids_it_was_taken_with() {
+        let mut ids = SlotIds::default();
+        ids.set(2, Arc::from("a"));
+        assert_eq!(
+            (ids.get(0), ids.get(2), ids.get(3)),
+            (Some(""), Some("a"), None)
+        );
+        let held = ids.clone();
+        ids.set(2, Arc::from("b"));
+        ids.set(0, Arc::from("c"));
+        assert_eq!((held.get(2), held.get(0)), (Some("a"), Some("")));
+        assert_eq!((ids.get(2), ids.get(0)), (Some("b"), Some("c")));
+    }
+
+    #[test]
+    fn an_unshared_table_is_updated_in_place() {
+        let mut ids = SlotIds::default();
+        ids.set(0, Arc::from("a"));
+        let before = Arc::as_ptr(&ids.0);
+        ids.set(0, Arc::from("b"));
+        assert_eq!(Arc::as_ptr(&ids.0), before);
+        assert_eq!(ids.get(0), Some("b"));
     }
 }

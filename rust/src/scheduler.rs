@@ -23,7 +23,9 @@ use rustc_hash::FxHashMap;
 
 use crate::block_pool::{BlockPool, PoolInner, PoolStats};
 use crate::error::{CoreError, Result};
-use crate::request::{FinishReason, Request, RequestParams, Status, StopReason, TextState};
+use crate::request::{
+    FinishReason, Request, RequestParams, SlotIds, Status, StopReason, TextState,
+};
 use crate::step_plan::StepPlan;
 use crate::structured::{Grammar, PendingMasks};
 use crate::text::Tokenizer;
@@ -123,7 +125,13 @@ pub struct EngineCore {
     pool: BlockPool,
     requests: Vec<Option<Request>>,
     free_slots: Vec<u32>,
-    slot_of: FxHashMap<String, u32>,
+    slot_of: FxHashMap<Arc<str>, u32>,
+    /// Each slot's request id, handed to every plan by reference.
+    slot_ids: SlotIds,
+    /// Live requests with a grammar: the step starts masks only when some are.
+    num_grammars: usize,
+    /// Live requests holding draft tokens: the step reads drafts only when some are.
+    num_drafted: usize,
     waiting: BTreeSet<(i32, u64, u32)>,
     /// Slots of running requests, sorted by (priority, arrival).
     running: Vec<u32>,
@@ -158,6 +166,9 @@ impl EngineCore {
             requests: Vec::new(),
             free_slots: Vec::new(),
             slot_of: FxHashMap::default(),
+            slot_ids: SlotIds::default(),
+            num_grammars: 0,
+            num_drafted: 0,
             waiting: BTreeSet::new(),
             running: Vec::new(),
             next_arrival: 0,
@@ -273,12 +284,15 @@ impl EngineCore {
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         self.waiting.insert((params.priority, arrival, slot));
-        let mut request = Request::new(id, arrival, prompt, params, max_len, text);
+        let id: Arc<str> = Arc::from(id);
+        let mut request = Request::new(Arc::clone(&id), arrival, prompt, params, max_len, text);
         if let Some(grammar) = grammar {
             request.grammar = Some(grammar.matcher(request.stop_ids().to_vec()).shared());
+            self.num_grammars += 1;
         }
         self.requests[slot as usize] = Some(request);
-        self.slot_of.insert(id.to_string(), slot);
+        self.slot_of.insert(Arc::clone(&id), slot);
+        self.slot_ids.set(slot, id);
         Ok(slot)
     }
 
@@ -308,11 +322,13 @@ impl EngineCore {
         stop_reason: Option<StopReason>,
     ) -> FinishedRequest {
         let r = self.requests[slot as usize].take().expect("live slot");
-        self.slot_of.remove(&r.id);
+        self.slot_of.remove(&*r.id);
         self.free_slots.push(slot);
+        self.num_grammars -= usize::from(r.grammar.is_some());
+        self.num_drafted -= usize::from(!r.draft.is_empty());
         let finished = FinishedRequest {
             num_output_tokens: r.num_output_tokens(),
-            request_id: r.id,
+            request_id: r.id.to_string(),
             slot,
             reason,
             stop_reason,
@@ -341,7 +357,7 @@ impl EngineCore {
         self.requests
             .get(slot as usize)
             .and_then(|r| r.as_ref())
-            .map(|r| r.id.as_str())
+            .map(|r| &*r.id)
     }
 
     /// Number of prefix-cache hits of a request's first admission (None before it).
@@ -367,8 +383,11 @@ impl EngineCore {
         }
         let mut plan = self.build_plan(&guard, &entries);
         drop(guard);
-        plan.grammar_masks = self.start_masks(&entries);
-        self.in_flight_masks = plan.grammar_masks.clone();
+        plan.request_ids = self.slot_ids.clone();
+        if self.num_grammars > 0 {
+            plan.grammar_masks = self.start_masks(&entries);
+            self.in_flight_masks = plan.grammar_masks.clone();
+        }
         self.in_flight = Some(entries);
         self.debug_check();
         Ok(plan)
@@ -412,6 +431,7 @@ impl EngineCore {
         budget: &mut usize,
     ) -> bool {
         let mut preempted = false;
+        let drafted = self.num_drafted > 0;
         let mut decodes_left = self
             .running
             .iter()
@@ -425,7 +445,9 @@ impl EngineCore {
             if decoding {
                 decodes_left -= 1;
             }
-            let n = if decoding {
+            let n = if decoding && !drafted {
+                1.min(*budget)
+            } else if decoding {
                 let drafts = self
                     .num_drafts(slot)
                     .min(budget.saturating_sub(1 + decodes_left));
@@ -503,12 +525,15 @@ impl EngineCore {
             ));
         }
         let r = self.req_mut(slot);
+        let had = !r.draft.is_empty();
         r.draft.clear();
         let valid = match &r.grammar {
             Some(grammar) => grammar.lock().valid_prefix(draft),
             None => draft.len(),
         };
         r.draft.extend_from_slice(&draft[..valid]);
+        let has = !r.draft.is_empty();
+        self.num_drafted = self.num_drafted + usize::from(has) - usize::from(had);
         Ok(())
     }
 
@@ -628,6 +653,7 @@ impl EngineCore {
             new_block_ids: Vec::new(),
             banned_rows: Vec::new(),
             banned_ids: Vec::new(),
+            request_ids: SlotIds::default(),
             grammar_masks: None,
         };
         plan.query_start_loc.push(0);
@@ -638,8 +664,10 @@ impl EngineCore {
             let own_end = end - e.num_draft;
             plan.input_ids
                 .extend(r.tokens[start..own_end].iter().map(|&t| t as i32));
-            plan.input_ids
-                .extend(r.draft[..e.num_draft].iter().map(|&t| t as i32));
+            if e.num_draft > 0 {
+                plan.input_ids
+                    .extend(r.draft[..e.num_draft].iter().map(|&t| t as i32));
+            }
             plan.positions.extend((start..end).map(|p| p as i32));
             let mut pos = start;
             while pos < end {
@@ -657,16 +685,22 @@ impl EngineCore {
                 // output token that follows j more; it may not end the request while
                 // min_tokens are not out.
                 let last = plan.input_ids.len() - e.num_draft - 1;
-                for j in 0..=e.num_draft {
-                    if r.tokens.len() + j < r.stops.min_len {
-                        let sample = plan.logits_indices.len() as i32;
-                        for &id in r.stop_ids() {
-                            plan.banned_rows.push(sample);
-                            plan.banned_ids.push(id as i32);
-                        }
-                    }
-                    plan.logits_indices.push((last + j) as i32);
+                if e.num_draft == 0 && r.may_stop() {
+                    // The common row: one sample, nothing banned.
+                    plan.logits_indices.push(last as i32);
                     plan.sample_request_rows.push(row as i32);
+                } else {
+                    for j in 0..=e.num_draft {
+                        if r.tokens.len() + j < r.stops.min_len {
+                            let sample = plan.logits_indices.len() as i32;
+                            for &id in r.stop_ids() {
+                                plan.banned_rows.push(sample);
+                                plan.banned_ids.push(id as i32);
+                            }
+                        }
+                        plan.logits_indices.push((last + j) as i32);
+                        plan.sample_request_rows.push(row as i32);
+                    }
                 }
             }
             plan.slots.push(e.slot as i32);
@@ -724,6 +758,8 @@ impl EngineCore {
         let mut counts = num_sampled.map(|c| c.iter());
         let mut rest = sampled;
         let tokenizer = self.tokenizer.clone();
+        let (drafted, grammars) = (self.num_drafted > 0, self.num_grammars > 0);
+        let mut undrafted = 0;
         let bs = self.config.block_size;
         let pool = self.pool.clone();
         let mut guard = pool.lock();
@@ -742,14 +778,20 @@ impl EngineCore {
             }
             let r = self.req_mut(e.slot);
             // Drafts count as computed as far as the tokens taken confirm them.
-            let confirmed = tokens
-                .iter()
-                .zip(&r.draft[..e.num_draft])
-                .take_while(|(&t, &d)| t == d as i64)
-                .count()
-                .min(tokens.len().saturating_sub(1));
+            let confirmed = match e.num_draft {
+                0 => 0,
+                n => tokens
+                    .iter()
+                    .zip(&r.draft[..n])
+                    .take_while(|(&t, &d)| t == d as i64)
+                    .count()
+                    .min(tokens.len().saturating_sub(1)),
+            };
             r.num_computed += e.num_new - e.num_draft + confirmed;
-            r.draft.clear();
+            if drafted && !r.draft.is_empty() {
+                r.draft.clear();
+                undrafted += 1;
+            }
             let table_id = r.table.as_ref().expect("scheduled").id();
             for &token in tokens {
                 let token = token as u32;
@@ -765,7 +807,7 @@ impl EngineCore {
                     }
                     None => r.check_stop(),
                 };
-                if stop.is_none() {
+                if stop.is_none() && grammars {
                     stop = Self::advance_grammar(r, tokenizer.as_deref(), token, &mut out.texts);
                 }
                 if let Some(stop) = stop {
@@ -784,6 +826,7 @@ impl EngineCore {
                 r.reported_blocks = r.reported_blocks.min(held);
             }
         }
+        self.num_drafted -= undrafted;
         for (slot, (reason, stop_reason)) in finished_slots {
             self.running.retain(|&s| s != slot);
             let r = self.req_mut(slot);
@@ -880,6 +923,20 @@ impl EngineCore {
         }
         if self.running.len() > self.config.max_num_seqs {
             return fail("more running requests than max_num_seqs".into());
+        }
+        let live_requests = || self.requests.iter().flatten();
+        let grammars = live_requests().filter(|r| r.grammar.is_some()).count();
+        let drafted = live_requests().filter(|r| !r.draft.is_empty()).count();
+        if (grammars, drafted) != (self.num_grammars, self.num_drafted) {
+            return fail(format!(
+                "{grammars} requests with a grammar and {drafted} with drafts, counted {} and {}",
+                self.num_grammars, self.num_drafted
+            ));
+        }
+        for r in live_requests() {
+            if self.slot_ids.get(self.slot_of[&*r.id]) != Some(&*r.id) {
+                return fail(format!("{:?} is not named in its slot", r.id));
+            }
         }
         let pool = self.pool.lock();
         let mut last_key = None;

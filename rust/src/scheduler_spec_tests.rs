@@ -109,7 +109,7 @@ fn run_one_step(core: &mut EngineCore, k: usize, wrong: usize) -> (usize, Vec<(S
         .iter()
         .flatten()
         .filter(|r| r.status == Status::Running)
-        .map(|r| (r.id.clone(), r.tokens.clone()))
+        .map(|r| (r.id.to_string(), r.tokens.clone()))
         .collect();
     for (n, (id, mut context)) in live.into_iter().enumerate() {
         let mut draft = Vec::new();

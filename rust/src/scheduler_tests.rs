@@ -143,7 +143,7 @@ fn run(core: &mut EngineCore) -> HashMap<String, (Vec<u32>, FinishReason)> {
         .requests
         .iter()
         .flatten()
-        .map(|r| (r.id.clone(), r.tokens[r.prompt_len..].to_vec()))
+        .map(|r| (r.id.to_string(), r.tokens[r.prompt_len..].to_vec()))
         .collect();
     let mut done = HashMap::new();
     let mut runner = Runner::after(core);
@@ -675,6 +675,28 @@ fn a_reused_slot_reports_its_new_table_from_the_first_block() {
     runner.apply(&core, &plan);
     let indices: Vec<i32> = new_blocks(&plan, c as i32).iter().map(|b| b.0).collect();
     assert_eq!(indices, vec![0, 1, 2]);
+    core.update(&[7, 8]).unwrap();
+    run(&mut core);
+}
+
+#[test]
+fn a_held_plan_names_its_rows_requests_after_their_slots_are_reused() {
+    let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
+    let a = core.add_request("a", &prompt(1, 6), params(1)).unwrap();
+    core.add_request("b", &prompt(2, 6), params(4)).unwrap();
+    let first = core.schedule().unwrap();
+    assert_eq!(ids(&core, &first), ["a", "b"]);
+    core.update(&[5, 6]).unwrap();
+    assert_eq!(core.add_request("c", &prompt(3, 10), params(2)).unwrap(), a);
+    let second = core.schedule().unwrap();
+    let named = |plan: &StepPlan| -> Vec<String> {
+        (0..plan.num_requests())
+            .map(|r| plan.request_id(r).to_string())
+            .collect()
+    };
+    assert_eq!(named(&first), ["a", "b"]);
+    assert_eq!(named(&second), ids(&core, &second));
+    assert_eq!(named(&second), ["b", "c"]);
     core.update(&[7, 8]).unwrap();
     run(&mut core);
 }

@@ -14,6 +14,7 @@
 //! stop ids, and the plan lists those bans for the sampler (`banned_rows`,
 //! `banned_ids`) instead of the sampler tracking output counts of its own.
 
+use crate::request::SlotIds;
 use crate::structured::PendingMasks;
 
 /// The work of one step. Rows are requests, in the order the arrays list them.
@@ -50,6 +51,8 @@ pub struct StepPlan {
     pub banned_rows: Vec<i32>,
     /// (K,)
     pub banned_ids: Vec<i32>,
+    /// The request id of each slot as of this plan: row r's is `request_ids.get(slots[r])`.
+    pub request_ids: SlotIds,
     /// The token masks of the sampling rows with a structured-output grammar, computed
     /// while the model runs; None when no row has one.
     pub grammar_masks: Option<PendingMasks>,
@@ -66,5 +69,12 @@ impl StepPlan {
 
     pub fn is_empty(&self) -> bool {
         self.input_ids.is_empty()
+    }
+
+    /// The id of row `row`'s request.
+    pub fn request_id(&self, row: usize) -> &str {
+        self.request_ids
+            .get(self.slots[row] as u32)
+            .expect("a planned slot is named")
     }
 }
