@@ -72,6 +72,7 @@ def build_app(
                 versions.stop_all()
             if ctx.engine is not None:
                 ctx.engine.shutdown()
+            ctx.tokenizing.shutdown()
 
     app = FastAPI(
         title="aieng",
@@ -131,6 +132,7 @@ async def _load(
     else:
         async_engine = engine
     async_engine.start()
+    await ctx.tokenizing.bytes_per_token(async_engine.tokenizer)  # the byte bound, worked out once
     ctx.attach(async_engine)
     if ctx.catalog:  # the other models of --model-dir, then (if asked) every other version
         ctx.catalog_loading = asyncio.create_task(_load_catalog(ctx))

@@ -17,6 +17,7 @@ from aieng.server.config import ServerConfig
 from aieng.server.errors import ApiError, invalid
 from aieng.server.metrics import ServerMetrics
 from aieng.server.request_log import RequestRecord, log_request
+from aieng.server.tokenizing import TokenizerPool
 from aieng.server.traffic_split import mirror
 from aieng.worker.gpu_memory import GpuMemory
 
@@ -31,6 +32,7 @@ class ServerContext:
         self.model_defaults: dict[str, Any] = {}
         self.created = int(time.time())
         self.admission = Admission(config, self.stats)
+        self.tokenizing = TokenizerPool()
         self.metrics = ServerMetrics(
             config.served_model_name,
             self.stats,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -13,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from aieng.engine.engine_client import EngineClient
 from aieng.server.admission import ServerState
 from aieng.server.chat import render_chat
+from aieng.server.clients import client_of
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import ApiError, invalid
 from aieng.server.offloop import OffLoopBodyRoute
@@ -144,12 +144,15 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise invalid("give exactly one of prompt and messages", "prompt")
-    if body.messages is not None:
-        ids = await render_chat(ctx, body.messages, body.add_generation_prompt)
-    else:
-        encode = engine.tokenizer.encode
-        ids = await asyncio.to_thread(encode, body.prompt, body.add_special_tokens)
+    client = client_of(request)
     context = engine.model_info.max_model_len
+    if body.messages is not None:
+        ids = await render_chat(ctx, client, body.messages, body.add_generation_prompt)
+    else:
+        assert body.prompt is not None
+        tokenizer = engine.tokenizer
+        prompt, special = [body.prompt], body.add_special_tokens
+        (ids,) = await ctx.tokenizing.encode(client, tokenizer, prompt, special, "prompt", context)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": context})
 
 
@@ -159,5 +162,6 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     engine = ctx.ready_engine()
     ctx.check_model(body.model)
     ctx.check_token_ids(body.tokens, "tokens")
-    text = await asyncio.to_thread(engine.tokenizer.decode, body.tokens, False)
+    decode, tokens = engine.tokenizer.decode, body.tokens
+    text = await ctx.tokenizing.run(client_of(request), len(tokens), decode, tokens, False)
     return JSONResponse({"prompt": text})
