@@ -280,6 +280,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         params.verify(self.vocab_size, self.engine_config.max_logprobs)
+        one_token_bad_words = [w[0] for w in self._bad_words_ids(params) if len(w) == 1]
+        params.check_satisfiable(self.eos_token_ids, one_token_bad_words)
         grammar = self.compile_grammar(params)
         text, ids = self.tokenize(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())

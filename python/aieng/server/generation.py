@@ -7,7 +7,8 @@ A choice the engine finishes with finish_reason "error" (its step failed; the en
 fails the whole request with a 500 `server_error` naming the request id and the cause: as the
 status of a response not yet started, else as an error event in the stream, which OpenAI's
 clients raise as an `APIError` (they retry a 500 status on their own). What else still runs
-of the request is aborted.
+of the request is aborted. A choice that ended because no token could be drawn (the request's
+own masks left none) is a 400 `no_valid_token` instead: retrying cannot help.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from fastapi import Request
 
 from aieng.engine.engine_client import EngineClient
-from aieng.engine.llm_engine import EngineDeadError
+from aieng.engine.llm_engine import NO_VALID_TOKEN, EngineDeadError
 from aieng.errors import AiengError, InvalidArgumentError, error_field
 from aieng.outputs import RequestOutput
 from aieng.pooling import PoolingParams
@@ -106,7 +107,8 @@ class Generation:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Admits the request (or raises 429/503) and hands its prompts to the engine."""
+        """Admits the request (or raises 400/429/503) and hands its prompts to the engine."""
+        self._check_satisfiable()
         admission, metrics = self.ctx.admission, self.ctx.metrics
         refusal = admission.refusal([len(p) for p in self.prompts])
         if refusal is not None:
@@ -127,6 +129,21 @@ class Generation:
             self._pumps.append(asyncio.create_task(self._pump(index, engine_id, stream)))
         self._admitted = True
         self.ctx.after_admitted(self)
+
+    def _check_satisfiable(self) -> None:
+        """A 400 at the door for a request that could never draw a token (SamplingParams'
+        rule; the engine applies it again, with the bad words, when it takes the request)."""
+        eos = self.engine.model_info.eos_token_ids
+        for params in self.params:
+            if not isinstance(params, SamplingParams):
+                continue
+            try:
+                params.check_satisfiable(eos)
+            except InvalidArgumentError as error:
+                api_error = self._api_error(error)
+                self.status, self.error = api_error.status, api_error.code
+                self._log()
+                raise api_error from None
 
     async def _pump(self, index: int, engine_id: str, stream: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -271,6 +288,15 @@ class Generation:
 
     def _step_failed(self, index: int, choice: Choice) -> ApiError:
         cause = choice.stop_reason if isinstance(choice.stop_reason, str) else "see the server log"
+        if cause == NO_VALID_TOKEN:  # the request's own masks left nothing: not a server fault
+            return ApiError(
+                400,
+                f"request {self.request_id}: at some step no token could be drawn: the "
+                "request's allowed_token_ids, bad_words, structured output and min_tokens "
+                "together masked every token (or the logits were not finite)",
+                None,
+                "no_valid_token",
+            )
         return ApiError(
             500,
             f"request {self.request_id} failed in the engine (engine request "

@@ -45,7 +45,7 @@ def _models(ctx: ServerContext) -> list[dict[str, Any]]:
                 {
                     **_model(ctx),
                     "id": f"{name}@{version}",
-                    "root": str(versions.states[version].manifest.folder),
+                    "root": name,
                     "parent": name,
                     "max_model_len": engine.model_info.max_model_len,
                 }
@@ -80,12 +80,14 @@ async def version() -> JSONResponse:
 
 
 def _model(ctx: ServerContext) -> dict[str, Any]:
+    """The served model by its name; `root` is a name too (vLLM puts the model's path there,
+    which would show every key holder the server's folders)."""
     model: dict[str, Any] = {
         "id": ctx.config.served_model_name,
         "object": "model",
         "created": ctx.created,
         "owned_by": "aieng",
-        "root": ctx.config.model_path,
+        "root": ctx.config.served_model_name,
     }
     if ctx.engine is not None:
         model["max_model_len"] = ctx.engine.model_info.max_model_len
