@@ -207,3 +207,103 @@ def test_a_batch_of_many_texts_is_tokenized_in_parts_in_order(server):
 
     got = asyncio.run_coroutine_threadsafe(encode(), server.loop).result(60)
     assert got == expected
+
+
+# ---------------------------------------------------------------------------- fair admission
+
+HEAVY_INPUTS = 160
+QUEUE = HEAVY_INPUTS + 8
+WORDS = "the quick brown fox jumps over the lazy dog and runs far away "
+
+
+@pytest.fixture(scope="module")
+def fair_server(model):
+    # A step of 64 tokens keeps about two heavy inputs in the engine at a time: the rest wait
+    # at the gate, where the order is decided.
+    engine = {"max_model_len": 256, "max_num_batched_tokens": 64, "max_num_seqs": 8}
+    with ThreadServer(model, engine=engine, max_queue_requests=QUEUE) as s:
+        yield s
+        s.wait_idle(60)
+        s.in_engine(lambda engine: engine.check_pool_whole())
+
+
+def _key(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {name}"}
+
+
+async def _light_beside_heavy(server, light_key: str) -> tuple[httpx.Response, int, bool]:
+    """A heavy embedding request of HEAVY_INPUTS inputs from the key "heavy", then a short
+    completion from `light_key` once the heavy inputs wait at the gate. -> (the light
+    response, heavy inputs still waiting when it came back, whether the heavy one was done)."""
+    admission = server.ctx.admission
+    inputs = [f"{i} {WORDS}" for i in range(HEAVY_INPUTS)]
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        heavy = asyncio.create_task(
+            client.post(
+                "/v1/embeddings",
+                json={"input": inputs, "pooling": "mean"},
+                headers=_key("heavy"),
+            )
+        )
+        while server.in_loop(lambda: admission.num_at_gates) < HEAVY_INPUTS // 2:
+            await asyncio.sleep(0.01)
+        light = await client.post(
+            "/v1/completions",
+            json={"prompt": "The", "max_tokens": 2, "temperature": 0},
+            headers=_key(light_key),
+        )
+        waiting = server.in_loop(lambda: admission.num_at_gates)
+        heavy_done = heavy.done()
+        assert (await heavy).status_code == 200
+    return light, waiting, heavy_done
+
+
+@pytest.mark.parametrize("light_key", ["light", "heavy"])
+def test_a_light_request_is_not_stuck_behind_a_heavy_clients_queue(fair_server, light_key):
+    """Another client, or the same client's generation beside its embeddings: either way the
+    short completion goes in after at most a step's worth of the heavy inputs, while most of
+    them still wait (first come, first served would have run all of them first)."""
+    light, waiting, heavy_done = asyncio.run(_light_beside_heavy(fair_server, light_key))
+    assert light.status_code == 200, light.text
+    assert not heavy_done and waiting >= HEAVY_INPUTS // 4, waiting
+
+
+def test_a_full_queue_refuses_the_client_that_fills_it_not_a_newcomer(model):
+    """One seat, taken by a long stream: client a fills the queue of 8; a newcomer b is still
+    admitted (it holds less than its share), a's next request is refused."""
+    long = {"prompt": "The quick", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    short = {"max_tokens": 2, "temperature": 0}
+    config = {"engine": {"max_num_seqs": 1}, "max_queue_requests": 8}
+    with ThreadServer(model, **config) as server:
+        admission = server.ctx.admission
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                async with client.stream(
+                    "POST", "/v1/completions", json=long, headers=_key("a")
+                ) as blocker:
+                    lines = blocker.aiter_lines()
+                    async for line in lines:  # it runs: the only seat is taken
+                        if line.startswith("data: "):
+                            break
+                    batch = {**short, "prompt": [[7, 8, 9]] * 8}
+                    filling = asyncio.create_task(
+                        client.post("/v1/completions", json=batch, headers=_key("a"))
+                    )
+                    while server.in_loop(lambda: admission.num_queued) < 8:
+                        await asyncio.sleep(0.01)
+                    one = {**short, "prompt": "The"}
+                    more = await client.post("/v1/completions", json=one, headers=_key("a"))
+                    other = asyncio.create_task(
+                        client.post("/v1/completions", json=one, headers=_key("b"))
+                    )
+                    while server.in_loop(lambda: admission.num_queued) < 9:
+                        await asyncio.sleep(0.01)
+                return await filling, more, await other
+
+        filling, more, other = asyncio.run(scenario())
+        assert filling.status_code == 200, filling.text
+        assert more.status_code == 429 and more.json()["error"]["code"] == "queue_requests"
+        assert "its share" in more.json()["error"]["message"]
+        assert other.status_code == 200, other.text
+        server.wait_idle()

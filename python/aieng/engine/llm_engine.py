@@ -140,6 +140,7 @@ def _model_info(config: EngineConfig, worker: WorkerInfo, num_blocks: int) -> Mo
         block_size=config.cache.block_size,
         num_blocks=num_blocks,
         max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         tensor_parallel_size=config.parallel.tensor_parallel_size,
         generation_defaults=dict(config.model.generation_defaults),
         load_phases=worker.load_phases,

@@ -29,6 +29,7 @@ from aieng.outputs import RequestOutput
 from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 from aieng.server.admission import ServerState
+from aieng.server.clients import client_of
 from aieng.server.context import ServerContext, arrival_of, request_id_of
 from aieng.server.errors import ApiError, internal_error
 from aieng.server.request_log import RequestRecord, log_request
@@ -75,6 +76,7 @@ class Generation:
         self.ctx, self.http, self.endpoint, self.engine = ctx, http, http.url.path, engine
         self.field_names = field_names or {}
         self.request_id = request_id_of(http)
+        self.client = client_of(http)
         self.arrival = arrival_of(http)
         self.created = int(time.time())
         self.prompts, self.params = prompts, params
@@ -110,7 +112,7 @@ class Generation:
         """Admits the request (or raises 400/429/503) and hands its prompts to the engine."""
         self._check_satisfiable()
         admission, metrics = self.ctx.admission, self.ctx.metrics
-        refusal = admission.refusal([len(p) for p in self.prompts])
+        refusal = admission.refusal([len(p) for p in self.prompts], self.client)
         if refusal is not None:
             metrics.rejected(refusal.reason)
             self.status, self.error = refusal.status, refusal.reason
@@ -120,13 +122,12 @@ class Generation:
             )
         timeout = self.ctx.config.request_timeout
         deadline = None if timeout is None else self.arrival + timeout
-        for index, (engine_id, prompt, params) in enumerate(
-            zip(self.engine_ids, self.prompts, self.params, strict=True)
+        for index, (engine_id, prompt) in enumerate(
+            zip(self.engine_ids, self.prompts, strict=True)
         ):
-            admission.admit(engine_id, len(prompt))
+            admission.admit(engine_id, len(prompt), self.client)
             metrics.admitted(len(prompt))
-            stream = self.engine.generate(engine_id, prompt, params, deadline=deadline)
-            self._pumps.append(asyncio.create_task(self._pump(index, engine_id, stream)))
+            self._pumps.append(asyncio.create_task(self._pump(index, engine_id, deadline)))
         self._admitted = True
         self.ctx.after_admitted(self)
 
@@ -145,8 +146,21 @@ class Generation:
                 self._log()
                 raise api_error from None
 
-    async def _pump(self, index: int, engine_id: str, stream: AsyncIterator[RequestOutput]) -> None:
+    async def _pump(self, index: int, engine_id: str, deadline: float | None) -> None:
+        """Waits for the prompt's fair turn to go to the engine (at most until the deadline),
+        then hands on its outputs."""
+        prompt, params = self.prompts[index], self.params[index]
         try:
+            kind = "embed" if isinstance(params, PoolingParams) else "generate"
+            entering = self.ctx.admission.enter(
+                self.engine, engine_id, kind, self.client, len(prompt)
+            )
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                await asyncio.wait_for(entering, wait)
+            except TimeoutError:
+                raise self._aborted_error() from None
+            stream = self.engine.generate(engine_id, prompt, params, deadline=deadline)
             async for out in stream:
                 self._events.put_nowait((index, out))
         except Exception as error:
