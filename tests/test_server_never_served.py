@@ -190,3 +190,16 @@ def test_models_show_names_not_folders(server, model):
         assert str(model) not in response.text and str(model.parent) not in response.text
     listed = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
     assert listed["id"] == listed["root"] == "tiny-llama"
+
+
+def test_more_inputs_than_the_queue_holds_is_a_400_naming_input(server):
+    """docs/embedding.md: each input is a queued engine request, so at most
+    --max-queue-requests (256 by default) inputs fit one request."""
+    limit = server.ctx.config.max_queue_requests
+    response = _post(server, "/v1/embeddings", {"input": [[5, 6]] * (limit + 1), "pooling": "mean"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input" and error["code"] == "exceeds_queue_limits"
+    assert str(limit) in error["message"]
+    prompts = {"prompt": [[5, 6]] * (limit + 1), "max_tokens": 1}
+    assert _post(server, "/v1/completions", prompts).json()["error"]["param"] == "prompt"

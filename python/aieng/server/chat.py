@@ -74,7 +74,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     await compile_constraint(engine, params, body)
     params = await constrain_to_calls(engine, params, plan)
     generation = Generation(
-        ctx, request, engine, [ids], [params], field_names={"logprobs": "top_logprobs"}
+        ctx,
+        request,
+        engine,
+        [ids],
+        [params],
+        field_names={"logprobs": "top_logprobs", "prompt": "messages"},
     )
     response = await respond(
         generation,

@@ -46,7 +46,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     except InvalidArgumentError as error:
         raise invalid(str(error), "dimensions") from None
     prompts = await _input_ids(ctx, request, body, engine)
-    generation = Generation(ctx, request, engine, prompts, [pooling] * len(prompts))
+    generation = Generation(
+        ctx, request, engine, prompts, [pooling] * len(prompts), field_names={"prompt": "input"}
+    )
     generation.start()
     try:
         await generation.collect()

@@ -117,9 +117,9 @@ class Generation:
             metrics.rejected(refusal.reason)
             self.status, self.error = refusal.status, refusal.reason
             self._log()
-            raise ApiError(
-                refusal.status, refusal.message, code=refusal.reason, headers=refusal.headers
-            )
+            # a request that could never be queued names its prompts' field
+            param = self.field_names.get("prompt", "prompt") if refusal.status == 400 else None
+            raise ApiError(refusal.status, refusal.message, param, refusal.reason, refusal.headers)
         timeout = self.ctx.config.request_timeout
         deadline = None if timeout is None else self.arrival + timeout
         for index, (engine_id, prompt) in enumerate(
