@@ -17,6 +17,7 @@ from aieng.structured_outputs import StructuredOutputsParams
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive float32 (a subnormal)
 MAX_TOP_K = (1 << 31) - 1  # top_k past the vocabulary means all of it; past int32 is an error
 MAX_N = 1024  # sequences of one request: each is a request in the core
 MAX_TOKENS = (1 << 31) - 1  # max_tokens and min_tokens: past any context, and within int32

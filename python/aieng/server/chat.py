@@ -17,7 +17,7 @@ from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
 from aieng.server.logprob_json import json_logprob
 from aieng.server.offloop import OffLoopBodyRoute
-from aieng.server.openapi_docs import ERROR_RESPONSES
+from aieng.server.openapi_docs import ERROR_RESPONSES, STREAM_RESPONSES
 from aieng.server.params import (
     check_request,
     mark_ignored_fields,
@@ -41,7 +41,7 @@ from aieng.server.tool_parsers import ToolParser
 router = APIRouter(route_class=OffLoopBodyRoute)
 
 
-@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+@router.post("/v1/chat/completions", responses={**STREAM_RESPONSES, **ERROR_RESPONSES})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
     ctx.check_model(body.model)

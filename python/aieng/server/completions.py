@@ -22,7 +22,7 @@ from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
 from aieng.server.logprob_json import json_logprob
 from aieng.server.offloop import OffLoopBodyRoute
-from aieng.server.openapi_docs import ERROR_RESPONSES
+from aieng.server.openapi_docs import ERROR_RESPONSES, STREAM_RESPONSES
 from aieng.server.params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     check_request,
@@ -38,7 +38,7 @@ from aieng.server.structured import compile_constraint
 router = APIRouter(route_class=OffLoopBodyRoute)
 
 
-@router.post("/v1/completions", responses=ERROR_RESPONSES)
+@router.post("/v1/completions", responses={**STREAM_RESPONSES, **ERROR_RESPONSES})
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
     ctx.check_model(body.model)

@@ -16,14 +16,18 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
-from aieng.sampling import MAX_TOP_K
+from aieng.sampling import FLOAT32_TINY, MAX_TOKENS, MAX_TOP_K
 
 MAX_N = 16
 MAX_STOP = 16
@@ -49,9 +53,28 @@ def check_unicode(value: str) -> str:
 
 
 Str = Annotated[str, AfterValidator(check_unicode)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=INT64)]], Field(min_length=1)]
+
+
+def integral(value: object) -> object:
+    """A JSON number with no fraction (1.0) as the integer it is: JSON Schema's "integer"
+    includes it, so the server does too; 1.5, "1" and true stay refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(integral)]
+# A token id: its bound in the served document is the model's vocabulary (served_schema.py).
+TOKEN_ID_MARK = "x-aieng-token-id"
+TokenId = Annotated[Int, Field(ge=0, lt=INT64, json_schema_extra={TOKEN_ID_MARK: True})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[Str, Field(min_length=1)]
-Prompt = Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | list[TokenIds]
+Prompt = (
+    Text
+    | Annotated[list[Text], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
 
 
 class _Strict(BaseModel):
@@ -73,12 +96,12 @@ class SamplingFields(_Lenient):
     """Fields shared by completions and chat completions."""
 
     model: Str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(None, ge=1)
+    n: Int = Field(1, ge=1, le=MAX_N)
+    max_tokens: Int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=FLOAT32_TINY, le=1.0)  # below it float32 has 0
     stop: Str | list[Str] | None = None
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    seed: Int | None = Field(None, ge=-INT64, lt=INT64)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
@@ -86,17 +109,16 @@ class SamplingFields(_Lenient):
     user: Str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    top_k: Int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0, lt=INT64)
+    # at least 3e-39: the sampler divides by it, and 1/3e-39 is still finite in float32
+    repetition_penalty: float | None = Field(None, ge=3e-39, le=2.0)
+    min_tokens: Int = Field(0, ge=0, le=MAX_TOKENS)
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(
-        None, max_length=MAX_STOP
-    )
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    allowed_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(
+    allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, max_length=MAX_ALLOWED_TOKENS
     )
     bad_words: list[Annotated[Str, Field(min_length=1, max_length=256)]] | None = Field(
@@ -151,11 +173,11 @@ class SamplingFields(_Lenient):
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     # 0: score the prompt only (with echo and logprobs), as lm-evaluation-harness asks
-    max_tokens: int | None = Field(None, ge=0)
-    logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
+    max_tokens: Int | None = Field(None, ge=0, le=MAX_TOKENS)
+    logprobs: Int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     echo: bool = False
     suffix: Str | None = None
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    best_of: Int | None = Field(None, ge=1, le=MAX_N)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -191,6 +213,13 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
+_NOT_NULL = {"not": {"type": "null"}}
+
+
+def _role_is(role: str) -> dict[str, Any]:
+    return {"properties": {"role": {"const": role}}, "required": ["role"]}
+
+
 class ChatMessage(_Strict):
     """A message of the conversation: content is null only for an assistant message (one
     that calls tools); a `tool` message answers the call named by `tool_call_id`."""
@@ -200,6 +229,29 @@ class ChatMessage(_Strict):
     name: Str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Str | None = Field(None, validate_default=True)
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """The document states the rules of the validators below, by role."""
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        schema["required"] = [name for name in schema.get("required", []) if name != "content"]
+        schema["allOf"] = [
+            {
+                "if": _role_is("assistant"),
+                "else": {
+                    "required": ["content"],
+                    "properties": {"content": _NOT_NULL, "tool_calls": {"type": "null"}},
+                },
+            },
+            {
+                "if": _role_is("tool"),
+                "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": _NOT_NULL}},
+                "else": {"properties": {"tool_call_id": {"type": "null"}}},
+            },
+        ]
+        return schema
 
     @model_validator(mode="before")
     @classmethod
@@ -297,9 +349,9 @@ class NamedToolChoice(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
+    top_logprobs: Int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -310,16 +362,22 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Strict):
+    """Exactly one of `prompt` and `messages`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
+    )
+
     model: Str | None = None
-    prompt: Str | None = None
-    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
+    prompt: Str = None  # type: ignore[assignment]  # absent, never null: see oneOf
+    messages: list[ChatMessage] = Field(None, min_length=1, max_length=MAX_MESSAGES)  # type: ignore[assignment]
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Strict):
     model: Str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def _check_strings(value: object) -> None:
@@ -354,7 +412,8 @@ def _is_int(value: object) -> bool:
 
 def check_prompt_shape(value: object) -> object:
     """A prompt (completions' `prompt`, embeddings' `input`): a string, strings, token ids or
-    token-id lists, none empty, of one kind."""
+    token-id lists, none empty, of one kind (token ids written 1.0 are integers)."""
+    value = _integral_ids(value)
     items = [value] if isinstance(value, str) else value
     if isinstance(items, list) and items and all(_is_int(t) for t in items):
         items = [items]
@@ -372,6 +431,12 @@ def check_prompt_shape(value: object) -> object:
         sign = ": a token id must be >= 0" if bad < 0 else ""
         raise ValueError(f"token id {bad} is outside the vocabulary{sign}")
     return value
+
+
+def _integral_ids(value: object) -> object:
+    if not isinstance(value, list):
+        return value
+    return [_integral_ids(v) if isinstance(v, list) else integral(v) for v in value]
 
 
 def prompt_list(prompt: Any) -> list[str] | list[list[int]]:

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from aieng.engine.engine_client import EngineClient
@@ -133,8 +133,9 @@ def _liveness(engine: EngineClient) -> dict[str, Any]:
     return body
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
+    """Prometheus' text format."""
     registry = context_of(request).metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -14,19 +14,15 @@ client's short prompt is tokenized next. A batch of texts is tokenized in parts 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
 from aieng._core import Tokenizer
 from aieng.server.errors import ApiError, invalid
-from aieng.server.fair_queue import FairQueue
+from aieng.server.fair_pool import FairPool
 
 THREADS = 2
 PART_BYTES = 64 * 1024
 DECODER_MARGIN = 4
-T = TypeVar("T")
 
 
 def longest_token_bytes(tokenizer: Tokenizer) -> int:
@@ -42,53 +38,10 @@ def utf8_size(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
-@dataclass
-class _Job:
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    future: asyncio.Future
-
-
-class TokenizerPool:
+class TokenizerPool(FairPool):
     def __init__(self, threads: int = THREADS) -> None:
-        self.threads = threads
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="aieng-tokenize")
-        self._waiting: FairQueue[_Job] = FairQueue(depth=2)
-        self._running = 0
+        super().__init__(threads, "aieng-tokenize")
         self._bytes_per_token: dict[int, tuple[Tokenizer, asyncio.Future]] = {}
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    async def run(self, client: tuple[str, str], cost: int, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) in a pool thread once the client's fair share comes; `cost`: its bytes."""
-        loop = asyncio.get_running_loop()
-        job = _Job(fn, args, loop.create_future())
-        self._waiting.push(client, job, cost)
-        self._dispatch(loop)
-        try:
-            return await job.future
-        except asyncio.CancelledError:
-            self._waiting.remove(client, job)  # a no-op once it runs: it finishes unread
-            raise
-
-    def _dispatch(self, loop: asyncio.AbstractEventLoop) -> None:
-        while self._running < self.threads and len(self._waiting):
-            job = self._waiting.pop()
-            self._running += 1
-            running = self._executor.submit(job.fn, *job.args)
-            running.add_done_callback(lambda done, job=job: _call_soon(loop, self._done, job, done))
-
-    def _done(self, job: _Job, done: Future) -> None:
-        self._running -= 1
-        if not job.future.done():
-            error = done.exception()
-            if error is None:
-                job.future.set_result(done.result())
-            else:
-                job.future.set_exception(error)
-        self._dispatch(asyncio.get_running_loop())
 
     async def bytes_per_token(self, tokenizer: Tokenizer) -> int:
         """The most bytes of text one token of `tokenizer` covers (worked out once, in a
@@ -138,9 +91,6 @@ class TokenizerPool:
                 raise too_long(param, index if len(texts) > 1 else None, size, limit, max_tokens)
         return sizes
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
 
 def too_long(param: str, index: int | None, size: int, limit: int, max_tokens: int) -> ApiError:
     which = param if index is None else f"{param} {index}"
@@ -162,10 +112,3 @@ def _parts(sizes: list[int]) -> list[tuple[int, int]]:
         total += size
     parts.append((start, len(sizes)))
     return parts
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop closed: nobody waits for this job
-        pass
