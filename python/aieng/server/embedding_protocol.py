@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from aieng.pooling import PoolingMethod
-from aieng.server.protocol import Int, Prompt, Str, _Strict, check_prompt_shape, prompt_list
+from aieng.server.protocol import Prompt, Str, _Strict, check_prompt_shape, prompt_list
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
@@ -17,7 +17,7 @@ class EmbeddingRequest(_Strict):
     # a string, a list of strings, token ids or a list of token-id lists
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = Field(None, ge=1)  # checked against the model's size by the route
+    dimensions: int | None = Field(None, ge=1)  # checked against the model's size by the route
     user: Str | None = None
     # aieng's: how to pool when the checkpoint declares nothing (no sentence-transformers files)
     pooling: PoolingMethod | None = None

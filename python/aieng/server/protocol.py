@@ -11,12 +11,11 @@ if honoured (`functions`, `guided_json`, ...) is refused with a 400 naming it
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
@@ -63,12 +62,16 @@ def integral(value: object) -> object:
     return value
 
 
-Int = Annotated[int, BeforeValidator(integral)]
+def _takes_float(annotation: object) -> bool:
+    return annotation is float or any(_takes_float(a) for a in get_args(annotation))
+
+
 # A token id: its bound in the served document is the model's vocabulary (served_schema.py).
 TOKEN_ID_MARK = "x-aieng-token-id"
-TokenId = Annotated[Int, Field(ge=0, lt=INT64, json_schema_extra={TOKEN_ID_MARK: True})]
+TokenId = Annotated[int, Field(ge=0, lt=INT64, json_schema_extra={TOKEN_ID_MARK: True})]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[Str, Field(min_length=1)]
+NOT_BLANK = r"\S"  # a character other than a space
 Prompt = (
     Text
     | Annotated[list[Text], Field(min_length=1)]
@@ -79,6 +82,16 @@ Prompt = (
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _integers(cls, value: object, info: ValidationInfo) -> object:
+        """Integral floats as integers in the fields that take no float (lists included)."""
+        if not isinstance(value, (float, list)) or info.field_name is None:
+            return value
+        if _takes_float(cls.model_fields[info.field_name].annotation):
+            return value
+        return _integral_ids(value) if isinstance(value, list) else integral(value)
 
 
 class _Lenient(_Strict):
@@ -96,12 +109,12 @@ class SamplingFields(_Lenient):
     """Fields shared by completions and chat completions."""
 
     model: Str | None = None
-    n: Int = Field(1, ge=1, le=MAX_N)
-    max_tokens: Int | None = Field(None, ge=1, le=MAX_TOKENS)
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=FLOAT32_TINY, le=1.0)  # below it float32 has 0
-    stop: Str | list[Str] | None = None
-    seed: Int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
@@ -109,11 +122,11 @@ class SamplingFields(_Lenient):
     user: Str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields
-    top_k: Int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     # at least 3e-39: the sampler divides by it, and 1/3e-39 is still finite in float32
     repetition_penalty: float | None = Field(None, ge=3e-39, le=2.0)
-    min_tokens: Int = Field(0, ge=0, le=MAX_TOKENS)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
     include_stop_str_in_output: bool = False
@@ -121,9 +134,16 @@ class SamplingFields(_Lenient):
     allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, max_length=MAX_ALLOWED_TOKENS
     )
-    bad_words: list[Annotated[Str, Field(min_length=1, max_length=256)]] | None = Field(
-        None, max_length=MAX_BAD_WORDS
-    )
+    # a word with something other than spaces in it
+    bad_words: (
+        list[
+            Annotated[
+                Str,
+                Field(max_length=256, pattern=NOT_BLANK, json_schema_extra={"pattern": NOT_BLANK}),
+            ]
+        ]
+        | None
+    ) = Field(None, max_length=MAX_BAD_WORDS)
     # Structured outputs (aieng.structured_outputs reads them): OpenAI's and vLLM's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -173,11 +193,11 @@ class SamplingFields(_Lenient):
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     # 0: score the prompt only (with echo and logprobs), as lm-evaluation-harness asks
-    max_tokens: Int | None = Field(None, ge=0, le=MAX_TOKENS)
-    logprobs: Int | None = Field(None, ge=0)  # at most the engine's max_logprobs
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     echo: bool = False
-    suffix: Str | None = None
-    best_of: Int | None = Field(None, ge=1, le=MAX_N)
+    suffix: Str | None = Field(None, json_schema_extra={"type": "null"})  # not supported
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -349,9 +369,9 @@ class NamedToolChoice(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: Int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
-    top_logprobs: Int | None = Field(None, ge=0)  # at most the engine's max_logprobs
+    top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
