@@ -123,7 +123,9 @@ def test_bad_tokenize_requests_get_400(server):
     both = {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}
     assert_error(httpx.post(f"{server.url}/tokenize", json=both), 400, "prompt", "exactly one")
     bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [3, -1]})
-    assert_error(bad, 400, "tokens", "-1")
+    assert_error(bad, 400, "tokens.1", "greater than or equal to 0")
+    past = httpx.post(f"{server.url}/detokenize", json={"tokens": [3, 99999]})
+    assert_error(past, 400, "tokens", "99999", "vocabulary")
 
 
 def test_large_bodies_get_413_and_odd_routes_are_errors(server):

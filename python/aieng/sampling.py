@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from aieng.errors import invalid_field
@@ -16,7 +17,11 @@ from aieng.structured_outputs import StructuredOutputsParams
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive float32 (a subnormal)
 MAX_TOP_K = (1 << 31) - 1  # top_k past the vocabulary means all of it; past int32 is an error
+MAX_N = 1024  # sequences of one request: each is a request in the core
+MAX_TOKENS = (1 << 31) - 1  # max_tokens and min_tokens: past any context, and within int32
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a 64-bit seed
 
 
 @dataclass
@@ -53,7 +58,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, minimum=1)
+        _check_int("n", self.n, minimum=1, maximum=MAX_N)
         _check_float("temperature", self.temperature, minimum=0.0)
         # Non-greedy temperatures are >= GREEDY_EPS, so their inverse is finite too.
         _check_float32("temperature", self.temperature)
@@ -77,7 +82,7 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            _check_int("seed", self.seed, *SEED_RANGE)
         self.stop = _check_stop(self.stop)
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)):
@@ -90,16 +95,16 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        _check_int("max_tokens", self.max_tokens, minimum=0)
-        _check_int("min_tokens", self.min_tokens, minimum=0)
+        _check_int("max_tokens", self.max_tokens, minimum=0, maximum=MAX_TOKENS)
+        _check_int("min_tokens", self.min_tokens, minimum=0, maximum=MAX_TOKENS)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
+            _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_TOKENS)
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=MAX_TOKENS)
         self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(
@@ -154,6 +159,36 @@ class SamplingParams:
                     message = f"token id {token} is outside the vocabulary [0, {vocab_size})"
                     raise invalid_field(name, f"{name}: {message}")
 
+    def check_satisfiable(
+        self, eos_token_ids: Collection[int], banned_ids: Collection[int] = ()
+    ) -> None:
+        """Refuses a request that could never draw a token, knowable before it runs: every id
+        of allowed_token_ids is banned (`banned_ids`: the one-token bad words), or, before
+        min_tokens, ends the request (an EOS id unless ignore_eos, a stop id), which min_tokens
+        masks. Raises InvalidArgumentError (a ValueError) naming the field."""
+        if self.allowed_token_ids is None:
+            return
+        allowed, banned = set(self.allowed_token_ids), set(banned_ids)
+        if allowed <= banned:
+            raise invalid_field(
+                "allowed_token_ids",
+                "allowed_token_ids: every allowed token is a one-token bad word (bad_words), so "
+                "no token can ever be drawn",
+            )
+        if self.min_tokens == 0:
+            return
+        ending = set(self.stop_token_ids or ())
+        if not self.ignore_eos:
+            ending |= set(eos_token_ids)
+        if allowed <= banned | ending:
+            raise invalid_field(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) can never be met: every token of "
+                f"allowed_token_ids {sorted(allowed)[:8]} ends the request (an EOS id "
+                f"{sorted(eos_token_ids)} unless ignore_eos, or one of stop_token_ids) or is a "
+                "bad word, and min_tokens masks the ending ones",
+            )
+
 
 MAX_LOGIT_BIAS = 100.0
 
@@ -173,11 +208,15 @@ def _check_logit_bias(bias: object) -> dict[int, float] | None:
     return checked or None
 
 
-def _check_int(name: str, value: object, minimum: int | None = None) -> None:
+def _check_int(
+    name: str, value: object, minimum: int | None = None, maximum: int | None = None
+) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
 
 
 def _check_float(name: str, value: object, minimum: float | None = None) -> None:

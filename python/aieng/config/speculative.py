@@ -20,6 +20,10 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
+# The longest n-gram looked up: the search grows with its square, and a match of 32 tokens
+# already pins the continuation down.
+MAX_PROMPT_LOOKUP = 32
+MAX_DISABLE_BY_BATCH_SIZE = 1 << 20  # past any batch a step can hold
 # The draft trained for the default model, shipped beside it, and its name in "model".
 SHIPPED_DRAFT_NAME = "default-draft"
 SHIPPED_DRAFT_PATH = Path(__file__).resolve().parent.parent / "default_model" / "draft"
@@ -108,8 +112,10 @@ def refusal(value: Any) -> str | None:
         return f"'prompt_lookup_min' must be at least 1, got {low}"
     if high < low:
         return f"'prompt_lookup_max' ({high}) must be at least 'prompt_lookup_min' ({low})"
-    if value.get("disable_by_batch_size", 0) < 0:
-        return "'disable_by_batch_size' must be at least 0"
+    if high > MAX_PROMPT_LOOKUP:
+        return f"'prompt_lookup_max' must be at most {MAX_PROMPT_LOOKUP}, got {high}"
+    if not 0 <= value.get("disable_by_batch_size", 0) <= MAX_DISABLE_BY_BATCH_SIZE:
+        return f"'disable_by_batch_size' must be in [0, {MAX_DISABLE_BY_BATCH_SIZE}]"
     return None
 
 

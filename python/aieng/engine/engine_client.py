@@ -35,6 +35,7 @@ class ModelInfo:
     num_blocks: int
     max_num_seqs: int
     tensor_parallel_size: int
+    max_num_batched_tokens: int = 0  # the token budget of one step (0: not known)
     # generation_config.json's sampling defaults, as SamplingParams fields
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
     load_phases: Mapping[str, float] = field(default_factory=dict)  # seconds per load phase

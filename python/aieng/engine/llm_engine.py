@@ -140,6 +140,7 @@ def _model_info(config: EngineConfig, worker: WorkerInfo, num_blocks: int) -> Mo
         block_size=config.cache.block_size,
         num_blocks=num_blocks,
         max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         tensor_parallel_size=config.parallel.tensor_parallel_size,
         generation_defaults=dict(config.model.generation_defaults),
         load_phases=worker.load_phases,
@@ -280,6 +281,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         params.verify(self.vocab_size, self.engine_config.max_logprobs)
+        one_token_bad_words = [w[0] for w in self._bad_words_ids(params) if len(w) == 1]
+        params.check_satisfiable(self.eos_token_ids, one_token_bad_words)
         grammar = self.compile_grammar(params)
         text, ids = self.tokenize(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())

@@ -1,20 +1,28 @@
 """Admission control: refuse at once what the server cannot start soon, never queue unboundedly.
 
 A request is queued from admission until its first output arrives; the queue is bounded by
-requests and by prompt tokens, and no request is admitted while the KV cache is past its
-watermark. Everything runs on the event loop, so the counts are exact at decision time.
+requests and by prompt tokens, and a client with requests already waiting is not admitted
+while the KV cache is past its watermark. One client's queue never blocks another's: past a
+limit, a client is refused only while it holds at least its share of it (the limit over the
+clients waiting, itself included), so a newcomer is admitted beside a flood, and the queue
+holds at most twice its limit. Admitted requests then enter their engine through its
+`FairGate`, by fair shares. Everything runs on the event loop, so the counts are exact at
+decision time.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from aieng.engine.engine_client import EngineStats
+from aieng.engine.engine_client import EngineClient, EngineStats
 from aieng.server.config import ServerConfig
+from aieng.server.fair_gate import FairGate
 
 RETRY_AFTER_S = 1
+Client = tuple[str, str]  # (address, API key hash): see clients.client_of
 
 
 class ServerState(str, Enum):
@@ -40,9 +48,13 @@ class Admission:
         self.config = config
         self.stats = stats
         self.state = ServerState.STARTING
-        self._queued: dict[str, int] = {}  # request id -> prompt tokens
+        self._queued: dict[str, tuple[int, Client]] = {}  # request id -> prompt tokens, client
         self._in_flight: set[str] = set()
         self.queued_tokens = 0
+        self._client_requests: Counter[Client] = Counter()  # queued, by client
+        self._client_tokens: Counter[Client] = Counter()
+        self._gates: dict[int, FairGate] = {}  # by id(engine)
+        self._gate_of: dict[str, FairGate] = {}  # request id -> the gate it entered by
 
     @property
     def num_queued(self) -> int:
@@ -52,8 +64,9 @@ class Admission:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    def refusal(self, prompt_tokens: list[int]) -> Refusal | None:
-        """Why a request of these prompts (one per engine request) cannot be admitted now."""
+    def refusal(self, prompt_tokens: list[int], client: Client = ("", "")) -> Refusal | None:
+        """Why a request of these prompts (one per engine request) from `client` cannot be
+        admitted now."""
         if self.state is ServerState.STARTING:
             return Refusal(503, "starting", "the server is starting; retry shortly", 5)
         if self.state is ServerState.DRAINING:
@@ -61,22 +74,32 @@ class Admission:
         never = self._never_admitted(prompt_tokens)
         if never is not None:
             return never
+        clients = len(self._client_requests) + (client not in self._client_requests)
         limit = self.config.max_queue_requests
-        if self.num_queued + len(prompt_tokens) > limit:
+        if self._over(self.num_queued, self._client_requests[client], len(prompt_tokens), limit):
             return Refusal(
-                429, "queue_requests", f"the waiting queue is full ({limit} requests); retry later"
+                429,
+                "queue_requests",
+                f"the waiting queue is full ({limit} requests) and this client holds "
+                f"{self._client_requests[client]} of them, its share or more ({clients} "
+                "clients wait); retry later",
             )
-        limit = self.config.max_queue_tokens
-        if self.queued_tokens + sum(prompt_tokens) > limit:
+        limit, adds = self.config.max_queue_tokens, sum(prompt_tokens)
+        if self._over(self.queued_tokens, self._client_tokens[client], adds, limit):
             return Refusal(
                 429,
                 "queue_tokens",
                 f"the waiting queue holds {self.queued_tokens} of at most {limit} prompt "
-                f"tokens and this request adds {sum(prompt_tokens)}; retry later",
+                f"tokens, {self._client_tokens[client]} of them this client's ({clients} "
+                f"clients wait), and this request adds {adds}; retry later",
             )
         stats = self.stats()
         watermark = self.config.kv_cache_watermark
-        if stats is not None and stats.kv_cache_usage >= watermark and self.num_queued:
+        if (
+            stats is not None
+            and stats.kv_cache_usage >= watermark
+            and client in self._client_requests
+        ):
             return Refusal(
                 429,
                 "kv_cache",
@@ -105,13 +128,56 @@ class Admission:
             )
         return None
 
-    def admit(self, request_id: str, prompt_tokens: int) -> None:
-        self._queued[request_id] = prompt_tokens
+    def _over(self, total: int, own: int, adds: int, limit: int) -> bool:
+        """Past the limit, and this client holds its share (or the queue twice its limit)."""
+        if total + adds <= limit:
+            return False
+        clients = max(1, len(self._client_requests))
+        share = limit // (clients + (own == 0))
+        return own + adds > share or total + adds > 2 * limit
+
+    def admit(self, request_id: str, prompt_tokens: int, client: Client = ("", "")) -> None:
+        self._queued[request_id] = (prompt_tokens, client)
         self.queued_tokens += prompt_tokens
+        self._client_requests[client] += 1
+        self._client_tokens[client] += prompt_tokens
         self._in_flight.add(request_id)
 
+    async def enter(
+        self, engine: EngineClient, request_id: str, kind: str, client: Client, tokens: int
+    ) -> None:
+        """Waits for the request's fair turn to go to `engine` (see FairGate)."""
+        gate = self._gates.get(id(engine))
+        if gate is None:
+            info = engine.model_info
+            budget = info.max_num_batched_tokens or info.max_model_len
+            gate = self._gates[id(engine)] = FairGate(info.max_num_seqs, 2 * budget)
+        self._gate_of[request_id] = gate
+        await gate.enter((kind, *client), request_id, tokens)
+
+    @property
+    def num_at_gates(self) -> int:
+        """Admitted requests waiting for their turn to go to an engine."""
+        return sum(gate.num_waiting for gate in self._gates.values())
+
+    def abort_waiting(self, error: BaseException) -> None:
+        for gate in self._gates.values():
+            gate.abort_waiting(error)
+
     def started(self, request_id: str) -> None:
-        self.queued_tokens -= self._queued.pop(request_id, 0)
+        queued = self._queued.pop(request_id, None)
+        if queued is not None:
+            tokens, client = queued
+            self.queued_tokens -= tokens
+            self._client_tokens[client] -= tokens
+            self._client_requests[client] -= 1
+            if not self._client_requests[client]:
+                del self._client_requests[client], self._client_tokens[client]
+        gate = self._gate_of.pop(request_id, None)
+        if gate is not None:
+            gate.started(request_id)
+            if gate.idle:  # an engine switched out leaves no gate behind
+                self._gates = {k: g for k, g in self._gates.items() if g is not gate}
 
     def done(self, request_id: str) -> None:
         self.started(request_id)

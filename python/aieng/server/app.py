@@ -32,6 +32,7 @@ from aieng.server.model_versions import (
     serving_version,
 )
 from aieng.server.params import IGNORED_FIELDS_HEADER
+from aieng.server.served_schema import served_schema
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ def build_app(
                 versions.stop_all()
             if ctx.engine is not None:
                 ctx.engine.shutdown()
+            ctx.tokenizing.shutdown()
+            ctx.parsing.shutdown()
 
     app = FastAPI(
         title="aieng",
@@ -83,7 +86,7 @@ def build_app(
     install_error_handlers(app)
     for module in (completions, chat, embeddings, routes, admin):
         app.include_router(module.router)
-    _without_422(app)
+    _without_422(app, ctx)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -131,6 +134,7 @@ async def _load(
     else:
         async_engine = engine
     async_engine.start()
+    await ctx.tokenizing.bytes_per_token(async_engine.tokenizer)  # the byte bound, worked out once
     ctx.attach(async_engine)
     if ctx.catalog:  # the other models of --model-dir, then (if asked) every other version
         ctx.catalog_loading = asyncio.create_task(_load_catalog(ctx))
@@ -151,8 +155,9 @@ async def _load_catalog(ctx: ServerContext) -> None:
             await versions.load_all(ctx)
 
 
-def _without_422(app: FastAPI) -> None:
-    """Validation errors answer 400 here, so the document must not promise 422."""
+def _without_422(app: FastAPI, ctx: ServerContext) -> None:
+    """Validation errors answer 400 here, so the document must not promise 422; and once the
+    model is loaded, the document states its bounds (served_schema)."""
     build = app.openapi
 
     def openapi() -> dict:
@@ -162,7 +167,7 @@ def _without_422(app: FastAPI) -> None:
                 for operation in path.values():
                     operation.get("responses", {}).pop("422", None)
             app.openapi_schema = schema
-        return app.openapi_schema
+        return served_schema(app.openapi_schema, ctx.engine and ctx.engine.model_info)
 
     app.openapi = openapi  # type: ignore[method-assign]
 

@@ -11,12 +11,13 @@ from fastapi.responses import Response
 
 from aieng.engine.engine_client import EngineClient
 from aieng.errors import ChatTemplateError, InvalidArgumentError
+from aieng.server.clients import client_of
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
 from aieng.server.logprob_json import json_logprob
 from aieng.server.offloop import OffLoopBodyRoute
-from aieng.server.openapi_docs import ERROR_RESPONSES
+from aieng.server.openapi_docs import ERROR_RESPONSES, STREAM_RESPONSES
 from aieng.server.params import (
     check_request,
     mark_ignored_fields,
@@ -32,6 +33,7 @@ from aieng.server.protocol import (
 )
 from aieng.server.streaming import Shapes, respond
 from aieng.server.structured import compile_constraint
+from aieng.server.tokenizing import too_long, utf8_size
 from aieng.server.tool_call_output import ToolCallDeltas, assistant_message
 from aieng.server.tool_calls import constrain_to_calls, plan_tools
 from aieng.server.tool_parsers import ToolParser
@@ -39,7 +41,7 @@ from aieng.server.tool_parsers import ToolParser
 router = APIRouter(route_class=OffLoopBodyRoute)
 
 
-@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+@router.post("/v1/chat/completions", responses={**STREAM_RESPONSES, **ERROR_RESPONSES})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
     ctx.check_model(body.model)
@@ -52,7 +54,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     else:
         plan = plan_tools(body, parser)
     ids = await render_chat(
-        ctx, body.messages, add_generation_prompt=True, engine=engine, tools=plan.tools
+        ctx,
+        client_of(request),
+        body.messages,
+        add_generation_prompt=True,
+        engine=engine,
+        tools=plan.tools,
     )
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = resolve_max_tokens(
@@ -67,7 +74,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     await compile_constraint(engine, params, body)
     params = await constrain_to_calls(engine, params, plan)
     generation = Generation(
-        ctx, request, engine, [ids], [params], field_names={"logprobs": "top_logprobs"}
+        ctx,
+        request,
+        engine,
+        [ids],
+        [params],
+        field_names={"logprobs": "top_logprobs", "prompt": "messages"},
     )
     response = await respond(
         generation,
@@ -81,6 +93,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 async def render_chat(
     ctx: ServerContext,
+    client: tuple[str, str],
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     engine: EngineClient | None = None,
@@ -88,19 +101,28 @@ async def render_chat(
 ) -> list[int]:
     """The conversation through the chat template of `engine` (the one the request will run
     on: versions may differ in template) or of the default engine; `tools` go to the template
-    as transformers' `apply_chat_template(tools=...)` passes them."""
-    tokenizer = (engine or ctx.engine).tokenizer  # type: ignore[union-attr]
+    as transformers' `apply_chat_template(tools=...)` passes them. A rendered text too long to
+    fit the context is refused by its length, untokenized."""
+    engine = engine or ctx.engine
+    assert engine is not None
+    tokenizer = engine.tokenizer
     extra = {} if tools is None else {"tools": tools}
+    most = engine.model_info.max_model_len - 1  # a prompt leaves room for one output token
+    limit = most * await ctx.tokenizing.bytes_per_token(tokenizer)
 
     def render() -> list[int]:
         conversation = [template_message(m) for m in messages]
         text = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, **extra
         )
+        size = utf8_size(text)
+        if size > limit:
+            raise too_long("messages", None, size, limit, most)
         return tokenizer.encode(text, False)
 
-    try:  # in a worker thread: a long conversation must not stall the event loop
-        ids = await asyncio.to_thread(render)
+    cost = sum(utf8_size(m.text) for m in messages)
+    try:  # in the tokenizer pool: a long conversation stalls neither the loop nor other clients
+        ids = await ctx.tokenizing.run(client, cost, render)
     except ChatTemplateError as error:
         raise invalid(f"the chat template failed: {error}", "messages") from error
     except InvalidArgumentError as error:  # a value the template cannot read

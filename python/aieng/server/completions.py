@@ -8,7 +8,6 @@ scored: lm-evaluation-harness's loglikelihood requests.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -17,12 +16,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from aieng.engine.engine_client import EngineClient
+from aieng.server.clients import client_of
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import invalid
 from aieng.server.generation import Delta, Generation
 from aieng.server.logprob_json import json_logprob
 from aieng.server.offloop import OffLoopBodyRoute
-from aieng.server.openapi_docs import ERROR_RESPONSES
+from aieng.server.openapi_docs import ERROR_RESPONSES, STREAM_RESPONSES
 from aieng.server.params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     check_request,
@@ -38,14 +38,14 @@ from aieng.server.structured import compile_constraint
 router = APIRouter(route_class=OffLoopBodyRoute)
 
 
-@router.post("/v1/completions", responses=ERROR_RESPONSES)
+@router.post("/v1/completions", responses={**STREAM_RESPONSES, **ERROR_RESPONSES})
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = context_of(request)
     ctx.check_model(body.model)
     engine = ctx.ready_engine(request, body.model)
     check_request(body)
     ignored = note_ignored_fields(body, ctx.warned_fields)
-    prompts = await _prompt_ids(ctx, body, engine)
+    prompts = await _prompt_ids(ctx, request, body, engine)
     params = []
     score_prompt = body.logprobs if body.echo else None
     for ids in prompts:
@@ -74,14 +74,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 
 async def _prompt_ids(
-    ctx: ServerContext, body: CompletionRequest, engine: EngineClient
+    ctx: ServerContext, request: Request, body: CompletionRequest, engine: EngineClient
 ) -> list[list[int]]:
     prompts = body.prompts
     if isinstance(prompts[0], str):
         if any(not p for p in prompts):
             raise invalid("the prompt is empty", "prompt")
-        tokenizer = engine.tokenizer
-        ids = await asyncio.to_thread(tokenizer.encode_batch, prompts, True)
+        most = engine.model_info.max_model_len - 1  # a prompt leaves room for one output token
+        texts: list[str] = prompts  # type: ignore[assignment]
+        ids = await ctx.tokenizing.encode(
+            client_of(request), engine.tokenizer, texts, True, "prompt", most
+        )
         if any(not p for p in ids):
             raise invalid("the prompt has no tokens", "prompt")
         return ids

@@ -15,8 +15,10 @@ from aieng.engine.engine_client import EngineClient, EngineStats
 from aieng.server.admission import Admission, ServerState
 from aieng.server.config import ServerConfig
 from aieng.server.errors import ApiError, invalid
+from aieng.server.fair_pool import FairPool
 from aieng.server.metrics import ServerMetrics
 from aieng.server.request_log import RequestRecord, log_request
+from aieng.server.tokenizing import TokenizerPool
 from aieng.server.traffic_split import mirror
 from aieng.worker.gpu_memory import GpuMemory
 
@@ -31,6 +33,8 @@ class ServerContext:
         self.model_defaults: dict[str, Any] = {}
         self.created = int(time.time())
         self.admission = Admission(config, self.stats)
+        self.tokenizing = TokenizerPool()
+        self.parsing = FairPool(1, "aieng-parse")  # large bodies: see offloop
         self.metrics = ServerMetrics(
             config.served_model_name,
             self.stats,

@@ -10,7 +10,6 @@ base64 of its little-endian float32 bytes, as OpenAI does.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 
 import numpy as np
@@ -20,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from aieng.engine.engine_client import EngineClient
 from aieng.errors import InvalidArgumentError
 from aieng.pooling import check_dimensions, resolve_pooling, truncate_dimensions
+from aieng.server.clients import client_of
 from aieng.server.context import ServerContext, context_of
 from aieng.server.embedding_protocol import EmbeddingRequest
 from aieng.server.errors import ApiError, invalid
@@ -45,8 +45,10 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
         check_dimensions(body.dimensions, info.hidden_size)
     except InvalidArgumentError as error:
         raise invalid(str(error), "dimensions") from None
-    prompts = await _input_ids(ctx, body, engine)
-    generation = Generation(ctx, request, engine, prompts, [pooling] * len(prompts))
+    prompts = await _input_ids(ctx, request, body, engine)
+    generation = Generation(
+        ctx, request, engine, prompts, [pooling] * len(prompts), field_names={"prompt": "input"}
+    )
     generation.start()
     try:
         await generation.collect()
@@ -80,16 +82,20 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
 
 
 async def _input_ids(
-    ctx: ServerContext, body: EmbeddingRequest, engine: EngineClient
+    ctx: ServerContext, request: Request, body: EmbeddingRequest, engine: EngineClient
 ) -> list[list[int]]:
     inputs = body.inputs
+    context = engine.model_info.max_model_len
     if isinstance(inputs[0], str):
-        ids = await asyncio.to_thread(engine.tokenizer.encode_batch, inputs, True)
+        texts: list[str] = inputs  # type: ignore[assignment]
+        tokenizer = engine.tokenizer
+        ids = await ctx.tokenizing.encode(
+            client_of(request), tokenizer, texts, True, "input", context - 1
+        )
     else:
         for p in inputs:
             ctx.check_token_ids(p, "input")  # type: ignore[arg-type]
         ids = [list(p) for p in inputs]  # type: ignore[arg-type]
-    context = engine.model_info.max_model_len
     for index, p in enumerate(ids):
         if not p:
             raise invalid(f"input {index} has no tokens", "input")

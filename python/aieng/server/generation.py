@@ -7,7 +7,8 @@ A choice the engine finishes with finish_reason "error" (its step failed; the en
 fails the whole request with a 500 `server_error` naming the request id and the cause: as the
 status of a response not yet started, else as an error event in the stream, which OpenAI's
 clients raise as an `APIError` (they retry a 500 status on their own). What else still runs
-of the request is aborted.
+of the request is aborted. A choice that ended because no token could be drawn (the request's
+own masks left none) is a 400 `no_valid_token` instead: retrying cannot help.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import numpy as np
 from fastapi import Request
 
 from aieng.engine.engine_client import EngineClient
-from aieng.engine.llm_engine import EngineDeadError
+from aieng.engine.llm_engine import NO_VALID_TOKEN, EngineDeadError
 from aieng.errors import AiengError, InvalidArgumentError, error_field
 from aieng.outputs import RequestOutput
 from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 from aieng.server.admission import ServerState
+from aieng.server.clients import client_of
 from aieng.server.context import ServerContext, arrival_of, request_id_of
 from aieng.server.errors import ApiError, internal_error
 from aieng.server.request_log import RequestRecord, log_request
@@ -74,6 +76,7 @@ class Generation:
         self.ctx, self.http, self.endpoint, self.engine = ctx, http, http.url.path, engine
         self.field_names = field_names or {}
         self.request_id = request_id_of(http)
+        self.client = client_of(http)
         self.arrival = arrival_of(http)
         self.created = int(time.time())
         self.prompts, self.params = prompts, params
@@ -106,30 +109,58 @@ class Generation:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Admits the request (or raises 429/503) and hands its prompts to the engine."""
+        """Admits the request (or raises 400/429/503) and hands its prompts to the engine."""
+        self._check_satisfiable()
         admission, metrics = self.ctx.admission, self.ctx.metrics
-        refusal = admission.refusal([len(p) for p in self.prompts])
+        refusal = admission.refusal([len(p) for p in self.prompts], self.client)
         if refusal is not None:
             metrics.rejected(refusal.reason)
             self.status, self.error = refusal.status, refusal.reason
             self._log()
-            raise ApiError(
-                refusal.status, refusal.message, code=refusal.reason, headers=refusal.headers
-            )
+            # a request that could never be queued names its prompts' field
+            param = self.field_names.get("prompt", "prompt") if refusal.status == 400 else None
+            raise ApiError(refusal.status, refusal.message, param, refusal.reason, refusal.headers)
         timeout = self.ctx.config.request_timeout
         deadline = None if timeout is None else self.arrival + timeout
-        for index, (engine_id, prompt, params) in enumerate(
-            zip(self.engine_ids, self.prompts, self.params, strict=True)
+        for index, (engine_id, prompt) in enumerate(
+            zip(self.engine_ids, self.prompts, strict=True)
         ):
-            admission.admit(engine_id, len(prompt))
+            admission.admit(engine_id, len(prompt), self.client)
             metrics.admitted(len(prompt))
-            stream = self.engine.generate(engine_id, prompt, params, deadline=deadline)
-            self._pumps.append(asyncio.create_task(self._pump(index, engine_id, stream)))
+            self._pumps.append(asyncio.create_task(self._pump(index, engine_id, deadline)))
         self._admitted = True
         self.ctx.after_admitted(self)
 
-    async def _pump(self, index: int, engine_id: str, stream: AsyncIterator[RequestOutput]) -> None:
+    def _check_satisfiable(self) -> None:
+        """A 400 at the door for a request that could never draw a token (SamplingParams'
+        rule; the engine applies it again, with the bad words, when it takes the request)."""
+        eos = self.engine.model_info.eos_token_ids
+        for params in self.params:
+            if not isinstance(params, SamplingParams):
+                continue
+            try:
+                params.check_satisfiable(eos)
+            except InvalidArgumentError as error:
+                api_error = self._api_error(error)
+                self.status, self.error = api_error.status, api_error.code
+                self._log()
+                raise api_error from None
+
+    async def _pump(self, index: int, engine_id: str, deadline: float | None) -> None:
+        """Waits for the prompt's fair turn to go to the engine (at most until the deadline),
+        then hands on its outputs."""
+        prompt, params = self.prompts[index], self.params[index]
         try:
+            kind = "embed" if isinstance(params, PoolingParams) else "generate"
+            entering = self.ctx.admission.enter(
+                self.engine, engine_id, kind, self.client, len(prompt)
+            )
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                await asyncio.wait_for(entering, wait)
+            except TimeoutError:
+                raise self._aborted_error() from None
+            stream = self.engine.generate(engine_id, prompt, params, deadline=deadline)
             async for out in stream:
                 self._events.put_nowait((index, out))
         except Exception as error:
@@ -272,6 +303,15 @@ class Generation:
 
     def _step_failed(self, index: int, choice: Choice) -> ApiError:
         cause = choice.stop_reason if isinstance(choice.stop_reason, str) else "see the server log"
+        if cause == NO_VALID_TOKEN:  # the request's own masks left nothing: not a server fault
+            return ApiError(
+                400,
+                f"request {self.request_id}: at some step no token could be drawn: the "
+                "request's allowed_token_ids, bad_words, structured output and min_tokens "
+                "together masked every token (or the logits were not finite)",
+                None,
+                "no_valid_token",
+            )
         return ApiError(
             500,
             f"request {self.request_id} failed in the engine (engine request "

@@ -3,12 +3,14 @@
 FastAPI parses and validates a body on the event loop; for a 3.4 MB chat body of 100k
 messages that is a third of a second in which nothing else (not even /health) is answered.
 Routes of an `APIRouter(route_class=OffLoopBodyRoute)` parse and validate bodies past
-`OFF_LOOP_BYTES` in a thread and hand FastAPI the validated model, which it takes as it is.
+`OFF_LOOP_BYTES` in the server's parsing pool and hand FastAPI the validated model, which it
+takes as it is. The pool has one thread, served in fair shares of bytes between clients: JSON
+parsing holds the GIL throughout, so several parses at once would starve the engine's thread
+(which gives the GIL up at every kernel) — a flood of large bodies queues behind itself.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -17,6 +19,8 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+
+from aieng.server.clients import client_of
 
 OFF_LOOP_BYTES = 64 * 1024
 
@@ -32,7 +36,8 @@ class OffLoopBodyRoute(APIRoute):
         async def handle(request: Request) -> Response:
             body = await request.body()
             if len(body) > OFF_LOOP_BYTES:
-                parsed = await asyncio.to_thread(_parse, model, body)
+                pool = request.app.state.context.parsing
+                parsed = await pool.run(client_of(request), len(body), _parse, model, body)
                 if parsed is not None:
                     request._json = parsed  # what FastAPI's request.json() returns
             return await handler(request)

@@ -22,6 +22,29 @@ def _error(description: str) -> dict[str, Any]:
     return {"model": ErrorResponse, "description": description}
 
 
+SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": "A chunk as JSON (or an error body), then `[DONE]` to end the stream.",
+        },
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
+
+STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion as one JSON body, or with `stream` as server-sent events "
+        "(`data: {json}` chunks ending with `data: [DONE]`).",
+        # the schema of each event (OpenAPI 3.2's reading of a sequential media type)
+        "content": {"text/event-stream": {"schema": SSE_EVENT}},
+    }
+}
+
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _error("The request is invalid; the message names the problem and `param` the field."),
     401: _error("The API key is missing or wrong."),

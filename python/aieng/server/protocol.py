@@ -11,19 +11,22 @@ if honoured (`functions`, `guided_json`, ...) is refused with a 400 naming it
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
-from aieng.sampling import MAX_TOP_K
+from aieng.sampling import FLOAT32_TINY, MAX_TOKENS, MAX_TOP_K
 
 MAX_N = 16
 MAX_STOP = 16
@@ -49,13 +52,46 @@ def check_unicode(value: str) -> str:
 
 
 Str = Annotated[str, AfterValidator(check_unicode)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=INT64)]], Field(min_length=1)]
+
+
+def integral(value: object) -> object:
+    """A JSON number with no fraction (1.0) as the integer it is: JSON Schema's "integer"
+    includes it, so the server does too; 1.5, "1" and true stay refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _takes_float(annotation: object) -> bool:
+    return annotation is float or any(_takes_float(a) for a in get_args(annotation))
+
+
+# A token id: its bound in the served document is the model's vocabulary (served_schema.py).
+TOKEN_ID_MARK = "x-aieng-token-id"
+TokenId = Annotated[int, Field(ge=0, lt=INT64, json_schema_extra={TOKEN_ID_MARK: True})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[Str, Field(min_length=1)]
-Prompt = Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | list[TokenIds]
+NOT_BLANK = r"\S"  # a character other than a space
+Prompt = (
+    Text
+    | Annotated[list[Text], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _integers(cls, value: object, info: ValidationInfo) -> object:
+        """Integral floats as integers in the fields that take no float (lists included)."""
+        if not isinstance(value, (float, list)) or info.field_name is None:
+            return value
+        if _takes_float(cls.model_fields[info.field_name].annotation):
+            return value
+        return _integral_ids(value) if isinstance(value, list) else integral(value)
 
 
 class _Lenient(_Strict):
@@ -74,10 +110,10 @@ class SamplingFields(_Lenient):
 
     model: Str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: Str | list[Str] | None = None
+    top_p: float | None = Field(None, ge=FLOAT32_TINY, le=1.0)  # below it float32 has 0
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -88,20 +124,26 @@ class SamplingFields(_Lenient):
     # vLLM's extra sampling fields
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0, lt=INT64)
+    # at least 3e-39: the sampler divides by it, and 1/3e-39 is still finite in float32
+    repetition_penalty: float | None = Field(None, ge=3e-39, le=2.0)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(
-        None, max_length=MAX_STOP
-    )
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    allowed_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(
+    allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, max_length=MAX_ALLOWED_TOKENS
     )
-    bad_words: list[Annotated[Str, Field(min_length=1, max_length=256)]] | None = Field(
-        None, max_length=MAX_BAD_WORDS
-    )
+    # a word with something other than spaces in it
+    bad_words: (
+        list[
+            Annotated[
+                Str,
+                Field(max_length=256, pattern=NOT_BLANK, json_schema_extra={"pattern": NOT_BLANK}),
+            ]
+        ]
+        | None
+    ) = Field(None, max_length=MAX_BAD_WORDS)
     # Structured outputs (aieng.structured_outputs reads them): OpenAI's and vLLM's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -151,10 +193,10 @@ class SamplingFields(_Lenient):
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     # 0: score the prompt only (with echo and logprobs), as lm-evaluation-harness asks
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     echo: bool = False
-    suffix: Str | None = None
+    suffix: Str | None = Field(None, json_schema_extra={"type": "null"})  # not supported
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @field_validator("prompt", mode="before")
@@ -191,6 +233,13 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
+_NOT_NULL = {"not": {"type": "null"}}
+
+
+def _role_is(role: str) -> dict[str, Any]:
+    return {"properties": {"role": {"const": role}}, "required": ["role"]}
+
+
 class ChatMessage(_Strict):
     """A message of the conversation: content is null only for an assistant message (one
     that calls tools); a `tool` message answers the call named by `tool_call_id`."""
@@ -200,6 +249,29 @@ class ChatMessage(_Strict):
     name: Str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Str | None = Field(None, validate_default=True)
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """The document states the rules of the validators below, by role."""
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        schema["required"] = [name for name in schema.get("required", []) if name != "content"]
+        schema["allOf"] = [
+            {
+                "if": _role_is("assistant"),
+                "else": {
+                    "required": ["content"],
+                    "properties": {"content": _NOT_NULL, "tool_calls": {"type": "null"}},
+                },
+            },
+            {
+                "if": _role_is("tool"),
+                "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": _NOT_NULL}},
+                "else": {"properties": {"tool_call_id": {"type": "null"}}},
+            },
+        ]
+        return schema
 
     @model_validator(mode="before")
     @classmethod
@@ -297,7 +369,7 @@ class NamedToolChoice(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
@@ -310,16 +382,22 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Strict):
+    """Exactly one of `prompt` and `messages`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
+    )
+
     model: Str | None = None
-    prompt: Str | None = None
-    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
+    prompt: Str = None  # type: ignore[assignment]  # absent, never null: see oneOf
+    messages: list[ChatMessage] = Field(None, min_length=1, max_length=MAX_MESSAGES)  # type: ignore[assignment]
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Strict):
     model: Str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def _check_strings(value: object) -> None:
@@ -354,7 +432,8 @@ def _is_int(value: object) -> bool:
 
 def check_prompt_shape(value: object) -> object:
     """A prompt (completions' `prompt`, embeddings' `input`): a string, strings, token ids or
-    token-id lists, none empty, of one kind."""
+    token-id lists, none empty, of one kind (token ids written 1.0 are integers)."""
+    value = _integral_ids(value)
     items = [value] if isinstance(value, str) else value
     if isinstance(items, list) and items and all(_is_int(t) for t in items):
         items = [items]
@@ -372,6 +451,12 @@ def check_prompt_shape(value: object) -> object:
         sign = ": a token id must be >= 0" if bad < 0 else ""
         raise ValueError(f"token id {bad} is outside the vocabulary{sign}")
     return value
+
+
+def _integral_ids(value: object) -> object:
+    if not isinstance(value, list):
+        return value
+    return [_integral_ids(v) if isinstance(v, list) else integral(v) for v in value]
 
 
 def prompt_list(prompt: Any) -> list[str] | list[list[int]]:

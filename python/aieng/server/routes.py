@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from aieng.engine.engine_client import EngineClient
 from aieng.server.admission import ServerState
 from aieng.server.chat import render_chat
+from aieng.server.clients import client_of
 from aieng.server.context import ServerContext, context_of
 from aieng.server.errors import ApiError, invalid
 from aieng.server.offloop import OffLoopBodyRoute
@@ -45,7 +45,7 @@ def _models(ctx: ServerContext) -> list[dict[str, Any]]:
                 {
                     **_model(ctx),
                     "id": f"{name}@{version}",
-                    "root": str(versions.states[version].manifest.folder),
+                    "root": name,
                     "parent": name,
                     "max_model_len": engine.model_info.max_model_len,
                 }
@@ -80,12 +80,14 @@ async def version() -> JSONResponse:
 
 
 def _model(ctx: ServerContext) -> dict[str, Any]:
+    """The served model by its name; `root` is a name too (vLLM puts the model's path there,
+    which would show every key holder the server's folders)."""
     model: dict[str, Any] = {
         "id": ctx.config.served_model_name,
         "object": "model",
         "created": ctx.created,
         "owned_by": "aieng",
-        "root": ctx.config.model_path,
+        "root": ctx.config.served_model_name,
     }
     if ctx.engine is not None:
         model["max_model_len"] = ctx.engine.model_info.max_model_len
@@ -131,8 +133,9 @@ def _liveness(engine: EngineClient) -> dict[str, Any]:
     return body
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
+    """Prometheus' text format."""
     registry = context_of(request).metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -144,12 +147,15 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise invalid("give exactly one of prompt and messages", "prompt")
-    if body.messages is not None:
-        ids = await render_chat(ctx, body.messages, body.add_generation_prompt)
-    else:
-        encode = engine.tokenizer.encode
-        ids = await asyncio.to_thread(encode, body.prompt, body.add_special_tokens)
+    client = client_of(request)
     context = engine.model_info.max_model_len
+    if body.messages is not None:
+        ids = await render_chat(ctx, client, body.messages, body.add_generation_prompt)
+    else:
+        assert body.prompt is not None
+        tokenizer = engine.tokenizer
+        prompt, special = [body.prompt], body.add_special_tokens
+        (ids,) = await ctx.tokenizing.encode(client, tokenizer, prompt, special, "prompt", context)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": context})
 
 
@@ -159,5 +165,6 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     engine = ctx.ready_engine()
     ctx.check_model(body.model)
     ctx.check_token_ids(body.tokens, "tokens")
-    text = await asyncio.to_thread(engine.tokenizer.decode, body.tokens, False)
+    decode, tokens = engine.tokenizer.decode, body.tokens
+    text = await ctx.tokenizing.run(client_of(request), len(tokens), decode, tokens, False)
     return JSONResponse({"prompt": text})

@@ -20,6 +20,7 @@ import uvicorn
 
 from aieng.server.admission import ServerState
 from aieng.server.context import ServerContext
+from aieng.server.errors import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ async def drain(ctx: ServerContext, timeout: float) -> None:
     if not await _until_idle(ctx, timeout) and ctx.engine is not None:
         logger.info("shutdown timeout: aborting %d requests", ctx.admission.num_in_flight)
         ctx.engine.abort_all()
+        ctx.admission.abort_waiting(  # those still waiting for their turn to go to the engine
+            ApiError(503, "the server shut down before this request started", code="draining")
+        )
         await _until_idle(ctx, FLUSH_TIMEOUT_S)
 
 

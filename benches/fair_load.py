@@ -1,0 +1,201 @@
+"""No client starves the others: a light chat client's time to first token alone, then beside a
+flood of 4 MB bodies and a heavy embedding client, against `aieng serve` on loopback; and the
+server's memory (RSS) before, during and after the burst.
+
+Each client has its own loopback address (127.0.0.2, .3, .4), so the server tells them apart
+as it would tell apart machines. The goal (issue 37): the light client's p99 TTFT under load at
+most 2x its idle p99, and RSS back within 10% of its level before the burst.
+
+    .venv/bin/python benches/fair_load.py            # the bundled model, about 2 minutes
+    .venv/bin/python benches/fair_load.py --quick    # a short check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from aieng.benchmarks.load_test import spawn, wait_idle
+
+FLOOD, HEAVY, LIGHT = "127.0.0.2", "127.0.0.3", "127.0.0.4"
+FLOOD_BODY_BYTES = 4_000_000
+FLOOD_CONCURRENCY = 8
+HEAVY_CONCURRENCY = 2
+WORDS = (
+    "and the earth was without form and void and darkness was upon the face of the deep "
+    "and the spirit of god moved upon the face of the waters "
+)
+
+
+def client(address: str, url: str) -> httpx.AsyncClient:
+    transport = httpx.AsyncHTTPTransport(local_address=address)
+    return httpx.AsyncClient(base_url=url, transport=transport, timeout=300)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def light_ttft(http: httpx.AsyncClient, model: str) -> float:
+    """Seconds to the first content of a short streamed chat turn."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "In the beginning"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+    }
+    start = time.perf_counter()
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                return time.perf_counter() - start
+    raise RuntimeError("the stream ended without output")
+
+
+async def light_client(url: str, model: str, count: int, pause: float) -> list[float]:
+    async with client(LIGHT, url) as http:
+        await light_ttft(http, model)  # warm
+        times = []
+        for _ in range(count):
+            times.append(await light_ttft(http, model))
+            await asyncio.sleep(pause)
+        return times
+
+
+async def flood(url: str, stop: asyncio.Event, statuses: Counter) -> None:
+    """Bodies of one 4 MB string on every text route, FLOOD_CONCURRENCY at a time."""
+    text = "In the beginning " * (FLOOD_BODY_BYTES // 17)
+    bodies = [
+        ("/v1/embeddings", {"input": text, "pooling": "mean"}),
+        ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+        ("/tokenize", {"prompt": text}),
+    ]
+
+    async def one(http: httpx.AsyncClient, index: int) -> None:
+        while not stop.is_set():
+            path, body = bodies[index % len(bodies)]
+            index += 1
+            try:
+                statuses[(await http.post(path, json=body)).status_code] += 1
+            except httpx.HTTPError as error:
+                statuses[type(error).__name__] += 1
+
+    async with client(FLOOD, url) as http:
+        await asyncio.gather(*(one(http, i) for i in range(FLOOD_CONCURRENCY)))
+
+
+async def heavy(url: str, stop: asyncio.Event, inputs: int, statuses: Counter) -> None:
+    """Embedding requests of `inputs` inputs of about 400 tokens, HEAVY_CONCURRENCY at a time."""
+    texts = [f"{i} " + WORDS * 14 for i in range(inputs)]
+
+    async def one(http: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            response = await http.post("/v1/embeddings", json={"input": texts, "pooling": "mean"})
+            statuses[response.status_code] += 1
+
+    async with client(HEAVY, url) as http:
+        await asyncio.gather(*(one(http) for _ in range(HEAVY_CONCURRENCY)))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def measure(args: argparse.Namespace, url: str, pid: int) -> dict:
+    idle = await light_client(url, args.model_name, args.light_requests, args.pause)
+    rss_before = rss_bytes(pid)
+    stop = asyncio.Event()
+    flood_statuses: Counter = Counter()
+    heavy_statuses: Counter = Counter()
+    rss_peak = rss_before
+
+    async def watch_rss() -> None:
+        nonlocal rss_peak
+        while not stop.is_set():
+            rss_peak = max(rss_peak, rss_bytes(pid))
+            await asyncio.sleep(0.2)
+
+    background = [
+        asyncio.create_task(flood(url, stop, flood_statuses)),
+        asyncio.create_task(heavy(url, stop, args.heavy_inputs, heavy_statuses)),
+        asyncio.create_task(watch_rss()),
+    ]
+    await asyncio.sleep(args.warmup)  # the flood and the heavy client fill the server first
+    loaded = await light_client(url, args.model_name, args.light_requests, args.pause)
+    stop.set()
+    await asyncio.gather(*background)
+    await asyncio.to_thread(wait_idle, url)
+    await asyncio.sleep(args.settle)
+    rss_after = rss_bytes(pid)
+    return {
+        "idle": idle,
+        "loaded": loaded,
+        "flood": dict(flood_statuses),
+        "heavy": dict(heavy_statuses),
+        "rss": (rss_before, rss_peak, rss_after),
+    }
+
+
+def report(result: dict) -> None:
+    idle, loaded = result["idle"], result["loaded"]
+    rows = [
+        ("light TTFT p50, alone (ms)", f"{1000 * statistics.median(idle):.1f}"),
+        ("light TTFT p99, alone (ms)", f"{1000 * percentile(idle, 0.99):.1f}"),
+        ("light TTFT p50, under load (ms)", f"{1000 * statistics.median(loaded):.1f}"),
+        ("light TTFT p99, under load (ms)", f"{1000 * percentile(loaded, 0.99):.1f}"),
+        ("p99 under load / p99 alone", f"{percentile(loaded, 0.99) / percentile(idle, 0.99):.2f}"),
+        ("flood answers (status: count)", str(result["flood"])),
+        ("heavy answers (status: count)", str(result["heavy"])),
+    ]
+    before, peak, after = result["rss"]
+    rows += [
+        ("RSS before / peak / after (MB)", f"{before >> 20} / {peak >> 20} / {after >> 20}"),
+        ("RSS after / before", f"{after / before:.2f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print("| what | value |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name:<{width}} | {value} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="a checkpoint folder (default: bundled)")
+    ap.add_argument("--model-name", default=None, help="the served name (default: the server's)")
+    ap.add_argument("--light-requests", type=int, default=100)
+    ap.add_argument("--pause", type=float, default=0.1, help="seconds between light requests")
+    ap.add_argument("--heavy-inputs", type=int, default=128)
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds before the last RSS")
+    ap.add_argument("--quick", action="store_true", help="20 light requests, short phases")
+    ap.add_argument("--server-arg", action="append", default=[], help="passed to aieng serve")
+    args = ap.parse_args()
+    if args.quick:
+        args.light_requests, args.warmup, args.settle, args.heavy_inputs = 20, 2.0, 1.0, 32
+    proc, url = spawn(args.model, args.server_arg)
+    try:
+        if args.model_name is None:
+            args.model_name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        report(asyncio.run(measure(args, url, proc.pid)))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

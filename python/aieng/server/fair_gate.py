@@ -1,0 +1,91 @@
+"""The door between admitted requests and an engine: they go in by fair shares, not by arrival.
+
+The engine's own queue is first come, first served, so whatever reaches it first runs first:
+two embedding requests of 128 inputs each would hold a chat turn from another client behind
+256 prefills. Here the engine is kept just full enough to fill its next steps — at most
+`max_requests` of its requests, or `max_tokens` prompt tokens, not yet started (no output yet)
+— and the others wait at this gate in a `FairQueue` by (kind, address, key): generation and
+embeddings share equally when both wait, then the clients within each kind, in prompt tokens.
+A light client's short request goes in as soon as one request ahead of it starts. Priority
+classes still apply on top, in the engine's scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from aieng.server.fair_queue import FairQueue
+
+
+@dataclass(eq=False)
+class _Ticket:
+    engine_id: str
+    tokens: int
+    entered: asyncio.Future = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class FairGate:
+    def __init__(self, max_requests: int, max_tokens: int) -> None:
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self._waiting: FairQueue[_Ticket] = FairQueue(depth=3)
+        self._inside: dict[str, int] = {}  # engine id -> prompt tokens, in and not started
+        self._inside_tokens = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        return not self._inside and not len(self._waiting)
+
+    async def enter(
+        self, path: tuple[Hashable, Hashable, Hashable], engine_id: str, tokens: int
+    ) -> None:
+        """Returns once the request may go to the engine; `started(engine_id)` must follow
+        (when its first output comes, or when it ends). Cancelled: it leaves the queue."""
+        if self._has_room() and not len(self._waiting):
+            self._let_in(engine_id, tokens)
+            return
+        ticket = _Ticket(engine_id, tokens)
+        self._waiting.push(path, ticket, tokens + 1)  # +1: no request is free
+        try:
+            await ticket.entered
+        except BaseException:
+            if not self._waiting.remove(path, ticket):
+                self.started(engine_id)  # let in as it was cancelled: its place is free again
+            raise
+
+    def started(self, engine_id: str) -> None:
+        tokens = self._inside.pop(engine_id, None)
+        if tokens is None:
+            return
+        self._inside_tokens -= tokens
+        self._let_waiting_in()
+
+    def abort_waiting(self, error: BaseException) -> None:
+        """Every waiting request gets `error` (the server is shutting down)."""
+        while len(self._waiting):
+            ticket = self._waiting.pop()
+            if not ticket.entered.done():
+                ticket.entered.set_exception(error)
+
+    def _has_room(self) -> bool:
+        """Room for one more (a prompt larger than max_tokens goes in alone)."""
+        return len(self._inside) < self.max_requests and self._inside_tokens < self.max_tokens
+
+    def _let_in(self, engine_id: str, tokens: int) -> None:
+        self._inside[engine_id] = tokens
+        self._inside_tokens += tokens
+
+    def _let_waiting_in(self) -> None:
+        while self._has_room() and len(self._waiting):
+            ticket = self._waiting.pop()
+            if ticket.entered.done():  # cancelled between its wake-up and now
+                continue
+            self._let_in(ticket.engine_id, ticket.tokens)
+            ticket.entered.set_result(None)
