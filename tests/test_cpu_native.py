@@ -298,3 +298,17 @@ def test_a_bad_step_is_a_typed_error(tmp_path):
     bad = dataclasses.replace(plan, input_ids=np.asarray([0, 1, 10_000], np.int32))
     with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
         r._forward(bad, _tables(1), caches)
+
+
+def test_a_draft_model_runs_native_and_the_target_as_its_own_draft_is_always_accepted(llama_dir):
+    spec = {"model": str(llama_dir), "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_memory=1 << 22, speculative_config=spec)
+    assert llm.engine.runner.native is not None and llm.engine.runner.draft.native is not None
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate(PROMPTS[:4], greedy, use_tqdm=False)
+    plain, _ = _generate(llama_dir, PROMPTS[:4], greedy, kv_cache_memory=1 << 22)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == plain
+    stats = llm.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    llm.engine.check_pool_whole()

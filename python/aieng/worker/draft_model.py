@@ -28,8 +28,10 @@ import torch
 from aieng.attention import AttentionInputs, ForwardContext, KVCache, select_attention_backend
 from aieng.config.engine_config import EngineConfig
 from aieng.models.loader import load_model
+from aieng.worker.cpu_native import native_decoder
 from aieng.worker.kv_cache import KVCacheSpec
 from aieng.worker.sampler import SamplingTable
+from aieng.worker.step_plan import ForwardArrays
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,20 @@ class DraftModel:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_spec = KVCacheSpec.for_model(self.model_config, block_size, dtype, kv_cache_dtype)
+        attention_cache = "auto" if kv_cache_dtype == "bfloat16" else kv_cache_dtype
         self.attention = select_attention_backend(
-            config.runner.attention_backend, self.model_config, device, dtype, kv_cache_dtype,
+            config.runner.attention_backend, self.model_config, device, dtype, attention_cache,
             block_size,
         )  # fmt: skip
+        # On the CPU the draft's forward is the native decoder's too, where it is covered.
+        self.native = native_decoder(
+            config.runner.cpu_native, self.model, self.model_config, device, self.attention.name
+        )
+        if self.native is None and self.kv_spec.dtype not in (dtype, torch.int8):
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r}: the draft model's cache is read by the native "
+                "CPU decoder only, which does not serve the draft here"
+            )
         # Scratch blocks per row: the proposal steps reach at most k positions past its blocks.
         self.scratch_per_row = math.ceil(self.k / block_size) + 1
         self.max_rows = config.scheduler.max_num_seqs
@@ -265,6 +277,16 @@ class DraftModel:
         row_of = np.repeat(np.arange(len(lengths)), lengths)
         blocks = block_table[row_of, positions // self.block_size]
         slot_mapping = blocks * self.block_size + positions % self.block_size
+        if self.native is not None:
+            arrays = ForwardArrays(
+                input_ids=np.asarray(ids, np.int32),
+                positions=positions.astype(np.int32),
+                slot_mapping=slot_mapping.astype(np.int32),
+                query_start_loc=np.r_[0, np.cumsum(lengths)].astype(np.int32),
+                num_computed_tokens=np.asarray(computed, np.int32),
+                seq_lens=(np.asarray(computed) + lengths).astype(np.int32),
+            )
+            return self.native.forward(arrays, block_table, self.kv_caches)[0]
         metadata = self.attention.build_metadata(
             AttentionInputs(
                 slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
