@@ -114,7 +114,7 @@ class SamplingFields(_Lenient):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=FLOAT32_TINY, le=1.0)  # below it float32 has 0
     stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    seed: int | None = Field(None, ge=-INT64, le=INT64 - 1)  # le: exact in the document
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
