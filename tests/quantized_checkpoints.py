@@ -95,19 +95,42 @@ def _save_reference(source: Path, out: Path, tensors: dict[str, torch.Tensor]) -
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
 
+def awq_layer(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One AutoAWQ gemm layer: w (N, K) -> (its checkpoint tensors, its dequantized weight)."""
+    q, s, z = min_max_quantize(w, 4, group, symmetric=False)
+    s16 = s.to(torch.float16)
+    packed = {
+        "qweight": pack_rows(q.t(), 4, AWQ_ORDER),
+        "qzeros": pack_rows(z.t(), 4, AWQ_ORDER),
+        "scales": s16.t().contiguous(),
+    }
+    return packed, dequantize(q, s16.float(), z, group)
+
+
+def gptq_layer(
+    w: torch.Tensor, bits: int, group: int | None, sym: bool
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One GPTQ layer: w (N, K) -> (its checkpoint tensors, its dequantized weight)."""
+    q, s, z = min_max_quantize(w, bits, group, symmetric=sym)
+    s16 = s.to(torch.float16)
+    k = w.shape[1]
+    packed = {
+        "qweight": pack_rows(q, bits).t().contiguous(),
+        "qzeros": pack_rows((z - 1).t(), bits),
+        "scales": s16.t().contiguous(),
+        "g_idx": torch.arange(k, dtype=torch.int32) // (group or k),
+    }
+    return packed, dequantize(q, s16.float(), z, group)
+
+
 def write_awq(source: Path, out: Path, reference: Path, group: int = 32) -> None:
     """AutoAWQ gemm: qweight (K, N/8) and qzeros (G, N/8) int32 with the interleaved nibble
     order, scales (G, N) float16; w = (q - z) * s."""
     tensors = load_file(source / "model.safetensors")
     stored, dense = {}, dict(tensors)
     for layer in quantized_layers(tensors):
-        w = tensors.pop(f"{layer}.weight")
-        q, s, z = min_max_quantize(w, 4, group, symmetric=False)
-        s16 = s.to(torch.float16)
-        stored[f"{layer}.qweight"] = pack_rows(q.t(), 4, AWQ_ORDER)
-        stored[f"{layer}.qzeros"] = pack_rows(z.t(), 4, AWQ_ORDER)
-        stored[f"{layer}.scales"] = s16.t().contiguous()
-        dense[f"{layer}.weight"] = dequantize(q, s16.float(), z, group)
+        packed, dense[f"{layer}.weight"] = awq_layer(tensors.pop(f"{layer}.weight"), group)
+        stored.update({f"{layer}.{name}": value for name, value in packed.items()})
     stored.update(tensors)
     config = {
         "quant_method": "awq",
@@ -131,14 +154,8 @@ def write_gptq(
     stored, dense = {}, dict(tensors)
     for layer in quantized_layers(tensors):
         w = tensors.pop(f"{layer}.weight")
-        q, s, z = min_max_quantize(w, bits, group, symmetric=sym)
-        s16 = s.to(torch.float16)
-        k = w.shape[1]
-        stored[f"{layer}.qweight"] = pack_rows(q, bits).t().contiguous()
-        stored[f"{layer}.qzeros"] = pack_rows((z - 1).t(), bits)
-        stored[f"{layer}.scales"] = s16.t().contiguous()
-        stored[f"{layer}.g_idx"] = torch.arange(k, dtype=torch.int32) // (group or k)
-        dense[f"{layer}.weight"] = dequantize(q, s16.float(), z, group)
+        packed, dense[f"{layer}.weight"] = gptq_layer(w, bits, group, sym)
+        stored.update({f"{layer}.{name}": value for name, value in packed.items()})
     stored.update(tensors)
     config = {
         "quant_method": "gptq",

@@ -154,12 +154,14 @@ def scrape(url: str) -> dict[str, float]:
 
 
 class SubprocessServer:
-    """`python -m aieng.server MODEL --port P ARGS...` with its stderr captured to a file."""
+    """`python -m aieng.server MODEL --port P ARGS...` with its stderr captured to a file
+    (model None: the bundled default model)."""
 
-    def __init__(self, model: Path, log_file: Path, *args: str):
+    def __init__(self, model: Path | None, log_file: Path, *args: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "aieng.server", str(model), "--port", str(self.port)]
+        command = [sys.executable, "-m", "aieng.server", *([str(model)] if model else [])]
+        command += ["--port", str(self.port)]
         command += ["--kv-cache-memory", str(1 << 22), "--block-size", "4", *args]
         self.log_file = log_file
         self._log = log_file.open("w")

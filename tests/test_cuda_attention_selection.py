@@ -12,12 +12,18 @@ import pytest
 import torch
 
 import aieng.attention.cuda_paged as cuda_paged
+import aieng.attention.cuda_self_check as cuda_self_check
 from aieng.attention import AttentionInputs
 from aieng.attention.cuda_paged import build_cuda_metadata, split_plan
 from aieng.attention.cuda_self_check import (
+    CHECK_BLOCK_SIZES,
+    GRAPH_PLAN_LEN,
     PREFILLS,
+    REPEATS,
     SPLIT_DECODES,
     RequestSpec,
+    check_block_sizes,
+    check_cases,
     checked_cuda_backend,
     cuda_unsupported_reason,
     random_step,
@@ -27,7 +33,12 @@ from aieng.attention.selector import select_attention_backend
 from aieng.attention.torch_paged import TorchPagedAttention
 from aieng.config.model_config import ModelConfig
 from aieng.kernels import KernelCompileError
-from aieng.kernels.paged_attention import PREFILL_BLOCK_M, SplitPlan
+from aieng.kernels.paged_attention import (
+    MAX_SPLITS,
+    MIN_SPLIT_TOKENS,
+    PREFILL_BLOCK_M,
+    SplitPlan,
+)
 
 
 def llama(**extra: object) -> ModelConfig:
@@ -111,6 +122,78 @@ def test_self_check_passes_the_reference_and_refuses_a_wrong_backend(
     with caplog.at_level(logging.WARNING):
         assert not self_check(Perturbed((window,)), *args, **blocks)
     assert "perturbed decode differs from its reference" in caplog.text
+
+
+class Stale(TorchPagedAttention):
+    """A backend that returns its first output again for every later step of the same shape:
+    a kernel that leaves its output unwritten over memory still holding a correct result."""
+
+    name = "stale"
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.first: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        out = super().forward(*args, **kwargs)
+        return self.first.setdefault(tuple(out.shape), out)
+
+
+class ContiguousQOnly(TorchPagedAttention):
+    """A backend that reads q as if it were contiguous, ignoring its row stride: wrong for the
+    view of a fused QKV projection the model passes."""
+
+    name = "contiguous-q"
+
+    def forward(self, layer, q, k, v, kv_cache, metadata) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        flat = torch.as_strided(q, q.shape, (q.shape[1] * q.shape[2], q.shape[2], 1))
+        return super().forward(layer, flat, k, v, kv_cache, metadata)
+
+
+def test_each_case_runs_twice_on_fresh_inputs_with_q_a_fused_view(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The second run of every case has new inputs (a stale output fails it), and q, k, v are
+    views of one fused QKV projection (a kernel ignoring q's row stride fails)."""
+    cpu = torch.device("cpu")
+    args = (8, 2, 64, torch.float32, False, (None,), cpu)
+    blocks = {"block_sizes": (16,)}
+    assert REPEATS >= 2
+    assert self_check(TorchPagedAttention((None,)), *args, **blocks)
+    with caplog.at_level(logging.WARNING):
+        assert not self_check(Stale((None,)), *args, **blocks)
+        assert not self_check(ContiguousQOnly((None,)), *args, **blocks)
+    assert "stale decode differs" in caplog.text and "contiguous-q decode differs" in caplog.text
+
+
+def test_the_checks_cover_the_engines_block_size_and_graph_plans() -> None:
+    assert check_block_sizes(None) == CHECK_BLOCK_SIZES == (16, 32, 128)
+    assert check_block_sizes(64) == (16, 32, 64, 128) and check_block_sizes(16) == (16, 32, 128)
+    planned = [case.planned_len for case in check_cases(None)["decode"] if case.planned_len]
+    assert planned and set(planned) == {GRAPH_PLAN_LEN}
+    assert not any(case.planned_len for case in check_cases(100)["prefill"])
+    # planned for GRAPH_PLAN_LEN positions, one short decode gets the most splits there are
+    inputs, _ = random_step([RequestSpec(299, 1)], 16, torch.device("cpu"))
+    decode = build_cuda_metadata(inputs).decode
+    assert decode is not None
+    decode.planned_len = GRAPH_PLAN_LEN
+    plan = split_plan(decode, None, 8, 1, 64, num_sms=132, ctas_per_sm=6)
+    assert plan.num_splits == MAX_SPLITS and plan.split_tokens == MIN_SPLIT_TOKENS
+
+
+def test_the_selector_checks_the_engines_block_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block size the engine runs with reaches the cuda backend's check (which adds it to
+    CHECK_BLOCK_SIZES, above)."""
+    asked: list[int | None] = []
+
+    def checked(config, device, dtype, kv_cache_dtype, block_size=None):  # type: ignore[no-untyped-def]
+        asked.append(block_size)
+        return None  # as if a kernel failed: the reference serves
+
+    monkeypatch.setattr(cuda_self_check, "checked_cuda_backend", checked)
+    gpu = torch.device("cuda", 0)
+    backend = select_attention_backend("auto", llama(), gpu, torch.float16, "auto", 64)
+    assert isinstance(backend, TorchPagedAttention) and asked == [64]
 
 
 def test_self_check_cases_cover_split_and_prefill_paths() -> None:

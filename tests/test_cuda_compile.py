@@ -36,6 +36,7 @@ from aieng.kernels import compiler as compiler_module
 from aieng.kernels.launch import check_arguments, dim3, pack_args
 from aieng.kernels.occupancy import ctas_per_sm
 from aieng.kernels.paged_attention import (
+    CACHE_ALIGNMENT,
     DECODE_THREADS,
     HEAD_DIMS,
     MAX_SPLITS,
@@ -55,6 +56,7 @@ from aieng.kernels.paged_attention import (
     prefill_kernel_name,
     prefill_launch,
     prefill_tiles,
+    q_is_aligned,
 )
 
 ARCHS = (80, 90)
@@ -434,3 +436,31 @@ def test_instantiation_filters_compile_only_what_a_model_needs() -> None:
     assert instantiation_options(int8=False) == ["-DAIENG_INT8=0"]
     with pytest.raises(KernelError):
         instantiation_options(head_dim=96)
+
+
+def test_every_attention_launch_checks_layout_and_alignment() -> None:
+    """cp.async needs 16-byte aligned cache rows, the prefill's q loads 4-byte aligned rows:
+    asserted at every launch, not assumed from each cache being its own allocation. q as a view
+    of a fused QKV projection (its own row stride) passes, as the model hands it over."""
+    heads, kv_heads, head_dim = 8, 2, 64
+    q, cache, table, lens = paged_inputs(torch.bfloat16, False, head_dim, heads, kv_heads)
+    tokens = q.shape[0]
+    qkv = torch.zeros(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    q_view = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    assert q_is_aligned(q_view) and not q_view.is_contiguous()
+
+    def launch(q: torch.Tensor, cache: PagedCache) -> None:
+        decode_launches(q.contiguous(), q, cache, table, lens, lens, SplitPlan(1, 64), 0.1, None)
+        prefill_launch(q.contiguous(), q, cache, table, lens, lens, lens, lens, lens, 0.1, None)
+
+    launch(q_view, cache)
+    shifted = torch.zeros(cache.k.numel() + 4, dtype=cache.k.dtype)[4:].view(cache.k.shape)
+    assert shifted.data_ptr() % CACHE_ALIGNMENT == 8
+    with pytest.raises(KernelError, match="K cache must be contiguous and 16-byte aligned"):
+        launch(q, PagedCache(shifted, cache.v))
+    with pytest.raises(KernelError, match="V cache"):
+        launch(q, PagedCache(cache.k, cache.v.transpose(0, 1).contiguous().transpose(0, 1)))
+    odd = torch.zeros(tokens * heads * head_dim + 1, dtype=q.dtype)[1:].view(q.shape)
+    assert not q_is_aligned(odd) and not q_is_aligned(q.transpose(1, 2).contiguous().mT)
+    with pytest.raises(KernelError, match="q must be"):
+        launch(odd, cache)

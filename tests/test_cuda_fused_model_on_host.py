@@ -8,15 +8,13 @@ on a GPU (tests/test_cuda_fused_model_gpu.py). Skipped where no C++20 compiler i
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from core_driver import CoreDriver
+from test_cuda_kernels_on_host import COMPILER, RUN_KERNEL, HostKernels, build_host_binary
 from test_fused_dispatch import tiny_config
 from tiny_models import VOCAB_SIZE, build_checkpoint
 
@@ -42,65 +40,27 @@ from aieng.models.llama import LlamaDecoderLayer
 from aieng.sampling import SamplingParams
 from aieng.worker.runner import ModelRunner
 
-ROOT = Path(__file__).resolve().parents[1]
-COMPILER = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler (g++ or clang++)")
 BOUNDS = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture(scope="module")
 def binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("cuda_host") / "run_kernel"
-    command = [COMPILER, "-std=c++20", "-O1", "-pthread", "-ffp-contract=off"]
-    command += [f"-I{ROOT / 'cuda'}", str(ROOT / "tests/cuda_host/run_kernel.cpp"), "-o"]
-    subprocess.run([*command, str(path)], check=True, capture_output=True, timeout=900)
-    return path
+    return build_host_binary(RUN_KERNEL, tmp_path_factory.mktemp("cuda_host"))
 
 
 class HostLaunch:
-    """`aieng.kernels.fused._launch` on the host build, with the GPU's pointer semantics: a
-    tensor argument points at its first element; its storage, from there to the end, goes to
-    the kernel through a file and comes back; a later argument viewing the same storage points
-    into that buffer (q, k and v of one qkv projection)."""
+    """`aieng.kernels.fused._launch` on the host build (`HostKernels.launch`: the GPU's pointer
+    semantics, a view of an earlier argument's storage pointing into its buffer), recording the
+    kernels launched."""
 
     def __init__(self, binary: Path, folder: Path):
-        self.binary, self.folder = binary, folder
+        self.host = HostKernels(binary, folder)
         self.launched: list[str] = []
 
     def __call__(self, kernel: str, grid, block, args) -> None:
         self.launched.append(kernel)
-        grid, block = (*np.atleast_1d(grid), 1, 1)[:3], (*np.atleast_1d(block), 1)[:2]
-        words: list[str] = []
-        buffers: list[tuple[torch.Tensor, int, Path]] = []
-        bases: dict[int, tuple[int, int]] = {}  # storage -> (argument index, its byte offset)
-        for index, arg in enumerate(args):
-            if arg is None:
-                words.append("n")
-            elif isinstance(arg, torch.Tensor):
-                storage = arg.untyped_storage()
-                start = arg.storage_offset() * arg.element_size()
-                if storage.data_ptr() in bases:
-                    base_index, base_start = bases[storage.data_ptr()]
-                    assert start >= base_start, "a view before its storage's first argument"
-                    words.append(f"o:{base_index}:{start - base_start}")
-                    continue
-                whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-                path = self.folder / f"{kernel}-{index}.bin"
-                path.write_bytes(whole[start:].numpy().tobytes())
-                bases[storage.data_ptr()] = (index, start)
-                buffers.append((whole, start, path))
-                words.append(f"p:{path}")
-            elif isinstance(arg, ctypes.c_int64):
-                words.append(f"l:{arg.value}")
-            elif isinstance(arg, float):
-                words.append(f"f:{arg!r}")
-            else:
-                words.append(f"i:{arg}")
-        dims = [str(int(d)) for d in (*grid, *block)]
-        subprocess.run([str(self.binary), kernel, *dims, *words], check=True, timeout=600)
-        for whole, start, path in buffers:
-            data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-            whole[start:].copy_(data)
+        self.host.launch(kernel, grid, block, args)
 
 
 @pytest.fixture

@@ -9,13 +9,15 @@ import itertools
 import logging
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from quantized_checkpoints import min_max_quantize
+from quantized_checkpoints import awq_layer, gptq_layer, min_max_quantize
 
 from aieng.attention.backend import AttentionInputs, QuantizedKVCache
 from aieng.attention.layer import Attention
@@ -24,6 +26,7 @@ from aieng.config.default_model import default_model_path
 from aieng.config.engine_args import EngineArgs
 from aieng.config.engine_config import create_engine_config
 from aieng.config.quantization import QuantizationConfig, WeightScheme
+from aieng.kernels.check_child import Screening
 from aieng.kernels.errors import KernelCompileError, KernelError
 from aieng.kernels.fused import check_cases as fused_check_cases
 from aieng.kernels.fused import (
@@ -53,7 +56,7 @@ from aieng.kernels.int4 import (
     unpack,
 )
 from aieng.kernels.reference import quantize_int8
-from aieng.kernels.self_check import passes_check
+from aieng.kernels.self_check import disagreement, passes_check
 from aieng.layers.linear import Linear
 from aieng.quantization import cuda_int4, methods
 from aieng.quantization.cpu_int8 import CpuQuantizedLinearMethod
@@ -64,12 +67,17 @@ from aieng.worker.cuda_graphs import (
     GRAPH_PAD_BLOCKS,
     DecodeGraphs,
     GraphDecodeInputs,
+    bucket_for,
     capture_sizes,
+    context_buckets,
+    distinct_buckets,
+    graph_buckets,
     graph_metadata,
     graphs_wanted,
     is_decode_only,
     pad_decode,
     padded_size,
+    step_bucket,
 )
 from aieng.worker.gpu_memory import (
     GpuMemory,
@@ -83,9 +91,10 @@ from aieng.worker.runner import ModelRunner
 
 @pytest.fixture(autouse=True)
 def fresh_kernel_failures(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test starts with no kernel known to be unable to run (an injected failure stays in
-    its test)."""
+    """Each test starts with no kernel known to be unable to run and no layout checked against
+    its checkpoint yet (an injected failure stays in its test)."""
     monkeypatch.setattr(cuda_int4, "_CANNOT_RUN", {})
+    monkeypatch.setattr(cuda_int4, "_LAYOUT_CHECKED", {})
 
 
 def random_int4(n: int, k: int, group: int, seed: int = 0):
@@ -310,6 +319,88 @@ def quantized_layer_from(layer: Linear, method: CudaInt4LinearMethod, group: int
     method.process_weights_after_loading(layer)
 
 
+# Checkpoint formats whose layers `checkpoint_layer` writes byte by byte from their specifications
+# (tests/quantized_checkpoints.py, not aieng's packing): (scheme, writer of w (N, K)).
+CHECKPOINT_FORMATS = {
+    "awq-g32": (WeightScheme("awq", 4, 32, False), lambda w: awq_layer(w, 32)),
+    "gptq-g64-sym": (
+        WeightScheme("gptq", 4, 64, True, zero_point_offset=1),
+        lambda w: gptq_layer(w, 4, 64, True),
+    ),
+    "gptq-g128-asym": (
+        WeightScheme("gptq", 4, 128, False, zero_point_offset=1),
+        lambda w: gptq_layer(w, 4, 128, False),
+    ),
+}
+
+
+def checkpoint_layer(
+    fmt: str, n: int, k: int, dtype: torch.dtype, method_for: Callable, device: str = "cpu"
+) -> tuple[Linear, Any, torch.Tensor]:
+    """A Linear (K -> N; N a multiple of 8, AWQ packing along it) loaded from one checkpoint
+    layer of `fmt` as the checkpoint stores it -> (the layer after
+    `process_weights_after_loading`, its method, the checkpoint's own dequantized weight (N, K)
+    float32, computed by the format's writer)."""
+    if n % 8:
+        raise ValueError(f"N = {n}: the formats pack 8 output channels per word")
+    scheme, write = CHECKPOINT_FORMATS[fmt]
+    tensors, dense = write(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)))
+    method = method_for(scheme)
+    with torch.device(device):
+        layer = Linear(k, n, dtype=dtype, methods=lambda prefix: method)
+    for name, value in tensors.items():
+        getattr(layer, name).data.copy_(value)
+    method.process_weights_after_loading(layer)
+    return layer, method, dense.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt", CHECKPOINT_FORMATS)
+def test_checkpoint_layers_against_their_own_dequantization(fmt: str, dtype: torch.dtype) -> None:
+    """A layer of each checkpoint format, packed byte by byte from the format's specification,
+    through the CUDA method (the kernels' math standing in): its output against x @ W^T with
+    the writer's own dequantized W, per row within the start-up check's bound (AWQ and GPTQ
+    store float16 scales: the layout holds them exactly)."""
+
+    def method_for(scheme: WeightScheme) -> CudaInt4LinearMethod:
+        return CudaInt4LinearMethod(scheme, fmt, matmul=reference_kernel, runs_on=lambda d: True)
+
+    layer, method, dense = checkpoint_layer(fmt, 48, 256, dtype, method_for)
+    assert method.kernel == "cuda_int4" and method.paths == ("gemv", "gemm")
+    assert cuda_int4.layout_disagreement(layer, layer.int4_weights) is None
+    assert torch.equal(dequantize_weights(layer.int4_weights), dense)
+    for m in (1, 9, 40):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
+        why = disagreement(layer(x), x.float() @ dense.t(), cuda_int4.check_bound(dtype))
+        assert why is None, (m, why)
+
+
+def test_a_layout_that_differs_from_its_checkpoint_turns_the_kernels_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One zero point off by one in the layout (a conversion bug the kernels' own reference,
+    built from the layout, could not see): the first layer's comparison with the checkpoint
+    finds it and every layer keeps the dequantize reference."""
+    real = cuda_int4.from_packed
+
+    def off_by_one(qweight, scales, zeros):
+        zeros = zeros.clone()
+        zeros[3, 1] += 1
+        return real(qweight, scales, zeros)
+
+    monkeypatch.setattr(cuda_int4, "from_packed", off_by_one)
+
+    def method_for(scheme: WeightScheme) -> CudaInt4LinearMethod:
+        return CudaInt4LinearMethod(scheme, "odd", matmul=reference_kernel, runs_on=lambda d: True)
+
+    with caplog.at_level(logging.WARNING):
+        _, method, _ = checkpoint_layer("awq-g32", 48, 256, torch.float16, method_for)
+        _, second, _ = checkpoint_layer("gptq-g64-sym", 32, 128, torch.float16, method_for)
+    assert method.kernel == "dequant" and second.kernel == "dequant"
+    assert "differs from the checkpoint's dequantization (weight (3, " in caplog.text
+    assert caplog.text.count("differs from the checkpoint") == 1
+
+
 def test_a_kernel_that_disagrees_is_turned_off_by_name(caplog) -> None:
     def broken_gemm(x, weights, path):
         y = reference_matmul(x, weights)
@@ -523,6 +614,7 @@ def test_graph_metadata_attends_as_the_eager_step(int8: bool, window: int | None
         torch.from_numpy(padded.seq_lens),
         torch.from_numpy(padded.block_tables),
         block,
+        planned_len=4 * block,
     )
     pad = lambda t: torch.cat([t, t[:1]])  # noqa: E731 - the padding row's own q/k/v
     got = backend.forward(
@@ -561,19 +653,69 @@ def test_graph_computation_matches_the_eager_forward(kv_cache_dtype: str) -> Non
 
 def test_cuda_backend_graph_metadata_is_its_decode_batch() -> None:
     """The cuda backend's graph metadata (built on the CPU here, as its arrays are): every row a
-    decode row over the persistent arrays, split-K planned for the table's longest context."""
-    from aieng.attention.cuda_paged import CudaAttentionMetadata
+    decode row over the persistent arrays, split-K planned for the graph's context bucket."""
+    from aieng.attention.cuda_paged import CudaAttentionMetadata, split_plan
 
     inputs = GraphDecodeInputs(
-        torch.arange(4), torch.ones(4, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.int32), 16
-    )
+        torch.arange(4), torch.ones(4, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.int32), 16,
+        planned_len=2048,
+    )  # fmt: skip
     backend = SimpleNamespace(name="cuda")
     metadata = graph_metadata(backend, inputs)
     assert isinstance(metadata, CudaAttentionMetadata) and metadata.prefill is None
     decode = metadata.decode
     assert decode.rows.tolist() == [0, 1, 2, 3] and decode.seq_lens is inputs.seq_lens
-    assert decode.block_tables is inputs.block_tables
-    assert decode.seq_lens_host.tolist() == [128] * 4 and metadata.num_tokens == 4
+    assert decode.block_tables is inputs.block_tables and metadata.num_tokens == 4
+    assert decode.planned_len == 2048
+    plan = split_plan(decode, None, 8, 2, 128, num_sms=132, ctas_per_sm=6)
+    assert plan.num_splits * plan.split_tokens >= 2048 > (plan.num_splits - 1) * plan.split_tokens
+
+
+def test_context_buckets_and_the_live_context() -> None:
+    assert context_buckets(32768) == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert context_buckets(3000) == [1024, 2048, 3000] and context_buckets(512) == [512]
+    with pytest.raises(ValueError):
+        context_buckets(0)
+    buckets = [1024, 2048, 4096]
+    assert [bucket_for(n, buckets) for n in (1, 1024, 1025, 4096)] == [1024, 1024, 2048, 4096]
+    # a bucket whose plan is the next one's needs no graph of its own
+    assert distinct_buckets([1024, 2048, 4096, 8192], lambda n: min(n, 2048)) == [1024, 8192]
+    assert distinct_buckets([1024, 2048], lambda n: None) == [2048]
+
+
+def test_graph_plans_are_bucketed_by_the_live_context() -> None:
+    """A decode batch of one short context under a long limit (issue 38: 1 x 1k under 32k ran
+    3 splits of 94 with positions): the graph replayed is the smallest bucket holding the live
+    context, whose split-K plan (the cuda backend's, for this model on 132 SMs of 6 decode
+    CTAs each) leaves at most one split without positions; a batch that never splits keeps one
+    graph per size."""
+    from aieng.attention.cuda_paged import plan_for_lengths
+
+    args = EngineArgs(
+        str(default_model_path()), device="cpu", dtype="bfloat16", kv_cache_memory=1 << 20,
+        max_num_seqs=8,
+    )  # fmt: skip
+    runner = ModelRunner(create_engine_config(args))
+    cuda = SimpleNamespace(name="cuda", num_sms=132, ctas_per_sm=lambda kernel: 6)
+    one = graph_buckets(cuda, runner, 1, 32768)
+    assert one == context_buckets(32768)  # every bucket its own plan at one row
+    assert graph_buckets(cuda, runner, 256, 32768) == [32768]  # 256 x 4 KV heads: no split
+    assert graph_buckets(runner.attention, runner, 1, 32768) == [32768]  # the torch backend
+
+    config = runner.model_config
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, 64
+    live = np.array([1000])
+    for planned, holding in ((bucket_for(1000, one), "all"), (32768, "few")):
+        plan = plan_for_lengths(np.maximum(live, planned), None, heads, kv_heads, dim, 132, 6)
+        used = -(-1000 // plan.split_tokens)
+        if holding == "all":
+            assert plan.num_splits - used <= 1, plan
+        else:  # what a plan for the limit would run
+            assert plan.num_splits == 128 and used <= 8, plan
+
+    step = SimpleNamespace(input_ids=np.zeros(2), seq_lens=np.array([700, 3000]))
+    assert step_bucket(step, [1, 2, 4], {1: one, 2: one, 4: [32768]}) == 4096
+    assert step_bucket(step, [1, 2, 4], {1: one, 2: [2048, 32768], 4: [32768]}) == 32768
 
 
 def test_runner_on_cpu_runs_eagerly() -> None:
@@ -718,3 +860,23 @@ def test_engine_with_the_cuda_int4_method_follows_the_reference(tmp_path, monkey
         return [request.output for request in scheduler.run()]
 
     assert run(cuda=True) == run(cuda=False)
+
+
+def test_every_weight_shape_is_screened_in_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CUDA device each distinct (N, K, group) is screened in its own child process once
+    (a kernel faulting on one shape's grid is off for that shape), not only the first layer's."""
+    screened: list[tuple] = []
+
+    def screen(suite, args, label=""):  # type: ignore[no-untyped-def]
+        screened.append(args[2:])
+        return Screening(passed=[f"kernel for {args[2]}x{args[3]}"])
+
+    monkeypatch.setattr(cuda_int4, "screen_in_child", screen)
+    monkeypatch.setattr(cuda_int4, "_SCREENED", {})
+    gpu = torch.device("cuda", 0)
+    qkv, down = repack(*random_int4(96, 256, 64)), repack(*random_int4(256, 128, 64))
+    for weights in (qkv, down, qkv, down):
+        passed = cuda_int4.screened_kernels(gpu, torch.float16, weights)
+        assert passed == {f"kernel for {weights.out_features}x{weights.in_features}"}
+    assert screened == [(96, 256, 64), (256, 128, 64)]
+    assert cuda_int4.screened_kernels(torch.device("cpu"), torch.float16, qkv) is None

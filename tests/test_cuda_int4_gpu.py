@@ -1,28 +1,26 @@
 """The CUDA INT4 kernels on an NVIDIA GPU (issue 12): GEMV and GEMM against the float64
 reference of the same layout on many shapes (odd sizes, one row, M past the GEMV's tile, N not a
 multiple of any tile), outputs poisoned with NaN before each run, relative error bounds per
-dtype; the linear method taking over a layer; and the engine end to end with the kernels on vs
-the dequantize reference. Skipped without a GPU."""
+dtype; the linear method taking over a layer. Kernel tests only (benches/gpu/run.sh's `tests`
+part): the engine end to end is tests/test_cuda_int4_engine_gpu.py. Skipped without a GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from core_driver import CoreDriver
-from test_cuda_int4 import quantized_layer_from, random_int4, scheme
-from tiny_models import VOCAB_SIZE, build_checkpoint
+from test_cuda_int4 import (
+    CHECKPOINT_FORMATS,
+    checkpoint_layer,
+    quantized_layer_from,
+    random_int4,
+    scheme,
+)
 
-from aieng.config.engine_args import EngineArgs
-from aieng.config.engine_config import create_engine_config
 from aieng.kernels.int4 import int4_matmul, reference_matmul, repack
+from aieng.kernels.self_check import disagreement
 from aieng.layers.linear import Linear
-from aieng.quantization import methods
-from aieng.quantization.cuda_int4 import CudaInt4LinearMethod
-from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
-from aieng.quantizer.compressed_tensors_writer import QuantScheme
-from aieng.quantizer.quantize import QuantizeOptions, quantize_checkpoint
-from aieng.sampling import SamplingParams
-from aieng.worker.runner import ModelRunner
+from aieng.quantization.cuda_int4 import CudaInt4LinearMethod, check_bound
+from aieng.quantization.linear_method import dequantize
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.version.cuda is None,
@@ -62,12 +60,15 @@ def weights_on_gpu(n: int, k: int, group: int, seed: int):
     return repack(q.cuda(), scales.cuda(), zeros.cuda())
 
 
-@pytest.mark.parametrize("path", ["gemv", "gemm"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+# Only the (path, dtype) pairs a kernel exists for: the tensor-core GEMM takes float16 and
+# bfloat16 (float32 goes to the GEMV at every M, `choose_path`). A parameter that skipped would
+# fail the device run (benches/gpu/junit_summary.py): nothing here may skip on a GPU.
+PATHS = [pytest.param(path, dtype, id=f"{path}-{str(dtype)[6:]}") for path, dtype in BOUNDS]
+
+
+@pytest.mark.parametrize(("path", "dtype"), PATHS)
 @pytest.mark.parametrize(("m", "n", "k", "group"), SHAPES)
 def test_kernel_matches_reference(path, dtype, m, n, k, group) -> None:
-    if (path, dtype) not in BOUNDS:
-        pytest.skip("the tensor-core GEMM takes float16 and bfloat16 only")
     weights = weights_on_gpu(n, k, group, seed=m + n + k)
     generator = torch.Generator(device="cuda").manual_seed(m * n)
     x = torch.randn(m, k, generator=generator, device="cuda").to(dtype)
@@ -109,56 +110,26 @@ def test_method_takes_over_layers_on_the_gpu(dtype) -> None:
         assert error < 2e-2, (m, error)
 
 
-PROMPT_LENS = [1, 7, 40, 23]
-MAX_TOKENS = 12
+# One dtype per format: each (dtype, shape) costs a child process's start-up screen (seconds).
+CHECKPOINT_CASES = list(zip(CHECKPOINT_FORMATS, [torch.float16, torch.bfloat16] * 2, strict=False))
 
 
-@pytest.fixture(scope="module")
-def int4_checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("int4-gpu")
-    source = build_checkpoint("llama", root / "float", hidden_size=256, intermediate_size=512)
-    rtn = QuantizeOptions(method="rtn", scheme=QuantScheme(4, 32, symmetric=False))
-    quantize_checkpoint(source, root / "int4", rtn, progress=None)  # aieng's own writer
-    return root / "int4"
+@pytest.mark.parametrize(("fmt", "dtype"), CHECKPOINT_CASES)
+def test_checkpoint_layers_against_their_own_dequantization(fmt: str, dtype: torch.dtype) -> None:
+    """A layer of each checkpoint format, packed byte by byte from the format's specification
+    (not aieng's packing), unpacked by aieng and taken over by the kernels: every M a path
+    dispatches against x @ W^T with the writer's own dequantized W, per row within the start-up
+    check's bound — a checkpoint-unpacking bug shows here, where the kernels' own reference
+    (built from the unpacked weights) cannot see it."""
 
+    def method_for(scheme):
+        return CudaInt4LinearMethod(scheme, fmt)
 
-def run_engine(folder, dtype: str, kernels: bool, monkeypatch) -> list:
-    with monkeypatch.context() as patch:
-        if not kernels:  # the torch reference: dequantize then matmul
-            patch.setattr(methods, "CudaInt4LinearMethod", QuantizedLinearMethod)
-        args = EngineArgs(
-            model=str(folder), device="cuda", dtype=dtype, block_size=16, kv_cache_memory=1 << 24
-        )
-        runner = ModelRunner(create_engine_config(args))
-    kinds = methods.describe_linear_kernels(runner.model)
-    assert ("cuda_int4" in kinds) == kernels, kinds
-    scheduler = CoreDriver(runner)
-    generator = torch.Generator().manual_seed(3)
-    for n in PROMPT_LENS:
-        prompt = torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist()
-        scheduler.add(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2))
-    return scheduler.run()
-
-
-def test_engine_float32_kernels_give_the_reference_tokens(int4_checkpoint, monkeypatch) -> None:
-    ours = run_engine(int4_checkpoint, "float32", True, monkeypatch)
-    reference = run_engine(int4_checkpoint, "float32", False, monkeypatch)
-    for a, b in zip(ours, reference, strict=True):
-        assert a.output == b.output
-        torch.testing.assert_close(
-            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=2e-3, rtol=0
-        )
-
-
-def test_engine_bfloat16_kernels_follow_the_reference(int4_checkpoint, monkeypatch) -> None:
-    """vLLM's first-divergence rule: identical tokens with close logprobs up to the first
-    difference; there the reference's token is in our top 2, nearly tied with ours."""
-    ours = run_engine(int4_checkpoint, "bfloat16", True, monkeypatch)
-    reference = run_engine(int4_checkpoint, "bfloat16", False, monkeypatch)
-    for a, b in zip(ours, reference, strict=True):
-        for i, (mine, theirs) in enumerate(zip(a.output, b.output, strict=True)):
-            if mine != theirs:
-                top = a.top_logprobs[i]
-                assert theirs in top and top[mine] - top[theirs] < 0.1
-                break
-            assert abs(a.logprobs[i] - b.logprobs[i]) < 0.1
+    layer, method, dense = checkpoint_layer(fmt, 296, 1024, dtype, method_for, device="cuda")
+    assert method.kernel == "cuda_int4" and method.paths == ("gemv", "gemm")
+    for m in (1, 5, 9, 16, 17, 64):
+        x = torch.randn(m, 1024, device="cuda").to(dtype)
+        got = layer(x)
+        torch.cuda.synchronize()
+        why = disagreement(got, x.float() @ dense.t(), check_bound(dtype))
+        assert why is None, (m, why)

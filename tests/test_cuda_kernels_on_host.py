@@ -8,6 +8,7 @@ runs on a GPU (tests/test_cuda_*_gpu.py). Skipped where no C++20 compiler is fou
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_cuda_int4 import CHECKPOINT_FORMATS, checkpoint_layer
 
 from aieng.attention.backend import QuantizedKVCache
 from aieng.kernels.fused import (
@@ -33,24 +35,57 @@ from aieng.kernels.int4 import (
     gemv_tile,
     group_shift,
     kernel_args,
+    launch_for,
     reference_matmul,
     repack,
     staged_weights,
 )
+from aieng.kernels.self_check import disagreement
 from aieng.layers.activation import silu_and_mul
+from aieng.quantization.cuda_int4 import CudaInt4LinearMethod, check_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler (g++ or clang++)")
+RUN_KERNEL = ROOT / "tests/cuda_host/run_kernel.cpp"
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+# AddressSanitizer and the alignment check of UndefinedBehaviorSanitizer, where the compiler
+# has them: a read past a buffer's end (buffers are exactly their tensor's storage) or a vector
+# load from a misaligned address stops the launch, as memcheck would on the GPU.
+SANITIZERS = ["-fsanitize=address,alignment", "-fno-sanitize-recover=all", "-g"]
+
+
+def sanitizers_available(folder: Path) -> bool:
+    probe = folder / "probe.cpp"
+    probe.write_text("int main() { return 0; }\n")
+    command = [COMPILER, *SANITIZERS, str(probe), "-o", str(folder / "probe")]
+    built = subprocess.run(command, capture_output=True, timeout=120)
+    return built.returncode == 0 and subprocess.run([folder / "probe"]).returncode == 0
+
+
+_BUILT: dict[Path, Path] = {}  # source -> its binary, built once per test session
+
+
+def build_host_binary(source: Path, folder: Path) -> Path:
+    """`source` built with the host compiler over emulate.h (and the sanitizers, if it has
+    them) into `folder`, once per session (every test module that runs kernels on the host
+    shares the build) -> the binary."""
+    if source not in _BUILT:
+        binary = folder / source.stem
+        command = [COMPILER, "-std=c++20", "-O1", "-pthread", "-ffp-contract=off"]
+        if sanitizers_available(folder):
+            command += SANITIZERS
+        command += [f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'tests/cuda_host'}", str(source), "-o"]
+        subprocess.run([*command, str(binary)], check=True, capture_output=True, timeout=900)
+        _BUILT[source] = binary
+    return _BUILT[source]
 
 
 @pytest.fixture(scope="module")
 def host_kernels(tmp_path_factory) -> HostKernels:
-    binary = tmp_path_factory.mktemp("cuda_host") / "run_kernel"
-    command = [COMPILER, "-std=c++20", "-O1", "-pthread", "-ffp-contract=off"]
-    command += [f"-I{ROOT / 'cuda'}", str(ROOT / "tests/cuda_host/run_kernel.cpp"), "-o"]
-    subprocess.run([*command, str(binary)], check=True, capture_output=True, timeout=600)
+    binary = build_host_binary(RUN_KERNEL, tmp_path_factory.mktemp("cuda_host"))
     return HostKernels(binary, tmp_path_factory.mktemp("buffers"))
 
 
@@ -60,26 +95,28 @@ class HostKernels:
     def __init__(self, binary: Path, folder: Path):
         self.binary, self.folder = binary, folder
 
-    def launch(self, kernel: str, grid, block, args) -> None:
+    def launch(self, kernel: str, grid, block, args, early_copies: bool = False) -> None:
+        """One launch of the host build; each tensor's whole storage goes as one buffer (a
+        view, such as q of a fused QKV projection, points into it as on the GPU) and comes back
+        in place. early_copies: every cp.async lands when issued (emulate.h)."""
         grid, block = (*np.atleast_1d(grid), 1, 1)[:3], (*np.atleast_1d(block), 1)[:2]
         words, buffers = [], []
-        bases: dict[int, tuple[int, torch.Tensor]] = {}  # storage -> (its arg index, tensor)
+        bases: dict[int, int] = {}  # storage address -> the argument that carries it
         for index, arg in enumerate(args):
             if arg is None:
                 words.append("n")
-            elif isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() in bases:
-                # a view into an earlier argument (q, k, v of one fused projection): a pointer
-                # into that buffer, as on the GPU
-                base_index, base = bases[arg.untyped_storage().data_ptr()]
-                words.append(f"o:{base_index}:{arg.data_ptr() - base.data_ptr()}")
             elif isinstance(arg, torch.Tensor):
-                if not arg.is_contiguous() or arg.storage_offset():
-                    raise ValueError(f"argument {index}: pass the whole buffer first")
-                bases[arg.untyped_storage().data_ptr()] = (index, arg)
+                storage = arg.untyped_storage()
+                offset = arg.data_ptr() - storage.data_ptr()
+                if storage.data_ptr() in bases:  # a view into an earlier argument's buffer
+                    words.append(f"o:{bases[storage.data_ptr()]}:{offset}")
+                    continue
+                bases[storage.data_ptr()] = index
+                raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
                 path = self.folder / f"{kernel}-{index}.bin"
-                path.write_bytes(arg.contiguous().view(torch.uint8).numpy().tobytes())
-                words.append(f"p:{path}")
-                buffers.append((arg, path))
+                path.write_bytes(raw.numpy().tobytes())
+                words.append(f"p:{offset}:{path}")
+                buffers.append((raw, path))
             elif isinstance(arg, ctypes.c_int64):
                 words.append(f"l:{arg.value}")
             elif isinstance(arg, float):
@@ -87,10 +124,19 @@ class HostKernels:
             else:
                 words.append(f"i:{arg}")
         dims = [str(int(d)) for d in (*grid, *block)]
-        subprocess.run([str(self.binary), kernel, *dims, *words], check=True, timeout=600)
-        for tensor, path in buffers:  # written back in place (strides as given: contiguous)
-            data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-            tensor.view(-1).view(torch.uint8).copy_(data)
+        env = {**os.environ, "AIENG_HOST_COPIES": "early" if early_copies else "at-wait"}
+        run = subprocess.run(
+            [str(self.binary), kernel, *dims, *words], capture_output=True, text=True,
+            timeout=600, env=env,
+        )  # fmt: skip
+        if run.returncode != 0:  # an AddressSanitizer report, a misaligned copy, an abort
+            raise HostLaunchError(f"{kernel} exited with {run.returncode}:\n{run.stderr[-4000:]}")
+        for raw, path in buffers:  # the whole storage, written back in place
+            raw.copy_(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
+
+
+class HostLaunchError(RuntimeError):
+    """The host build stopped a launch: a sanitizer report, a misaligned cp.async, a crash."""
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -223,6 +269,37 @@ def test_int4_gemm(host_kernels, m, n, k, group, dt) -> None:
     # the dequantized weights rounded to x's dtype, as the kernel stages them for the MMA
     staged = dequantize_weights(weights).to(dtype).double()
     assert relative(y, x.double() @ staged.t()) < (2e-3 if dt == "f16" else 1e-2)
+
+
+def host_int4_matmul(host_kernels: HostKernels):
+    """`int4_matmul` on the host build: the kernel `launch_for` names, into a NaN-filled y."""
+
+    def matmul(x: torch.Tensor, weights, path: str) -> torch.Tensor:
+        flat = x.reshape(-1, weights.in_features).contiguous()
+        y = torch.full((flat.shape[0], weights.out_features), float("nan"), dtype=x.dtype)
+        launch = launch_for(path, flat.shape[0], weights, x.dtype)
+        host_kernels.launch(launch.kernel, launch.grid, launch.block, kernel_args(flat, weights, y))
+        return y.view(*x.shape[:-1], weights.out_features)
+
+    return matmul
+
+
+@pytest.mark.parametrize("fmt", CHECKPOINT_FORMATS)
+def test_checkpoint_layers_through_the_kernel_source(host_kernels, fmt) -> None:
+    """One layer of each checkpoint format, packed byte by byte from its specification, loaded
+    and unpacked by aieng, its start-up check run on the host-built kernels, then through them:
+    against x @ W^T with the format writer's own dequantized W."""
+
+    def method_for(scheme):
+        return CudaInt4LinearMethod(scheme, fmt, matmul=host_int4_matmul(host_kernels),
+                                    runs_on=lambda device: True)  # fmt: skip
+
+    layer, method, dense = checkpoint_layer(fmt, 40, 256, torch.float16, method_for)
+    assert method.kernel == "cuda_int4" and method.paths == ("gemv", "gemm")
+    for m in (1, 17):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).half()
+        why = disagreement(layer(x), x.float() @ dense.t(), check_bound(torch.float16))
+        assert why is None, (m, why)
 
 
 @pytest.mark.parametrize("dt", ["f32", "bf16"])

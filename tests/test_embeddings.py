@@ -9,6 +9,8 @@ import pytest
 from embedding_fixtures import EMBEDDERS, save_hf_model, save_sentence_transformer
 
 from aieng import LLM, InvalidArgumentError, PoolingParams, SamplingParams
+from aieng.config.engine_args import EngineArgs
+from aieng.config.engine_config import create_engine_config
 from aieng.pooling import sentence_transformers_pooling
 
 TEXTS = [
@@ -122,3 +124,45 @@ def test_embeddings_share_steps_with_generation_and_abort_cleanly(bare_qwen3):
     assert "cut" in engine.requests  # halfway: its prompt needs more than one step's budget
     engine.abort("cut")
     engine.check_pool_whole()
+
+
+def test_bundled_model_ships_mean_pooling_equal_to_sentence_transformers(tmp_path):
+    """The default model's sentence-transformers files are the ones `aieng train` writes (mean
+    pooling, normalised), and sentence-transformers itself embeds as `LLM().embed` does."""
+    from sentence_transformers import SentenceTransformer
+
+    from aieng.config.default_model import default_model_path
+    from aieng.train.export import write_pooling_files
+
+    folder = default_model_path()
+    assert sentence_transformers_pooling(folder) == PoolingParams("mean", normalize=True)
+    write_pooling_files(tmp_path, 256, "mean", 512)
+    for name in ("modules.json", "1_Pooling/config.json", "sentence_bert_config.json"):
+        assert (folder / name).read_text() == (tmp_path / name).read_text(), name
+    reference = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, batch_size=1)
+    with LLM(**ENGINE) as llm:
+        got = np.stack([o.embedding for o in llm.embed(TEXTS)])
+    assert _cosines(got, reference).min() >= 0.9999
+
+
+def test_engine_pooling_is_the_default_of_a_model_without_one(bare_qwen3):
+    """EngineArgs.pooling (`aieng serve --pooling`) pools a checkpoint that declares nothing."""
+    bare = bare_qwen3.engine.model_info.model_path
+    assert create_engine_config(EngineArgs(model=bare)).pooling is None
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        EngineArgs(model=bare, pooling="max")
+    with LLM(bare, pooling="last", **ENGINE) as llm:
+        assert llm.engine.model_info.pooling == PoolingParams("last")
+        np.testing.assert_allclose(
+            llm.embed(TEXTS[1])[0].embedding,
+            bare_qwen3.embed(TEXTS[1], pooling="last")[0].embedding,
+            atol=1e-5,
+        )
+
+
+def test_a_checkpoint_pooling_comes_before_the_engine_default(st_model):
+    _, folder, _ = st_model
+    declared = sentence_transformers_pooling(folder)
+    assert declared is not None
+    other = "cls" if declared.method != "cls" else "mean"
+    assert create_engine_config(EngineArgs(model=str(folder), pooling=other)).pooling == declared

@@ -9,15 +9,19 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+
+from aieng.kernels.check_child import DEFAULT_CHILD_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_BENCHES = ROOT / "benches" / "gpu"
@@ -166,12 +170,28 @@ def test_benches_refuse_to_run_without_a_gpu(benches, capsys) -> None:
         assert "no GPU visible" in capsys.readouterr().err
 
 
-def run_sh(*args: str, out: Path) -> subprocess.CompletedProcess:
+def run_sh(*args: str, out: Path, **env: str) -> subprocess.CompletedProcess:
     """run.sh as on a host where torch sees no GPU (CUDA_VISIBLE_DEVICES empty)."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, "OUT": str(out)}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, "OUT": str(out),
+           **env}  # fmt: skip
     return subprocess.run(
-        ["bash", str(RUN_SH), *args], env=env, capture_output=True, text=True, timeout=120
+        ["bash", str(RUN_SH), *args], env=env, capture_output=True, text=True, timeout=600
     )
+
+
+def part_limits() -> dict[str, int]:
+    """run.sh's listing -> each part's time limit in seconds."""
+    listing = run_sh(out=Path(os.devnull)).stdout.splitlines()
+    parts = [line.split() for line in listing if line.startswith("  ")]
+    return {words[0]: int(words[1]) for words in parts if words[2] == "s"}
+
+
+def returned_files(out: Path) -> list[Path]:
+    """What a device command's $OUT gives back (../shared/GPU.md): files at most two folders
+    deep; asserts there is nothing deeper."""
+    files = [path for path in out.rglob("*") if path.is_file()]
+    assert all(len(path.relative_to(out).parts) <= 3 for path in files), files
+    return files
 
 
 def test_run_sh_lists_its_parts_and_refuses_without_a_gpu(tmp_path) -> None:
@@ -182,9 +202,15 @@ def test_run_sh_lists_its_parts_and_refuses_without_a_gpu(tmp_path) -> None:
             check = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
             assert check.returncode == 0, check.stdout
 
+    # the aieng wheel alone travels: a second pytest would shadow the host's and its plugins
+    code = [line for line in (GPU_BENCHES / "stage.sh").read_text().splitlines()
+            if not line.lstrip().startswith("#")]  # fmt: skip
+    stage = "\n".join(code)
+    assert "maturin" in stage and "pip download" not in stage and "pytest" not in stage
+
     listing = run_sh(out=tmp_path)
     assert listing.returncode == 2
-    for part in ("tests", "engine-tests", "attention", "int4", "e2e", "sanitizer"):
+    for part in ("tests", "benches", "sanitizer", "engine-tests", "e2e", "attention", "int4"):
         assert f"  {part} " in listing.stdout
     unknown = run_sh("everything", out=tmp_path)
     assert unknown.returncode == 2 and "unknown part 'everything'" in unknown.stderr
@@ -193,4 +219,65 @@ def test_run_sh_lists_its_parts_and_refuses_without_a_gpu(tmp_path) -> None:
     assert refused.returncode == 3, refused.stdout + refused.stderr
     assert "no GPU visible" in refused.stderr
     assert "wall" in refused.stdout
-    assert (tmp_path / "tests" / "status").read_text().split()[0] == "3"
+    assert sorted(p.name for p in returned_files(tmp_path)) == ["tests.log", "tests.tar.gz"]
+    with tarfile.open(tmp_path / "tests.tar.gz") as archive:
+        status = archive.extractfile("tests/status")
+        assert status is not None and status.read().split()[0] == b"3"
+
+
+def test_a_lease_fits_its_limits() -> None:
+    """The first lease (15 minutes of device time, start-up included) runs tests, benches and
+    sanitizer; each part ends before the run tool's 10-minute limit per command, and a start-up
+    check's child process gives up on a hung kernel well inside every part."""
+    limits = part_limits()
+    assert limits["tests"] <= 240 and limits["benches"] <= 240 and limits["sanitizer"] <= 180
+    assert limits["tests"] + limits["benches"] + limits["sanitizer"] <= 11 * 60
+    assert max(limits.values()) < 600
+    script = RUN_SH.read_text()
+    child = re.search(r'AIENG_CHECK_TIMEOUT_S="\$\{AIENG_CHECK_TIMEOUT_S:-(\d+)\}"', script)
+    assert child is not None
+    assert 2 * int(child.group(1)) <= min(limits.values())
+    assert DEFAULT_CHILD_TIMEOUT_S < min(limits.values())
+
+
+def test_the_kernel_tests_build_no_engine_and_never_skip_on_a_gpu() -> None:
+    """The `tests` part runs every tests/test_cuda_*gpu.py but the ENGINE_TESTS: none of those
+    may build a checkpoint (the host's transformers) or an engine, nor skip anything on a GPU
+    (junit_summary fails the part on a skip): their one skip marker is the module's "no GPU"
+    guard."""
+    script = RUN_SH.read_text()
+    engine_list = script.split("ENGINE_TESTS=(")[1].split(")")[0]
+    engine = set(re.findall(r"tests/test_cuda_\w+_gpu\.py", engine_list))
+    assert engine and all((ROOT / name).is_file() for name in engine)
+    kernel = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_cuda_*gpu.py")} - engine
+    assert {"tests/test_cuda_attention_gpu.py", "tests/test_cuda_int4_gpu.py"} <= kernel
+    for name in kernel:
+        source = (ROOT / name).read_text()
+        for marker in ("build_checkpoint", "ModelRunner", "tiny_models", "pytest.skip(",
+                       "importorskip", "LLM(", "pytest.xfail", "mark.xfail"):  # fmt: skip
+            assert marker not in source, f"{name} uses {marker}"
+        guards = re.findall(r"pytest\.mark\.skip\w*\(", source)
+        assert len(guards) == 1, (name, guards)
+        guard = source.split("pytestmark = pytest.mark.skipif(")[1].split("reason=")[0]
+        assert "torch.cuda.is_available()" in guard, name
+
+
+@pytest.mark.parametrize("part", ["benches", "sanitizer", "tests"])
+def test_run_sh_smoke_returns_two_files_per_part(tmp_path, part) -> None:
+    """Each part on the CPU (RUN_SH_SMOKE=1: the benches' --smoke, the sanitizer driver without
+    compute-sanitizer, the test parts collected only) leaves its archive and its summary in $OUT
+    and nothing else, so that the first lease's three parts return 6 of the 8 files allowed."""
+    env = {"RUN_SH_SMOKE": "1", "PYTHONPATH": str(ROOT / "python")}
+    done = run_sh(part, out=tmp_path, **env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in returned_files(tmp_path)) == [f"{part}.log", f"{part}.tar.gz"]
+    summary = (tmp_path / f"{part}.log").read_text()
+    assert f"run.sh {part}: status 0" in summary
+    with tarfile.open(tmp_path / f"{part}.tar.gz") as archive:
+        names = archive.getnames()
+    assert f"{part}/status" in names
+    if part == "benches":
+        assert {"benches/bench_gpu_attention.json", "benches/bench_gpu_int4.json"} <= set(names)
+        assert "Paged decode attention" in summary and "INT4" in summary
+    if part == "tests":
+        assert int(re.search(r"collected (\d+) tests", summary).group(1)) > 100

@@ -18,7 +18,12 @@ from test_cuda_kernels_on_host import COMPILER, HostKernels, host_kernels  # noq
 
 from aieng.attention.cuda_self_check import RequestSpec, bounds, cuda_attention_checks
 from aieng.config.quantization import WeightScheme
-from aieng.kernels.check_child import checked_names, screen_in_child
+from aieng.kernels.check_child import (
+    DEFAULT_CHILD_TIMEOUT_S,
+    checked_names,
+    child_timeout_s,
+    screen_in_child,
+)
 from aieng.kernels.fused import fused_checks
 from aieng.kernels.int4 import (
     DTYPE_NAMES,
@@ -183,3 +188,20 @@ def test_the_engines_suites_run_in_a_child(caplog: pytest.LogCaptureFixture) -> 
     }  # fmt: skip
     for name in (*fused.failed, *int4.failed):
         assert f"kernel {name} cannot run" in caplog.text
+
+
+def test_the_child_timeout_comes_from_the_environment(monkeypatch) -> None:
+    """A device run bounds a hung check by its part's time (benches/gpu/run.sh exports
+    AIENG_CHECK_TIMEOUT_S); a bad value is an error, not a silent default."""
+    monkeypatch.delenv("AIENG_CHECK_TIMEOUT_S", raising=False)
+    assert child_timeout_s() == DEFAULT_CHILD_TIMEOUT_S
+    monkeypatch.setenv("AIENG_CHECK_TIMEOUT_S", "45")
+    assert child_timeout_s() == 45.0
+    for bad in ("0", "-3", "soon"):
+        monkeypatch.setenv("AIENG_CHECK_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="AIENG_CHECK_TIMEOUT_S"):
+            child_timeout_s()
+    monkeypatch.setenv("AIENG_CHECK_TIMEOUT_S", "4")  # the default of a screening
+    screening = screen_in_child(suite, ("pass", "hang"))
+    assert screening.passed == ["kernel_pass"]
+    assert screening.failed == {"kernel_hang": "did not finish within 4 s during its check"}

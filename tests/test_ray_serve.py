@@ -11,12 +11,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import ray
-from ray_fixtures import RayApp, shutdown_cluster
-from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
+from ray import serve
+from ray_fixtures import RayApp, ray_cluster, shutdown_cluster
+from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir, wait_ready
 from test_hot_reload import version_folder
+
+from aieng.config.engine_args import EngineArgs
+from aieng.ray import RayServeOptions, build_app
 
 # 64 blocks of 4 tokens a replica (2 KiB each): its prefix cache holds 4 or 5 of the routing
 # test's 8 prefixes, so a replica that sees all 8 evicts what it will need next. Two requests
@@ -77,6 +82,97 @@ def test_two_replicas_answer_as_one_plain_server(model, pair):
     got = answers(client_of(pair.url))
     assert got == expected
     assert expected[0][1] == GREEDY["max_tokens"] and expected[1][1] == "length"
+
+
+def fanned_out(client: openai.OpenAI) -> list:
+    """Requests the ingress splits into several replica calls: a prompt list, n, several
+    embedding inputs (each within a bounded time: a lost call would hang the request)."""
+    batch = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, **GREEDY)
+    both = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], n=2, **GREEDY)
+    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, stream=True, **GREEDY)
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    vectors = client.embeddings.create(
+        model=MODEL_NAME, input=PROMPTS, encoding_format="float", extra_body={"pooling": "mean"}
+    )
+    return [
+        [c.text for c in batch.choices],
+        [(c.index, c.text) for c in both.choices],
+        texts,
+        np.array([d.embedding for d in vectors.data]),
+    ]
+
+
+def test_requests_that_fan_out_answer_as_one_plain_server(model, pair):
+    with ThreadServer(model, engine=ENGINE) as plain:
+        expected = fanned_out(client_of(plain.url))
+    client = openai.OpenAI(base_url=f"{pair.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    got = fanned_out(client)
+    assert got[:3] == expected[:3]
+    np.testing.assert_allclose(got[3], expected[3], atol=1e-5)
+    assert len(expected[0]) == 3 and len(expected[1]) == 4 and expected[3].shape[0] == 3
+
+
+def ray_log_lines(phrase: str, process: str = "") -> list[str]:
+    """The lines of this Ray session's logs that hold `phrase`: every process's, or only those
+    of the processes whose log holds `process` (an actor's name)."""
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    texts = [p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file()]
+    return [
+        line for text in texts if process in text for line in text.splitlines() if phrase in line
+    ]
+
+
+def test_a_client_cancel_ends_its_replica_calls_without_tracebacks(pair):
+    """Clients that go away mid-request (streamed, whole, fanned out): their replica calls end,
+    the KV blocks come back, and the ingress logs no "Task exception was never retrieved"."""
+    never_retrieved = len(ray_log_lines("exception was never retrieved"))
+    ingress = f"ServeReplica:{pair.name}:OpenAIIngress"
+    tracebacks = len(ray_log_lines("Traceback", ingress))
+    cancels = len(ray_log_lines("disconnected, cancelling request"))
+    body = {"model": MODEL_NAME, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    for prompt, stream in (("a", True), ("b", False), (["c", "d", "e"], False), (["f", "g"], True)):
+        with httpx.Client(timeout=httpx.Timeout(0.5, connect=10)) as client:
+            try:
+                with client.stream(
+                    "POST",
+                    f"{pair.url}/v1/completions",
+                    json={**body, "prompt": prompt, "stream": stream},
+                ) as response:
+                    for _ in response.iter_bytes():
+                        break  # the first chunk, then the client goes
+            except httpx.ReadTimeout:
+                pass
+
+    def idle() -> bool:
+        m = pair.metrics()
+        return m["aieng_num_requests_running"] == 0 and m["aieng_kv_cache_usage_perc"] == 0
+
+    assert pair.wait_for(idle, timeout=30, step=0.2), pair.metrics()
+    seen = lambda: len(ray_log_lines("disconnected, cancelling request")) >= cancels + 4  # noqa: E731
+    assert pair.wait_for(seen, timeout=30, step=0.5)  # Ray's one line per cancel
+    time.sleep(2.0)  # what the ingress logs on the way reaches its files
+    assert len(ray_log_lines("exception was never retrieved")) == never_retrieved
+    assert len(ray_log_lines("Traceback", ingress)) == tracebacks
+
+
+def test_build_app_without_a_model_serves_the_bundled_one_under_its_name():
+    """`build_app(EngineArgs())`: the bundled model, called aieng-kjv-6m (not 'None')."""
+    port = ray_cluster()
+    engine = EngineArgs(kv_cache_memory=1 << 22, max_model_len=128)
+    app = build_app(engine, RayServeOptions(replica_num_cpus=0))
+    serve.run(app, name="bundled", route_prefix="/bundled", blocking=False)
+    url = f"http://127.0.0.1:{port}/bundled"
+    try:
+        wait_ready(url, timeout=120)
+        client = client_of(url)
+        assert [m.id for m in client.models.list()] == ["aieng-kjv-6m"]
+        reply = client.completions.create(model="aieng-kjv-6m", prompt="In the", max_tokens=4)
+        assert reply.model == "aieng-kjv-6m" and reply.choices[0].finish_reason == "length"
+    finally:
+        serve.delete("bundled")
 
 
 def test_the_ingress_validates_like_the_server(pair):
@@ -223,6 +319,51 @@ def test_a_killed_replica_fails_only_its_streams_cleanly_and_comes_back(pair):
         )
 
     assert pair.wait_for(idle, timeout=20, step=0.2), pair.metrics()
+
+
+def test_a_replica_dying_mid_fan_out_ends_the_request_cleanly(pair):
+    """A prompt list spread over both replicas, streamed and whole; one replica is killed once
+    tokens flow: each request ends within bounded time, complete or with a clean error naming
+    the lost replica (no hang), and the pool serves again after Ray replaces it."""
+    client = openai.OpenAI(base_url=f"{pair.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    prompts = [[10 + i, 20, 30, 40] for i in range(4)]
+    body = dict(model=MODEL_NAME, prompt=prompts, max_tokens=60, temperature=0)
+    started = threading.Event()
+
+    def streamed() -> str:
+        try:
+            for _ in client.completions.create(
+                **body, stream=True, extra_body={"ignore_eos": True}
+            ):
+                started.set()
+            return "ok"
+        except openai.APIError as error:
+            return f"error:{error.message}"
+
+    def whole() -> str:
+        try:
+            reply = client.completions.create(**body, extra_body={"ignore_eos": True})
+            return "ok" if len(reply.choices) == 4 else f"choices:{len(reply.choices)}"
+        except openai.APIStatusError as error:
+            return f"status:{error.status_code}:{error.message}"
+
+    before = {a._actor_id for a in pair.replica_actors()}
+    with ThreadPoolExecutor(2) as pool:
+        results = [pool.submit(streamed), pool.submit(whole)]
+        assert started.wait(30)
+        victim = pair.replica_actors()[0]
+        ray.kill(victim, no_restart=True)
+        outcomes = [r.result(timeout=90) for r in results]
+    assert all(o == "ok" or "replica" in o for o in outcomes), outcomes
+
+    def replaced() -> bool:
+        actors = pair.replica_actors()
+        return len(actors) == 2 and victim._actor_id not in {a._actor_id for a in actors}
+
+    assert before and pair.wait_for(replaced, timeout=60, step=0.5)
+    assert pair.wait_for(lambda: pair.running_replicas() == 2, timeout=60, step=0.5)
+    again = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=2)
+    assert [c.finish_reason for c in again.choices] == ["length"] * 3
 
 
 def test_autoscaling_adds_a_replica_under_load_and_drains_it_after(model):

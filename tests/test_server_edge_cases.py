@@ -325,16 +325,18 @@ def chat_stream(server: ThreadServer, **extra) -> tuple[str, list[dict], str | N
 
 @pytest.mark.parametrize("max_tokens", [37, 61, 90])
 def test_required_parallel_calls_cut_by_length_leave_no_markup(bundled, max_tokens):
-    """parallel_tool_calls left on: whatever the budget cuts, the complete calls are
-    tool_calls and the content is empty, streamed or not."""
-    choice = chat(bundled, max_tokens=max_tokens, seed=4)
+    """parallel_tool_calls true (the model calls again and again): whatever the budget cuts,
+    the complete calls are tool_calls and the content is empty, streamed or not."""
+    choice = chat(bundled, max_tokens=max_tokens, seed=4, parallel_tool_calls=True)
     assert choice["finish_reason"] == "length"
     message = choice["message"]
     assert not message["content"], message  # None, or "" when no call was complete
     calls = [c["function"] for c in message.get("tool_calls") or []]
     for call in calls:
         assert call["name"] == "add" and 0 <= json.loads(call["arguments"])["a"] <= 99
-    content, streamed, finish = chat_stream(bundled, max_tokens=max_tokens, seed=4)
+    content, streamed, finish = chat_stream(
+        bundled, max_tokens=max_tokens, seed=4, parallel_tool_calls=True
+    )
     assert content == "" and finish == "length"
     assert [(c["name"], c["arguments"]) for c in streamed] == [
         (c["name"], c["arguments"]) for c in calls
@@ -344,6 +346,8 @@ def test_required_parallel_calls_cut_by_length_leave_no_markup(bundled, max_toke
 def test_a_parallel_call_grammar_lets_the_model_stop(bundled):
     """EOS (ids 0 and 2) favoured: the grammar forbids it inside a call and allows it after
     one, so the output ends by itself after its first call."""
-    choice = chat(bundled, max_tokens=200, seed=1, logit_bias={"0": 100, "2": 100})
+    choice = chat(
+        bundled, max_tokens=200, seed=1, logit_bias={"0": 100, "2": 100}, parallel_tool_calls=True
+    )
     assert choice["finish_reason"] == "tool_calls", choice
     assert len(choice["message"]["tool_calls"]) == 1 and choice["message"]["content"] is None

@@ -3,12 +3,14 @@ every input shape (string, strings, token ids, lists of them), float and base64,
 usage and metrics; bad inputs answer 400 naming the field; admission control refuses past the
 queue limit; every KV block comes back."""
 
+import argparse
+
 import httpx
 import numpy as np
 import openai
 import pytest
 from embedding_fixtures import save_sentence_transformer
-from server_fixtures import MODEL_NAME, ThreadServer, make_model_dir
+from server_fixtures import MODEL_NAME, SubprocessServer, ThreadServer, make_model_dir
 
 TEXTS = ["In the beginning God created the heaven and the earth.", "Jesus wept.", "And God said"]
 
@@ -113,3 +115,36 @@ def test_generation_only_model_needs_a_pooling(tmp_path):
         np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
         llama.wait_idle()
         llama.in_engine(lambda engine: engine.check_pool_whole())
+
+
+def test_bundled_model_embeds_for_a_stock_client(tmp_path):
+    """`aieng serve` with no model: the openai client's plain `embeddings.create` (no pooling
+    field) gets the bundled model's mean-pooled, normalised vectors."""
+    with SubprocessServer(None, tmp_path / "serve.log", "--max-model-len", "128") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        one = client.embeddings.create(model="aieng-kjv-6m", input="In the beginning")
+        many = client.embeddings.create(model="aieng-kjv-6m", input=TEXTS)
+        assert one.model == "aieng-kjv-6m" and len(one.data[0].embedding) == 256
+        vectors = np.array([d.embedding for d in many.data])
+        np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+        explicit = _post(server, model="aieng-kjv-6m", input=TEXTS, pooling="mean").json()
+        np.testing.assert_allclose(vectors, [d["embedding"] for d in explicit["data"]], atol=1e-5)
+
+
+def test_server_pooling_default_embeds_a_model_without_one(tmp_path):
+    """The engine's `pooling` (`aieng serve --pooling last`) for a checkpoint declaring none."""
+    from aieng.config.cli_args import engine_args
+    from aieng.server.cli import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert engine_args(parser.parse_args(["--pooling", "last"])).pooling == "last"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--pooling", "max"])
+    with ThreadServer(make_model_dir(tmp_path / "llama"), engine=dict(pooling="last")) as llama:
+        client = openai.OpenAI(base_url=f"{llama.url}/v1", api_key="unused", max_retries=0)
+        got = client.embeddings.create(model=MODEL_NAME, input=TEXTS)
+        explicit = _post(llama, input=TEXTS, pooling="last").json()
+        np.testing.assert_allclose(
+            [d.embedding for d in got.data], [d["embedding"] for d in explicit["data"]], atol=1e-5
+        )

@@ -22,7 +22,11 @@ from aieng._core import Tokenizer
 from aieng.config.default_model import default_model_path
 from aieng.server.cli import add_serve_arguments, server_config
 from aieng.server.config import ServerConfig
-from aieng.server.tool_calls import closed_objects
+from aieng.server.tool_calls import (
+    DEFAULT_STRING_MAX_LENGTH,
+    closed_objects,
+    forced_call_schema,
+)
 from aieng.server.tool_parsers import FunctionSpec, HermesToolParser, ParsedCall, tool_parser
 
 # The bundled model's context is 512 tokens and its small vocabulary spends many on JSON:
@@ -280,13 +284,14 @@ def test_required_calls_parse_and_validate(client, temperature, seed):
 
 
 def test_parallel_required_calls_each_validate(client):
-    """The bundled model rarely stops calling: each complete call validates, and what the
-    token budget cut is the only content."""
+    """With `parallel_tool_calls: true` the bundled model rarely stops calling: each complete
+    call validates, and the call the token budget cut is dropped."""
     reply = client.chat.completions.create(
         model=MODEL_NAME,
         messages=ASK,
         tools=[ADD],
         tool_choice="required",
+        parallel_tool_calls=True,
         temperature=1.0,
         seed=4,
         max_tokens=150,
@@ -294,10 +299,150 @@ def test_parallel_required_calls_each_validate(client):
     choice = reply.choices[0]
     assert len(choice.message.tool_calls) >= 2
     assert_valid_calls(choice.message, {"add"})
-    if choice.finish_reason == "length":
-        assert choice.message.content is None or choice.message.content.startswith("<tool_call>")
+    assert choice.finish_reason in ("length", "tool_calls") and choice.message.content is None
+
+
+# LangChain's tool of a plain `def weather(city: str)` (convert_to_openai_tool): no bound on the
+# string; and of a pydantic model with `city: str = Field(max_length=20)`.
+PLAIN_FUNCTION = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "type": "object",
+        },
+    },
+}
+PYDANTIC_MODEL = {
+    "type": "function",
+    "function": {
+        "name": "Weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "properties": {"city": {"maxLength": 20, "type": "string"}},
+            "required": ["city"],
+            "type": "object",
+        },
+    },
+}
+FORCED_CHOICES = [
+    {"type": "function", "function": {"name": "weather"}},  # bind_tools(tool_choice="weather")
+    "required",  # bind_tools(tool_choice="any")
+]
+
+
+@pytest.mark.parametrize("tool_choice", FORCED_CHOICES, ids=["named", "required"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_call_with_an_unbounded_string_closes(client, tool_choice, stream):
+    """No max_tokens, so only the context ends an output: the default bound of 128 characters
+    closes the string, and the one call ends the output."""
+    request = dict(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=[PLAIN_FUNCTION],
+        tool_choice=tool_choice,
+        temperature=1.3,
+        seed=3,
+    )
+    if stream:
+        content, _, calls, finish = collect_stream(
+            client.chat.completions.create(**request, stream=True)
+        )
     else:
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        choice = client.chat.completions.create(**request).choices[0]
+        content, finish = choice.message.content or "", choice.finish_reason
+        calls = [
+            {"name": c.function.name, "arguments": c.function.arguments}
+            for c in choice.message.tool_calls or []
+        ]
+    assert finish == "tool_calls" and content == "" and len(calls) == 1, (finish, calls)
+    arguments = json.loads(calls[0]["arguments"])
+    assert calls[0]["name"] == "weather" and set(arguments) == {"city"}
+    assert len(arguments["city"]) <= DEFAULT_STRING_MAX_LENGTH == 128
+
+
+def test_a_pydantic_model_tool_keeps_its_own_bound(client):
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=[PYDANTIC_MODEL],
+        tool_choice={"type": "function", "function": {"name": "Weather"}},
+        temperature=1.3,
+        seed=3,
+    )
+    (call,) = reply.choices[0].message.tool_calls
+    jsonschema.validate(
+        json.loads(call.function.arguments), PYDANTIC_MODEL["function"]["parameters"]
+    )
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_required_makes_one_call_and_stops_unless_parallel_calls_are_asked(client, seed):
+    """The request the parallel test sends, without `parallel_tool_calls`: one call, then the
+    output ends (the bundled model would call again until the budget runs out)."""
+    choice = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=[ADD],
+        tool_choice="required",
+        temperature=1.0,
+        seed=seed,
+        max_tokens=150,
+    ).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    assert_valid_calls(choice.message, {"add"})
+
+
+@pytest.mark.parametrize("tool_choice", FORCED_CHOICES, ids=["named", "required"])
+def test_a_call_the_budget_cuts_is_dropped_and_the_answer_says_length(client, tool_choice):
+    """docs/server.md: finish_reason "length", no tool_calls, content "" (no call closed);
+    the stream sends nothing of the cut call and joins to the whole answer."""
+    request = dict(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=[PLAIN_FUNCTION],
+        tool_choice=tool_choice,
+        max_tokens=6,
+    )
+    whole = client.chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "length"
+    assert whole.message.tool_calls is None and whole.message.content == ""
+    content, firsts, calls, finish = collect_stream(
+        client.chat.completions.create(**request, stream=True)
+    )
+    assert (content, firsts, calls, finish) == ("", [], [], "length")
+
+
+def test_forced_call_schemas_bound_strings_that_set_no_bound():
+    bound = {"maxLength": DEFAULT_STRING_MAX_LENGTH}
+    schema = {
+        "type": "object",
+        "properties": {
+            "free": {"type": "string"},
+            "short": {"type": "string", "maxLength": 5},
+            "named": {"type": "string", "enum": ["a", "b"]},
+            "shaped": {"type": "string", "pattern": "^[a-z]+$"},
+            "maybe": {"type": ["string", "null"]},
+            "many": {"type": "array", "items": {"type": "string"}},
+            "either": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+            "ref": {"$ref": "#/$defs/Name"},
+        },
+        "$defs": {"Name": {"type": "string"}},
+    }
+    out = forced_call_schema(schema)
+    props = out["properties"]
+    assert props["free"] == {"type": "string", **bound}
+    assert props["short"]["maxLength"] == 5
+    assert "maxLength" not in props["named"] and "maxLength" not in props["shaped"]
+    assert props["maybe"] == {"type": ["string", "null"], **bound}
+    assert props["many"]["items"] == {"type": "string", **bound}
+    assert props["either"]["anyOf"] == [{"type": "string", **bound}, {"type": "integer"}]
+    assert out["$defs"]["Name"] == {"type": "string", **bound}
+    assert out["additionalProperties"] is False  # and objects closed, as closed_objects does
+    assert schema["properties"]["free"] == {"type": "string"}  # the request's own is unchanged
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -3,10 +3,12 @@
     compute-sanitizer --tool memcheck  python benches/gpu/sanitize_kernels.py
     compute-sanitizer --tool racecheck python benches/gpu/sanitize_kernels.py --kernels attention
 
-- attention: aieng's selector asked for the `cuda` backend for several models (head_dim 64 and
-  128, query-head groups 1, 4 and 8, a sliding window), float16 and bfloat16, model-dtype and
-  INT8 caches: its start-up self-check runs every decode (split and whole) and prefill kernel the
-  model uses at block sizes 16 and 32 against the reference; a fallback to torch is a failure.
+- attention: the `cuda` backend's start-up checks (`attention_checks`), run in this process
+  (so that the sanitizer sees every launch; the engine runs them in a child process first) for
+  several models (head_dim 64 and 128, query-head groups 1, 4 and 8, a sliding window), float16
+  and bfloat16, model-dtype and INT8 caches: every decode (split, whole, planned as a CUDA
+  graph's up to 128 splits) and prefill kernel the model uses, at the block sizes of
+  `--block-sizes`, once each, against the reference; a kernel that fails is a failure.
 - int4: `int4_matmul`'s GEMV and GEMM at every M that picks another variant (1 ... 17, 64),
   float16 and bfloat16, checked row by row against `reference_matmul`.
 - fused: `check_fused_ops` (add_rms_norm, rope_kv_write + kv_write, silu_and_mul); every kernel
@@ -26,11 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from bench_attention import model_config
 from bench_int4 import host_emulation, random_weights
 from common import NO_GPU, ROW_TOLERANCE, PathMismatch, WrongOutput, check_rows
 
-from aieng.attention.selector import select_attention_backend
+from aieng.attention.backend import AttentionBackend
+from aieng.attention.cuda_paged import CudaPagedAttention
+from aieng.attention.cuda_self_check import attention_checks
+from aieng.attention.torch_paged import TorchPagedAttention
 from aieng.kernels.fused import check_cases, check_fused_ops
 from aieng.kernels.int4 import choose_path, int4_matmul, reference_matmul
 
@@ -46,24 +50,32 @@ class Scope:
     device: torch.device
     dtypes: tuple[torch.dtype, ...]
     attention_models: tuple[tuple[int, int, int, int | None], ...]
+    block_sizes: tuple[int, ...]
     smoke: bool
 
 
 def sanitize_attention(scope: Scope) -> int:
-    wanted = "torch" if scope.smoke else "cuda"
     checked = 0
     for heads, kv_heads, head_dim, window in scope.attention_models:
-        config = model_config((heads, kv_heads, head_dim), window)
         for dtype in scope.dtypes:
-            for cache in ("auto", "int8"):
-                backend = select_attention_backend(wanted, config, scope.device, dtype, cache)
-                if backend.name != wanted:
-                    raise PathMismatch(
-                        f"attention {heads}/{kv_heads} heads, head_dim {head_dim}, window "
-                        f"{window}, {dtype}, {cache} cache: the selector gave {backend.name!r} "
-                        "(the self-check failed; see the warning above)"
-                    )
-                checked += 1
+            for int8 in (False, True):
+                backend: AttentionBackend
+                if scope.smoke:  # the reference stands in for the kernels on the CPU, in
+                    backend = TorchPagedAttention(sliding_windows=(window,))
+                    dtype = torch.float32  # float32: the bound is the float32 reference's
+                else:
+                    backend = CudaPagedAttention(scope.device, dtype, int8, head_dim)
+                shape = (heads, kv_heads, head_dim, dtype, int8, (window,), scope.device)
+                for name, check in attention_checks(
+                    backend, *shape, block_sizes=scope.block_sizes, repeats=1
+                ):
+                    if not check():
+                        raise WrongOutput(
+                            f"attention {name} ({heads}/{kv_heads} heads, window {window}, "
+                            f"{'INT8' if int8 else 'model-dtype'} cache) failed its check: see "
+                            "the warning above"
+                        )
+                    checked += 1
     return checked
 
 
@@ -111,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         "--attention-models", type=int, default=len(ATTENTION_MODELS),
         help=f"the first N of {ATTENTION_MODELS} (heads, KV heads, head_dim, window)",
     )  # fmt: skip
+    parser.add_argument(
+        "--block-sizes", default="16,128", help="comma list: the attention checks' cache blocks"
+    )
     parser.add_argument("--smoke", action="store_true", help="the same steps on the CPU")
     args = parser.parse_args(argv)
     names = args.kernels.split(",")
@@ -129,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     scope = Scope(
         torch.device("cpu" if args.smoke else "cuda"),
         tuple(DTYPES[name] for name in args.dtypes.split(",")),
-        ATTENTION_MODELS[: args.attention_models],
+        ATTENTION_MODELS[: 1 if args.smoke else args.attention_models],  # the CPU: one, small
+        tuple(int(size) for size in args.block_sizes.split(","))[: 1 if args.smoke else None],
         args.smoke,
     )
     try:

@@ -140,8 +140,9 @@ class LLM:
         dimensions: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in input order: each prompt's final hidden states pooled
-        as the checkpoint's sentence-transformers files say, or as `pooling` asks ("cls",
-        "mean", "last", or PoolingParams); `dimensions` keeps the first components and
+        as `pooling` asks ("cls",
+        "mean", "last", or PoolingParams), else as the checkpoint's sentence-transformers files
+        say, else as the engine's `pooling` option; `dimensions` keeps the first components and
         renormalises. Batched through the scheduler like any prefill."""
         return embed_prompts(self.engine, _as_prompt_list(prompts), pooling, dimensions)
 

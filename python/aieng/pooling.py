@@ -3,7 +3,8 @@
 A checkpoint saved by sentence-transformers says how it pools: `modules.json` lists its modules
 (`sentence_transformers.models.Pooling` with its folder, `...Normalize`), and the pooling
 folder's `config.json` sets one `pooling_mode_*` flag (CLS, mean or last token). Without those
-files an explicit method is needed (`pooling="mean"`), and the embedding is then L2-normalised.
+files the engine's default (`EngineArgs.pooling`, `aieng serve --pooling`) or the request's
+method (`pooling="mean"`) is used, and the embedding is then L2-normalised.
 The runner pools (`aieng.worker.embedding_pooler`); this module only says how.
 """
 
@@ -97,7 +98,8 @@ def resolve_pooling(
     requested: PoolingParams | str | None, declared: PoolingParams | None
 ) -> PoolingParams:
     """The pooling of one embedding request: the one asked for (a PoolingParams, or a method
-    name: normalised), else the checkpoint's. InvalidArgumentError when neither says."""
+    name: normalised), else the engine's default (`declared`: the checkpoint's, or
+    EngineArgs.pooling's). InvalidArgumentError when neither says."""
     if isinstance(requested, PoolingParams):
         return requested
     if isinstance(requested, str):
@@ -108,8 +110,9 @@ def resolve_pooling(
         )
     if declared is None:
         raise InvalidArgumentError(
-            "pooling: this model declares no pooling (no sentence-transformers modules.json); "
-            f"ask for one of {', '.join(POOLING_METHODS)}"
+            "pooling: this model declares no pooling (no sentence-transformers modules.json) "
+            f"and the engine sets no default (--pooling); ask for one of "
+            f"{', '.join(POOLING_METHODS)}"
         )
     return declared
 

@@ -12,6 +12,8 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -30,13 +32,15 @@
 struct dim3_t {
   unsigned x = 1, y = 1, z = 1;
 };
-struct uint4 {
+// CUDA's vector types are aligned to their size: a load of one from a misaligned address is an
+// error there, and here in the build with -fsanitize=alignment (test_cuda_kernels_on_host.py).
+struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
-struct uint2 {
+struct alignas(8) uint2 {
   unsigned x, y;
 };
-struct float4 {
+struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
@@ -165,6 +169,10 @@ inline void launch(dim3_t grid, dim3_t block, const std::function<void()>& kerne
 // cp.async: each thread's copies are queued, a commit closes the open group, and a wait
 // performs every group but the newest `pending`, in order. A copy is made only then, so a
 // kernel that reads its shared buffer before waiting sees the old bytes, as it could on a GPU.
+// With `host_copies_land_early` (run_kernel: AIENG_HOST_COPIES=early) every copy lands when it
+// is issued instead, the other end of what the GPU may do: a kernel that issues copies into a
+// stage its threads still read clobbers it. Source and destination must be aligned to the
+// copy's size, as cp.async requires: a misaligned one aborts the launch.
 struct HostCopy {
   void* dst;
   const void* src;
@@ -173,8 +181,18 @@ struct HostCopy {
 inline thread_local std::vector<HostCopy> host_open_group;
 inline thread_local std::vector<std::vector<HostCopy>> host_committed_groups;
 
+inline bool host_copies_land_early = false;
+
 inline void host_cp_async(void* dst, const void* src, int bytes) {
-  host_open_group.push_back({dst, src, bytes});
+  if (reinterpret_cast<uintptr_t>(dst) % bytes || reinterpret_cast<uintptr_t>(src) % bytes) {
+    std::fprintf(stderr, "cp.async of %d bytes from %p to %p: not aligned to %d bytes\n", bytes,
+                 src, dst, bytes);
+    std::abort();
+  }
+  if (host_copies_land_early)
+    std::memcpy(dst, src, bytes);
+  else
+    host_open_group.push_back({dst, src, bytes});
 }
 inline void host_cp_async_commit() {
   host_committed_groups.push_back(std::move(host_open_group));
@@ -195,6 +213,10 @@ inline std::array<const unsigned short*, 1024> host_ldmatrix_rows;
 inline void host_ldmatrix_x4(unsigned (&r)[4], const void* row, bool transpose) {
   const int lane = linear_thread % 32, base = linear_thread - lane;
   auto& barrier = *current_block->warps[linear_thread / 32];
+  if (reinterpret_cast<uintptr_t>(row) % 16) {  // each row 16 bytes, 16-byte aligned
+    std::fprintf(stderr, "ldmatrix row %p: not aligned to 16 bytes\n", row);
+    std::abort();
+  }
   host_ldmatrix_rows[linear_thread] = static_cast<const unsigned short*>(row);
   barrier.arrive_and_wait();
   for (int j = 0; j < 4; ++j) {

@@ -2,9 +2,13 @@
 //
 //   run_kernel KERNEL GX GY GZ BX BY ARG...
 //
-// each ARG is `p:FILE` (a buffer read from FILE and written back after the launch),
-// `o:INDEX:OFFSET` (a pointer OFFSET bytes into the buffer of argument INDEX), `n` (a null
-// pointer), `i:INT`, `l:INT64` or `f:FLOAT`, in the kernel's parameter order.
+// each ARG is `p:OFFSET:FILE` (a buffer read from FILE and written back after the launch; the
+// pointer OFFSET bytes into it), `o:INDEX:OFFSET` (a pointer OFFSET bytes into the buffer of
+// argument INDEX), `n` (a null pointer), `i:INT`, `l:INT64` or `f:FLOAT`, in the kernel's
+// parameter order. Buffers are exactly their file's size, 256-byte aligned as cudaMalloc's: in
+// the AddressSanitizer build a read past a buffer's end is an error, as compute-sanitizer's
+// memcheck reports it on the GPU. AIENG_HOST_COPIES=early makes every cp.async land at once
+// (emulate.h); the default lands them at their wait.
 #include "emulate.h"
 
 #include "fused_ops.cu"
@@ -14,14 +18,30 @@
 #include "paged_attention_prefill.cu"
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <memory>
+#include <new>
 #include <string>
+
+struct Buffer {  // exactly `size` bytes, 256-byte aligned
+  explicit Buffer(size_t size) : size(size) {
+    void* memory = nullptr;
+    if (posix_memalign(&memory, 256, size ? size : 1)) throw std::bad_alloc();
+    data.reset(static_cast<char*>(memory));
+  }
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  size_t size;
+  std::unique_ptr<char, Free> data;
+};
 
 struct Arg {
   std::string file;
-  std::vector<char> bytes;
+  std::unique_ptr<Buffer> buffer;
   void* p = nullptr;
   long long i = 0;
   float f = 0.f;
@@ -80,16 +100,21 @@ int main(int argc, char** argv) {
     Arg& arg = args[i - 7];
     if (text == "n") continue;
     const std::string value = text.substr(2);
-    if (text[0] == 'o') {  // o:INDEX:OFFSET, a pointer into an earlier buffer argument
+    if (text[0] == 'o' || text[0] == 'p') {  // o:INDEX:OFFSET or p:OFFSET:FILE
       const size_t colon = value.find(':');
-      Arg& base = args[std::stoi(value.substr(0, colon))];
-      arg.p = static_cast<char*>(base.p) + std::stoll(value.substr(colon + 1));
-    } else if (text[0] == 'p') {
-      std::ifstream in(value, std::ios::binary);
-      arg.bytes.assign(std::istreambuf_iterator<char>(in), {});
-      arg.bytes.resize(arg.bytes.size() + 64);  // a 16-byte load past a 1-byte tail stays inside
-      arg.file = value;
-      arg.p = arg.bytes.data();
+      const std::string first = value.substr(0, colon), rest = value.substr(colon + 1);
+      if (text[0] == 'o') {
+        const Arg& base = args[std::stoi(first)];
+        arg.p = base.buffer->data.get() + std::stoll(rest);
+        continue;
+      }
+      std::ifstream in(rest, std::ios::binary | std::ios::ate);
+      const size_t size = in.tellg();
+      in.seekg(0);
+      arg.buffer = std::make_unique<Buffer>(size);
+      in.read(arg.buffer->data.get(), size);
+      arg.file = rest;
+      arg.p = arg.buffer->data.get() + std::stoll(first);
     } else if (text[0] == 'f') {
       arg.f = std::stof(value);
     } else {
@@ -99,12 +124,14 @@ int main(int argc, char** argv) {
   const dim3_t grid{unsigned(std::stoi(argv[2])), unsigned(std::stoi(argv[3])),
                     unsigned(std::stoi(argv[4]))};
   const dim3_t block{unsigned(std::stoi(argv[5])), unsigned(std::stoi(argv[6])), 1};
+  const char* copies = std::getenv("AIENG_HOST_COPIES");
+  host_copies_land_early = copies != nullptr && std::string(copies) == "early";
   const Call& call = kernels.at(argv[1]);
   launch(grid, block, [&] { call(args); });
   for (Arg& arg : args)
     if (!arg.file.empty()) {
       std::ofstream out(arg.file, std::ios::binary);
-      out.write(arg.bytes.data(), arg.bytes.size() - 64);
+      out.write(arg.buffer->data.get(), arg.buffer->size);
     }
   return 0;
 }

@@ -1,7 +1,9 @@
-"""One command: `python -m kjv_rag` (from examples/rag) starts an aieng server (the bundled KJV
-model: generation and embeddings), builds the index if it is missing, and serves the RAG API.
+"""One command: `python -m kjv_rag` (from examples/rag, or a copy of it, with aieng installed)
+starts an aieng server (the bundled KJV model: generation and embeddings) on a free port,
+builds the index if it is missing, and serves the RAG API (port 8100, or `--port`; 0: a free
+one, printed).
 
-    cd examples/rag && PYTHONPATH=. python -m kjv_rag --books Ruth Jonah Mark --port 8100
+    PYTHONPATH=. python -m kjv_rag --books Ruth Jonah Mark --port 8100
     curl -s localhost:8100/v1/ask -H 'content-type: application/json' \
         -d '{"question": "whither thou goest, I will go"}'
 """
@@ -15,7 +17,7 @@ import sys
 
 import uvicorn
 
-from kjv_rag.aieng_server import aieng_server, served_model
+from kjv_rag.aieng_server import aieng_server, free_port, served_model
 from kjv_rag.app import build_pipeline
 from kjv_rag.chunks import load_verses, verse_windows
 from kjv_rag.embedder import ServerEmbedder
@@ -31,8 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--books", nargs="*", default=list(DEFAULT_BOOKS), help="'all': every book")
     parser.add_argument("--qdrant-url", default=None, help="a Qdrant server (default: embedded)")
     parser.add_argument("--generation-url", default=None, help="an aieng server's /v1 URL")
-    parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--aieng-port", type=int, default=8101)
+    parser.add_argument("--port", type=int, default=8100, help="the API's (0: a free one)")
+    parser.add_argument("--aieng-port", type=int, default=0, help="the aieng server's (0: free)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     with contextlib.ExitStack() as stack:
@@ -42,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
         index = open_or_build(args.index, args.books, embedder, args.qdrant_url)
         stack.callback(index.close)
         pipeline = build_pipeline(index, embedder, url, served_model(url))
-        uvicorn.run(build_service(pipeline), host="127.0.0.1", port=args.port)
+        port = args.port or free_port()
+        print(f"serving the RAG API on http://127.0.0.1:{port}", flush=True)
+        uvicorn.run(build_service(pipeline), host="127.0.0.1", port=port)
 
 
 def open_or_build(folder: str, books: list[str], embedder, qdrant_url: str | None) -> HybridIndex:

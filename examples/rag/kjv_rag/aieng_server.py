@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -12,9 +13,18 @@ from contextlib import contextmanager
 import httpx
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 no one listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextmanager
-def aieng_server(port: int, *extra: str) -> Iterator[str]:
-    """Starts `python -m aieng serve` on `port`; yields its /v1 URL once ready."""
+def aieng_server(port: int = 0, *extra: str) -> Iterator[str]:
+    """Starts `python -m aieng serve` on `port` (0: a free one); yields its /v1 URL once
+    ready."""
+    port = port or free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "aieng", "serve", "--port", str(port), *extra],
         env=os.environ.copy(),

@@ -14,19 +14,13 @@ from aieng import LLM
 from aieng.config.default_model import default_model_path
 from aieng.core import Tokenizer
 
-DEFAULT_POOLING = "mean"  # the bundled model declares none: its mean-pooled final states
-
 
 class AiengEmbedder:
-    """Unit-length embeddings of texts from an aieng model (default: the bundled KJV model),
-    pooled as its checkpoint says, else by `pooling`."""
+    """Unit-length embeddings of texts from an aieng model (default: the bundled KJV model,
+    mean-pooled), pooled as its checkpoint says, else by `pooling` (the engine's default)."""
 
-    def __init__(
-        self, model: str | Path | None = None, pooling: str | None = DEFAULT_POOLING, **engine
-    ):
-        self.llm = LLM(None if model is None else str(model), **engine)
-        declared = self.llm.engine.model_info.pooling
-        self.pooling = None if declared is not None else pooling
+    def __init__(self, model: str | Path | None = None, pooling: str | None = None, **engine):
+        self.llm = LLM(None if model is None else str(model), pooling=pooling, **engine)
         self.max_tokens = self.llm.engine.model_info.max_model_len - 1
         self._lock = threading.Lock()  # the engine steps in one thread at a time
 
@@ -42,7 +36,7 @@ class AiengEmbedder:
         ids = [self.llm.get_tokenizer().encode(t, add_special_tokens=True) for t in texts]
         ids = [i[: self.max_tokens] or [0] for i in ids]
         with self._lock:
-            outputs = self.llm.embed(ids, pooling=self.pooling)
+            outputs = self.llm.embed(ids)
         return np.stack([o.embedding for o in outputs]).astype(np.float32)
 
     def close(self) -> None:
@@ -51,19 +45,20 @@ class AiengEmbedder:
 
 class ServerEmbedder:
     """The same embeddings from an aieng server's `POST /v1/embeddings` (the generation server
-    itself, so the service loads no second model); tokens counted with the model's tokenizer."""
+    itself, so the service loads no second model), asked as any OpenAI client asks (no
+    `pooling`: the model's own, or the server's `--pooling`); tokens counted with the model's
+    tokenizer."""
 
     def __init__(
         self,
         base_url: str,
         model: str,
         model_folder: str | Path | None = None,
-        pooling: str | None = DEFAULT_POOLING,
         timeout_s: float = 60.0,
     ):
         folder = default_model_path() if model_folder is None else Path(model_folder)
         self.tokenizer = Tokenizer.from_dir(str(folder))
-        self.base_url, self.model, self.pooling = base_url.rstrip("/"), model, pooling
+        self.base_url, self.model = base_url.rstrip("/"), model
         self.http = httpx.Client(timeout=timeout_s)
         info = self.http.get(f"{self.base_url}/models/{model}").json()
         self.max_tokens = int(info["max_model_len"]) - 1
@@ -74,7 +69,7 @@ class ServerEmbedder:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         ids = [self.tokenizer.encode(t, add_special_tokens=True)[: self.max_tokens] for t in texts]
-        body = {"model": self.model, "input": [i or [0] for i in ids], "pooling": self.pooling}
+        body = {"model": self.model, "input": [i or [0] for i in ids]}
         response = self.http.post(f"{self.base_url}/embeddings", json=body)
         if response.status_code != 200:
             raise RuntimeError(f"embeddings: {response.status_code} {response.text[:300]}")

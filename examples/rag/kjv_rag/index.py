@@ -1,5 +1,5 @@
 """The index: the chunks' embeddings in Qdrant (embedded, on disk; a server by URL through the
-same client) beside a BM25 index (bm25s), and the two fused by reciprocal rank.
+same client) beside a BM25 index (bm25s), and the two fused by weighted reciprocal rank.
 
 Qdrant's collection is built with HNSW m=16, ef_construct=200 and cosine distance. Qdrant's
 local mode (`qdrant-client` without a server) searches exactly — it keeps the HNSW settings for
@@ -23,7 +23,13 @@ from kjv_rag.chunks import Chunk
 COLLECTION = "kjv"
 HNSW_M = 16
 HNSW_EF_CONSTRUCT = 200
-RRF_K = 60  # reciprocal rank fusion: 1 / (RRF_K + rank)
+RRF_K = 60  # reciprocal rank fusion: weight / (RRF_K + rank)
+# The dense ranking's weight in the fusion, BM25's being 1: the weight `python -m
+# kjv_rag.evaluate` chose on its tuning questions (apart from those it reports). Plain RRF
+# (weight 1) let the bundled model's weak dense ranking pull good BM25 hits down; every weight
+# above 0 lost recall@1 there, so BM25 orders what it finds and the dense ranking only adds what
+# BM25 does not find (a query sharing no word with a passage): docs/rag.md, Evaluation.
+DENSE_WEIGHT = 0.0
 UPSERT_BATCH = 256
 
 
@@ -111,16 +117,26 @@ class HybridIndex:
         ids, scores = self.bm25.retrieve(_bm25_tokens([query]), k=k, show_progress=False)
         return [Hit(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if s > 0]
 
-    def hybrid(self, query: str, vector: np.ndarray, k: int, depth: int = 50) -> list[Hit]:
-        return fuse([self.dense(vector, depth), self.sparse(query, depth)])[:k]
+    def hybrid(
+        self,
+        query: str,
+        vector: np.ndarray,
+        k: int,
+        depth: int = 50,
+        dense_weight: float = DENSE_WEIGHT,
+    ) -> list[Hit]:
+        rankings = [self.sparse(query, depth), self.dense(vector, depth)]
+        return fuse(rankings, (1.0, dense_weight))[:k]
 
 
-def fuse(rankings: Sequence[Sequence[Hit]]) -> list[Hit]:
-    """Reciprocal rank fusion (Cormack et al., 2009): sum of 1 / (RRF_K + rank) per list."""
+def fuse(rankings: Sequence[Sequence[Hit]], weights: Sequence[float] | None = None) -> list[Hit]:
+    """Weighted reciprocal rank fusion (Cormack et al., 2009, with a weight per list): the sum
+    over the lists of weight / (RRF_K + rank); every weight 1 without `weights`."""
+    weights = [1.0] * len(rankings) if weights is None else list(weights)
     scores: dict[int, float] = {}
-    for ranking in rankings:
+    for ranking, weight in zip(rankings, weights, strict=True):
         for rank, hit in enumerate(ranking, start=1):
-            scores[hit.chunk] = scores.get(hit.chunk, 0.0) + 1.0 / (RRF_K + rank)
+            scores[hit.chunk] = scores.get(hit.chunk, 0.0) + weight / (RRF_K + rank)
     return [Hit(c, s) for c, s in sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 

@@ -48,6 +48,7 @@ from aieng.kernels.paged_attention import (
     instantiation_options,
     prefill_launch,
     prefill_tiles,
+    q_is_aligned,
     run,
 )
 
@@ -63,6 +64,9 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # (R_d,) int32
     block_tables: torch.Tensor  # (R_d, W) int32
     seq_lens_host: np.ndarray  # (R_d,) int64
+    # The context the split-K plan is made for when longer than the live ones: a captured CUDA
+    # graph's bucket (its grid is fixed at capture, its lengths are read on the device).
+    planned_len: int | None = None
     # (window, num_heads, num_kv_heads, head_dim) -> the split plan and its partial buffers
     plans: dict[tuple[int | None, int, int, int], tuple[SplitPlan, tuple[torch.Tensor, ...]]] = (
         field(default_factory=dict)
@@ -126,16 +130,31 @@ def build_cuda_metadata(inputs: AttentionInputs) -> CudaAttentionMetadata:
     return CudaAttentionMetadata(inputs.slot_mapping, int(query_start[-1]), decode, prefill)
 
 
+def plan_for_lengths(
+    lengths: np.ndarray, window: int | None, num_heads: int, num_kv_heads: int, head_dim: int,
+    num_sms: int, ctas_per_sm: int,
+) -> SplitPlan:  # fmt: skip
+    """The split-K plan of decode rows whose contexts are `lengths` (R,) for one layer shape and
+    window, on `num_sms` SMs that each hold `ctas_per_sm` of the decode kernel's CTAs: its
+    splits cover the longest context any row attends."""
+    _, chunks = heads_per_cta(num_heads // num_kv_heads)
+    base_ctas = len(lengths) * num_kv_heads * chunks
+    longest = int(attended_lengths(lengths, window).max())
+    return choose_splits(base_ctas, longest, num_sms, decode_tile(head_dim), ctas_per_sm)
+
+
 def split_plan(
     decode: DecodeBatch, window: int | None, num_heads: int, num_kv_heads: int, head_dim: int,
     num_sms: int, ctas_per_sm: int,
 ) -> SplitPlan:  # fmt: skip
-    """The split-K plan of a decode batch for one layer shape and window, on `num_sms` SMs
-    that each hold `ctas_per_sm` of the decode kernel's CTAs."""
-    _, chunks = heads_per_cta(num_heads // num_kv_heads)
-    base_ctas = len(decode.seq_lens_host) * num_kv_heads * chunks
-    longest = int(attended_lengths(decode.seq_lens_host, window).max())
-    return choose_splits(base_ctas, longest, num_sms, decode_tile(head_dim), ctas_per_sm)
+    """The split-K plan of a decode batch (`plan_for_lengths`), made for `planned_len`
+    positions when that is longer than its live contexts (a captured CUDA graph's bucket)."""
+    lengths = np.asarray(decode.seq_lens_host, np.int64)
+    if decode.planned_len is not None:
+        lengths = np.maximum(lengths, decode.planned_len)
+    return plan_for_lengths(
+        lengths, window, num_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
+    )
 
 
 def paged_cache(kv_cache: KVCache) -> PagedCache:
@@ -223,7 +242,7 @@ class CudaPagedAttention(AttentionBackend):
         """The kernels alone: q (T, H, D) over the cache (the new K/V already written) into
         out (T, H, D), contiguous; only the step's rows are written."""
         num_heads, head_dim = q.shape[1:]
-        if q.stride(2) != 1 or q.stride(1) != head_dim:  # the kernels step rows by q.stride(0)
+        if not q_is_aligned(q):  # the kernels step rows by q.stride(0): a QKV view serves
             q = q.contiguous()
         window = layer.sliding_window
         if (decode := metadata.decode) is not None:

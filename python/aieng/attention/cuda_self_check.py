@@ -3,13 +3,17 @@ tests and benchmarks) run on.
 
 Before the selector hands out a `CudaPagedAttention`, each of its kernels runs, for the model's
 head shape, dtype, cache dtype and sliding windows, on random paged caches of each block size in
-`CHECK_BLOCK_SIZES` — decode batches split more than twice (a 4k context), split with a window,
-short enough not to be split, and fresh, chunked and long-prefix prefills — against the torch
-reference computed in float32 over the same cache contents, each (token, head) row within a
-`RowBound` (`bounds`): tight enough that one dropped position or one wrong output dimension
-fails it. The checks run first in a child process (`aieng.kernels.check_child`), so a kernel that
-faults costs a warning, not the engine. A kernel that cannot be compiled, loaded or launched,
-faults, or disagrees, is reported by name in a warning and the engine runs on the reference.
+`CHECK_BLOCK_SIZES` and the engine's own — decode batches split more than twice (a 4k context),
+split with a window, short enough not to be split, planned as a captured CUDA graph plans them
+(as many splits as the GPU gives a context of `GRAPH_PLAN_LEN`, up to 128, most of them past the
+live contexts), and fresh, chunked and long-prefix prefills — with q, k and v views of one fused
+QKV projection as the model passes them, each case twice on fresh random inputs (`REPEATS`),
+against the torch reference computed in float32 over the same cache contents, each (token,
+head) row within a `RowBound` (`bounds`): tight enough that one dropped position or one wrong
+output dimension fails it. The checks run first in a child process (`aieng.kernels.check_child`),
+so a kernel that faults costs a warning, not the engine. A kernel that cannot be compiled,
+loaded or launched, faults, or disagrees, is reported by name in a warning and the engine runs
+on the reference.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from aieng.kernels.check_child import checked_names
 from aieng.kernels.paged_attention import (
     DTYPE_NAMES,
     HEAD_DIMS,
+    MAX_SPLITS,
+    MIN_SPLIT_TOKENS,
     decode_kernel_name,
     prefill_kernel_name,
 )
@@ -48,8 +54,21 @@ TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
 # times the mean, so dropping any one of a 4k context moves its rows past the bound.
 QUERY_SCALE = 0.5
 CHECK_BLOCK_SIZES = (16, 32, 128)  # below, at and above a decode tile (32 or 64 positions)
+# Graph-mode decode plans: a captured graph's split-K plan covers its context bucket (up to the
+# longest context the engine allows) while the live contexts are shorter, so most splits hold
+# no position. Planned for this many positions, a decode gets the most splits the GPU gives it
+# (at most MAX_SPLITS: MAX_SPLITS x MIN_SPLIT_TOKENS positions reach the cap).
+GRAPH_PLAN_LEN = MAX_SPLITS * MIN_SPLIT_TOKENS
+# Every case runs this many times, each on fresh random inputs (and a fresh output): a kernel
+# that reads stale memory, or races, rarely gives the right rows twice.
+REPEATS = 2
 # The kernels that passed `checked_cuda_backend`'s checks, by its suite's arguments.
 _PASSED: dict[tuple, frozenset[str]] = {}
+
+
+def check_block_sizes(block_size: int | None = None) -> tuple[int, ...]:
+    """CHECK_BLOCK_SIZES and the engine's own block size, ascending."""
+    return tuple(sorted({*CHECK_BLOCK_SIZES, *((block_size,) if block_size else ())}))
 
 
 def bounds(dtype: torch.dtype) -> dict[str, RowBound]:
@@ -148,24 +167,42 @@ def reference_attention(
     return reference.forward(layer, q.float(), k.float(), v.float(), wide, metadata)
 
 
+def fused_qkv(
+    tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+    generator: torch.Generator, device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Random q (T, H, D), k and v (T, H_kv, D) as the model hands them to attention: views of
+    one fused QKV projection's output (T, (H + 2 H_kv) D), rows strided by its width; q scaled
+    by QUERY_SCALE."""
+    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    qkv = torch.randn(tokens, sum(widths), generator=generator, device=device)
+    qkv[:, : widths[0]] *= QUERY_SCALE
+    q, k, v = qkv.to(dtype).split(widths, dim=-1)
+    return (
+        q.view(tokens, heads, head_dim),
+        k.view(tokens, kv_heads, head_dim),
+        v.view(tokens, kv_heads, head_dim),
+    )
+
+
 def run_case(
     backend: AttentionBackend, layer: Attention, specs: Sequence[RequestSpec], block_size: int,
     dtype: torch.dtype, int8: bool, device: torch.device, seed: int,
+    planned_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One random step through `backend` and through the float32 reference -> (got, want)."""
+    """One random step through `backend` and through the float32 reference -> (got, want).
+    `planned_len`: the decode rows' split-K plan made for that context, as a CUDA graph's."""
     inputs, num_blocks = random_step(specs, block_size, device, seed)
     generator = torch.Generator(device=device).manual_seed(seed)
     num_tokens = int(inputs.query_start_loc[-1])
     heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=generator, device=device).to(dtype)
-
-    q = randn(num_tokens, heads, head_dim) * QUERY_SCALE
-    k, v = randn(num_tokens, kv_heads, head_dim), randn(num_tokens, kv_heads, head_dim)
+    q, k, v = fused_qkv(num_tokens, heads, kv_heads, head_dim, dtype, generator, device)
     cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, int8, device, generator)
     want = reference_attention(layer, q, k, v, clone_cache(cache), inputs)
-    out = backend.forward(layer, q, k, v, cache, backend.build_metadata(inputs))
+    metadata = backend.build_metadata(inputs)
+    if planned_len is not None and getattr(metadata, "decode", None) is not None:
+        metadata.decode.planned_len = planned_len
+    out = backend.forward(layer, q, k, v, cache, metadata)
     return out, want
 
 
@@ -180,7 +217,21 @@ MIXED_DECODES = (RequestSpec(2999, 1), RequestSpec(700, 1), RequestSpec(255, 1),
 LONG_PREFILLS = (RequestSpec(3000, 70), RequestSpec(0, 3))
 
 
-def check_cases(window: int | None) -> dict[str, tuple[tuple[RequestSpec, ...], ...]]:
+# Decodes planned as a captured graph plans them (for GRAPH_PLAN_LEN positions): one short
+# context (nearly every split empty), and a 4k one beside a one-token prompt.
+GRAPH_DECODES = ((RequestSpec(300, 1),), (RequestSpec(4095, 1), RequestSpec(0, 1)))
+
+
+@dataclass(frozen=True)
+class CheckCase:
+    """One step a kernel kind is checked on: its requests and, for a graph-mode decode, the
+    context its split-K plan is made for."""
+
+    specs: tuple[RequestSpec, ...]
+    planned_len: int | None = None
+
+
+def check_cases(window: int | None) -> dict[str, tuple[CheckCase, ...]]:
     """The steps each kernel kind is checked on; with a window, contexts past it too (a split
     decode reading only the window, a prefill chunk crossing its edge)."""
     decodes = [SPLIT_DECODES, WHOLE_DECODES, LONG_DECODES, MIXED_DECODES]
@@ -188,13 +239,17 @@ def check_cases(window: int | None) -> dict[str, tuple[tuple[RequestSpec, ...], 
     if window is not None:
         decodes.append((RequestSpec(window + 1000, 1), RequestSpec(window, 1)))
         prefills.append((RequestSpec(window + 30, 50), RequestSpec(max(0, window - 20), 40)))
-    return {"decode": tuple(decodes), "prefill": tuple(prefills)}
+    graphs = tuple(CheckCase(specs, GRAPH_PLAN_LEN) for specs in GRAPH_DECODES)
+    return {
+        "decode": (*(CheckCase(specs) for specs in decodes), *graphs),
+        "prefill": tuple(CheckCase(specs) for specs in prefills),
+    }
 
 
 def check_case(
     backend: AttentionBackend, name: str, layer: Attention, specs: Sequence[RequestSpec],
     block_size: int, dtype: torch.dtype, int8: bool, device: torch.device, seed: int,
-    where: str, bound: Bound | None = None,
+    where: str, bound: Bound | None = None, planned_len: int | None = None,
 ) -> bool:  # fmt: skip
     """One random step through `backend` against the reference, within `bound` (None: the
     relative norm TOLERANCE of the CPU kernel's check); a failure (or any exception) logs a
@@ -202,11 +257,14 @@ def check_case(
     wanted: list[torch.Tensor] = []
 
     def run() -> torch.Tensor:
-        got, want = run_case(backend, layer, specs, block_size, dtype, int8, device, seed)
+        got, want = run_case(
+            backend, layer, specs, block_size, dtype, int8, device, seed, planned_len
+        )
         wanted.append(want)
         return got
 
-    label = f"{where} (block size {block_size}, window {layer.sliding_window})"
+    label = f"{where} (block size {block_size}, window {layer.sliding_window}"
+    label += f", planned for {planned_len} positions)" if planned_len else ")"
     if bound is None:
         bound = TOLERANCE.get(dtype, 1e-5)
     return passes_check(name, run, lambda: wanted[0], bound, label)
@@ -216,9 +274,11 @@ def attention_checks(
     backend: AttentionBackend, num_heads: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, int8: bool, windows: Sequence[int | None], device: torch.device,
     block_sizes: Sequence[int] = CHECK_BLOCK_SIZES, where: str = "cuda attention self-check",
+    repeats: int = REPEATS,
 ) -> Iterator[tuple[str, Callable[[], bool]]]:  # fmt: skip
     """(kernel name, its check) for the decode and the prefill kernel the model will use: every
-    case of `check_cases`, for each window and block size, against the reference in float32."""
+    case of `check_cases`, for each window and block size, `repeats` times on fresh inputs,
+    against the reference in float32."""
     from aieng.attention.layer import Attention
 
     supported = dtype in DTYPE_NAMES and head_dim in HEAD_DIMS
@@ -235,11 +295,15 @@ def attention_checks(
         def check(kind: str = kind, name: str = name) -> bool:
             for window in dict.fromkeys(windows):
                 layer = Attention(num_heads, num_kv_heads, head_dim, 0, sliding_window=window)
+                cases = check_cases(window)[kind]
                 for block_size in block_sizes:
-                    for seed, specs in enumerate(check_cases(window)[kind]):
-                        args = (layer, specs, block_size, dtype, int8, device, seed, where)
-                        if not check_case(backend, name, *args, bounds(dtype)[kind]):
-                            return False
+                    for repeat in range(repeats):
+                        for index, case in enumerate(cases):
+                            seed = index + repeat * len(cases)
+                            args = (layer, case.specs, block_size, dtype, int8, device, seed)
+                            bound = bounds(dtype)[kind]
+                            if not check_case(backend, name, *args, where, bound, case.planned_len):
+                                return False
             return True
 
         yield name, check
@@ -291,10 +355,12 @@ def cuda_unsupported_reason(
 
 def checked_cuda_backend(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str,
-    block_sizes: Sequence[int] = CHECK_BLOCK_SIZES,
+    block_size: int | None = None,
 ) -> CudaPagedAttention | None:  # fmt: skip
     """A `CudaPagedAttention` whose kernels compiled and passed the self-check for this model
-    (first in a child process, then here), or None after a warning naming what failed."""
+    and the engine's `block_size` (with CHECK_BLOCK_SIZES: first in a child process, then
+    here), or None after a warning naming what failed."""
+    block_sizes = check_block_sizes(block_size)
     int8 = kv_cache_dtype == "int8"
     try:
         backend = CudaPagedAttention(device, dtype, int8, config.head_dim)

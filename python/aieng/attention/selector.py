@@ -18,6 +18,7 @@ def select_attention_backend(
     device: torch.device,
     dtype: torch.dtype,
     kv_cache_dtype: str = "auto",
+    block_size: int | None = None,
 ) -> AttentionBackend:
     """`name` is EngineArgs.attention_backend: 'auto' picks the fastest backend verified for
     this device, the model's dtype and the cache's (EngineArgs.kv_cache_dtype): the CUDA
@@ -26,14 +27,18 @@ def select_attention_backend(
     its own, else the torch
     reference; 'cuda' and 'cpu' ask for those kernels (ValueError where they cannot serve the
     model; the reference, after a warning, where they fail the self-check); 'torch' forces the
-    reference."""
+    reference. `block_size`: the engine's cache blocks, checked with the CUDA kernels'
+    own set of block sizes."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name in ("auto", "cuda"):
         from aieng.attention.cuda_self_check import checked_cuda_backend, cuda_unsupported_reason
 
         reason = cuda_unsupported_reason(config, device, dtype)
-        if reason is None and (cuda := checked_cuda_backend(config, device, dtype, kv_cache_dtype)):
+        cuda = None
+        if reason is None:
+            cuda = checked_cuda_backend(config, device, dtype, kv_cache_dtype, block_size)
+        if cuda is not None:
             return cuda
         if reason is not None and name == "cuda":
             raise ValueError(f"attention_backend 'cuda' cannot serve this model: {reason}")

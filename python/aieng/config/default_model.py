@@ -23,3 +23,11 @@ def default_model_path() -> Path:
 def resolve_model(model: str | Path | None) -> Path:
     """A model folder path, or the default model's when `model` is None."""
     return default_model_path() if model is None else Path(model)
+
+
+def served_name(model: str | Path | None) -> str:
+    """The name a model is served under by default: the bundled model's own name when `model`
+    is None, else its folder's name."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return Path(model).name or str(model)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aieng.config import speculative as spec_config
+from aieng.pooling import POOLING_METHODS
 
 # A dtype name as config.json and the --dtype flag spell it -> the torch attribute.
 DTYPES = {
@@ -240,6 +241,14 @@ class EngineArgs:
         "scale per 32 weights: 1.125 bytes a weight, against float32's 4) on the int8 kernels, "
         "the embedding lookup keeping the float rows",
         choices=CPU_LM_HEADS,
+    )
+    pooling: str | None = option(
+        None,
+        "how an embedding request pools a checkpoint that declares no pooling (no "
+        "sentence-transformers modules.json), normalised to unit length; a checkpoint's own "
+        "declaration and a request's `pooling` come first",
+        default_text="none: such a request must name its pooling",
+        choices=POOLING_METHODS,
     )
     speculative_config: dict | None = option(  # noqa: RUF009 (None default)
         None,

@@ -4,10 +4,10 @@
 is None: decided here only), reads its `config.json`, `generation_config.json` and
 `tokenizer.json` once, resolves `device="auto"` (a CUDA device where one is present), the dtype
 (`auto`: the checkpoint's on CUDA, float32 on CPU), the context length, the token budget of a
-step and the end-of-sequence ids, and returns a frozen `EngineConfig`. Everything below the
-engine (executor, workers, runner, model loading, kernels) reads that object: nothing there
-re-derives a value or re-reads a checkpoint file. A tensor-parallel rank gets its own copy with
-`for_rank` (its rank, and on CUDA its device).
+step, the end-of-sequence ids and the pooling of embedding requests, and returns a frozen
+`EngineConfig`. Everything below the engine (executor, workers, runner, model loading,
+kernels) reads that object: nothing there re-derives a value or re-reads a checkpoint file.
+A tensor-parallel rank gets its own copy with `for_rank` (its rank, and on CUDA its device).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from aieng.config.default_model import resolve_model
 from aieng.config.engine_args import DTYPES, EngineArgs, checkpoint_dtype
 from aieng.config.model_config import ModelConfig
 from aieng.config.speculative import SpeculativeConfig, check_draft
+from aieng.pooling import PoolingParams, sentence_transformers_pooling
 
 if TYPE_CHECKING:
     import torch
@@ -84,6 +85,9 @@ class EngineConfig:
     runner: RunnerConfig
     max_logprobs: int  # the most logprobs a request may ask for
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # Embeddings: the checkpoint's sentence-transformers pooling, else EngineArgs.pooling's
+    # (None: a request must name one)
+    pooling: PoolingParams | None = None
 
     @property
     def uses_cuda(self) -> bool:
@@ -176,7 +180,17 @@ def create_engine_config(args: EngineArgs, tokenizer: Any = None) -> EngineConfi
         ),
         max_logprobs=args.max_logprobs,
         speculative=_speculative(args, folder),
+        pooling=_pooling(args, folder),
     )
+
+
+def _pooling(args: EngineArgs, folder: Path) -> PoolingParams | None:
+    """The checkpoint's declared pooling (its sentence-transformers files), else the default
+    `args.pooling` names (normalised), else None."""
+    declared = sentence_transformers_pooling(folder)
+    if declared is not None or args.pooling is None:
+        return declared
+    return PoolingParams(args.pooling)  # type: ignore[arg-type]
 
 
 def _speculative(args: EngineArgs, folder: Path) -> SpeculativeConfig | None:

@@ -41,9 +41,9 @@ class ModelInfo:
     load_phases: Mapping[str, float] = field(default_factory=dict)  # seconds per load phase
     # the compute paths chosen at load: attention_backend, linear_kernels, cpu_isa ('' off CPU)
     kernels: Mapping[str, str] = field(default_factory=dict)
-    # Embeddings: the pooling the checkpoint declares (sentence-transformers files; None: an
-    # embedding request must name one), the pooled vector's size, and whether the model only
-    # embeds (an encoder).
+    # Embeddings: the default pooling (the checkpoint's sentence-transformers files, else the
+    # engine's `pooling` option; None: an embedding request must name one), the pooled
+    # vector's size, and whether the model only embeds (an encoder).
     pooling: PoolingParams | None = None
     hidden_size: int = 0
     is_encoder: bool = False

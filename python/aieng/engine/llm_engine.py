@@ -29,7 +29,7 @@ from aieng.errors import invalid_field, is_fatal
 from aieng.executor import make_executor
 from aieng.executor.multiproc import run_as_launched_worker
 from aieng.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from aieng.pooling import PoolingParams, sentence_transformers_pooling
+from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 from aieng.spec_decode.drafts import SpeculativeDecoding
 from aieng.spec_decode.proposer import ProposalRequest
@@ -145,7 +145,7 @@ def _model_info(config: EngineConfig, worker: WorkerInfo, num_blocks: int) -> Mo
         generation_defaults=dict(config.model.generation_defaults),
         load_phases=worker.load_phases,
         kernels=worker.kernels,
-        pooling=sentence_transformers_pooling(config.model_path),
+        pooling=config.pooling,
         hidden_size=config.model.hidden_size,
         is_encoder=config.model.is_encoder,
     )

@@ -32,7 +32,27 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-CHILD_TIMEOUT_S = 600.0  # NVRTC compiles a cold cache's kernels inside the child's checks
+# How long a child may go without reporting (its start, then each check) before the check in
+# progress counts as hung: NVRTC compiles a cold cache's kernels inside the checks (seconds
+# each), and a device run's part has minutes in all (benches/gpu/run.sh sets 60 s), so a hung
+# kernel must cost a bounded share of it. AIENG_CHECK_TIMEOUT_S overrides the default.
+DEFAULT_CHILD_TIMEOUT_S = 120.0
+
+
+def child_timeout_s() -> float:
+    """AIENG_CHECK_TIMEOUT_S (seconds, > 0) or DEFAULT_CHILD_TIMEOUT_S."""
+    text = os.environ.get("AIENG_CHECK_TIMEOUT_S", "")
+    if not text:
+        return DEFAULT_CHILD_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"AIENG_CHECK_TIMEOUT_S must be a positive number of seconds: {text!r}")
+    return value
+
+
 Suite = Callable[..., Iterable[tuple[str, Callable[[], bool]]]]
 
 
@@ -62,13 +82,14 @@ class _ChildRun:
 
 
 def screen_in_child(
-    suite: Suite, args: tuple[Any, ...], timeout_s: float = CHILD_TIMEOUT_S, label: str = ""
+    suite: Suite, args: tuple[Any, ...], timeout_s: float | None = None, label: str = ""
 ) -> Screening:
     """Runs `suite(*args)`'s checks in child processes (each check, and the child's start,
-    allowed `timeout_s`): a check whose child dies (a fault, an abort) or overruns is that
-    kernel's failure, logged by name, and a new child runs the rest. `label` names the suite in
-    warnings."""
+    allowed `timeout_s`, default `child_timeout_s()`): a check whose child dies (a fault, an
+    abort) or overruns is that kernel's failure, logged by name, and a new child runs the rest.
+    `label` names the suite in warnings."""
     screening = Screening()
+    timeout_s = child_timeout_s() if timeout_s is None else timeout_s
     label = label or getattr(suite, "__name__", "kernel")
     while True:
         skip = set(screening.passed) | set(screening.failed)
@@ -100,7 +121,7 @@ def checked_names(
     suite: Suite,
     args: tuple[Any, ...],
     isolate: bool,
-    timeout_s: float = CHILD_TIMEOUT_S,
+    timeout_s: float | None = None,
     label: str = "",
 ) -> frozenset[str]:
     """The names of `suite(*args)`'s checks that pass in this process; with `isolate` (a CUDA

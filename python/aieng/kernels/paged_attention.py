@@ -166,6 +166,51 @@ class Launch:
     args: list[KernelArg]
 
 
+# Alignment the kernels' loads rely on, in bytes: the cache's K/V rows are copied by cp.async in
+# 16-byte (8 for INT8) pieces and read by 16- and 8-byte vector loads; q is read as 32-bit pairs
+# (prefill) and out written as them. A misaligned address faults on the GPU (or reads the wrong
+# bytes), so every launch checks it here rather than trusting each cache to be its own
+# allocation.
+CACHE_ALIGNMENT = 16
+Q_ALIGNMENT = 4
+
+
+def q_is_aligned(q: torch.Tensor) -> bool:
+    """q (T, H, D) as the kernels read it: rows of contiguous heads of contiguous dims (a row
+    stride of its own: a view of a fused QKV projection), each row Q_ALIGNMENT-aligned."""
+    _, num_heads, head_dim = q.shape
+    row_bytes = q.stride(0) * q.element_size()
+    return (
+        q.stride(2) == 1
+        and q.stride(1) == head_dim
+        and q.stride(0) >= num_heads * head_dim
+        and q.data_ptr() % Q_ALIGNMENT == 0
+        and row_bytes % Q_ALIGNMENT == 0
+    )
+
+
+def check_layouts(kernel: str, out: torch.Tensor, q: torch.Tensor, cache: PagedCache) -> None:
+    """KernelError unless the tensors are laid out and aligned as `kernel` reads them: the
+    cache contiguous with CACHE_ALIGNMENT-aligned K/V, q as `q_is_aligned`, out contiguous."""
+    for what, tensor in (("K cache", cache.k), ("V cache", cache.v)):
+        if not tensor.is_contiguous() or tensor.data_ptr() % CACHE_ALIGNMENT:
+            raise KernelError(
+                f"{kernel}: the {what} must be contiguous and {CACHE_ALIGNMENT}-byte aligned "
+                f"(cp.async), got strides {tuple(tensor.stride())} at address "
+                f"{tensor.data_ptr():#x}"
+            )
+    for what, scale in (("K scales", cache.k_scale), ("V scales", cache.v_scale)):
+        if scale is not None and not scale.is_contiguous():
+            raise KernelError(f"{kernel}: the INT8 cache's {what} must be contiguous")
+    if not q_is_aligned(q):
+        raise KernelError(
+            f"{kernel}: q must be (T, H, D) with contiguous heads and dims and {Q_ALIGNMENT}-byte "
+            f"aligned rows, got strides {tuple(q.stride())} at address {q.data_ptr():#x}"
+        )
+    if not out.is_contiguous() or out.data_ptr() % Q_ALIGNMENT:
+        raise KernelError(f"{kernel}: out must be contiguous and {Q_ALIGNMENT}-byte aligned")
+
+
 def decode_launches(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -188,6 +233,7 @@ def decode_launches(
     group = num_heads // num_kv_heads
     _, chunks = heads_per_cta(group)
     name = decode_kernel_name(q.dtype, cache.int8, head_dim, group)
+    check_layouts(name, out, q, cache)
     split = plan.num_splits > 1
     if split and partials is None:
         raise KernelError(f"{name}: {plan.num_splits} splits need partial buffers")
@@ -225,8 +271,10 @@ def prefill_launch(
     cache (the step's arrays, int32 on the device; tiles from `prefill_tiles`)."""
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache.k.shape
+    name = prefill_kernel_name(q.dtype, cache.int8, head_dim)
+    check_layouts(name, out, q, cache)
     return Launch(
-        prefill_kernel_name(q.dtype, cache.int8, head_dim),
+        name,
         (tile_request.shape[0], num_heads),
         PREFILL_THREADS,
         [

@@ -7,9 +7,14 @@ bytes are already the CUDA layout's `qweight`), then adds the float16 (scale, ze
 Start-up check: every kernel each path (gemv, gemm) can dispatch — the GEMV's row tiles (M = 1,
 2, 3-4, 5-8, 9-16, as `launch_for` names them), its passes of 16 rows, the GEMM — runs on each
 layer's weight at the least and the most rows that reach it, against x @ W^T in float32 over the
-layout's own weights, per output row within `check_bound`. On a CUDA device the same checks run
-first in a child process (once per process for each device and dtype, on the first layer's
-shape): a kernel that faults there is turned off without running here. A path with a kernel that
+layout's own weights, per output row within `check_bound`. The first layer's layout is compared
+with the checkpoint's dequantization as `QuantizedLinearMethod` holds it (`dequantize`: its
+integers, zero points and float32 scales, not the layout's), so that a conversion bug cannot hide
+behind a reference built from the converted weights (tests/test_cuda_int4.py checks each
+checkpoint format's unpacking against its writer's own dequantization). On a CUDA device the
+same checks run first in a child process, once per process for each device, dtype and weight
+shape (q/k/v, o, gate/up, down: each its own grid): a kernel that faults there on any shape is
+turned off for that shape without running here. A path with a kernel that
 cannot run or disagrees is turned off with a warning naming the kernel, and a layer with neither
 keeps the dequantize reference. On any other device it is the torch method unchanged.
 """
@@ -27,6 +32,7 @@ from aieng.kernels.check_child import screen_in_child
 from aieng.kernels.errors import KernelError
 from aieng.kernels.int4 import (
     GEMM_DTYPES,
+    SCALE_TOLERANCE,
     Int4Weights,
     choose_path,
     dequantize_weights,
@@ -37,7 +43,7 @@ from aieng.kernels.int4 import (
 )
 from aieng.kernels.self_check import RowBound, passes_check
 from aieng.layers.linear import Linear
-from aieng.quantization.linear_method import QuantizedLinearMethod
+from aieng.quantization.linear_method import QuantizedLinearMethod, dequantize
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +58,12 @@ Int4Matmul = Callable[[torch.Tensor, Int4Weights, str], torch.Tensor]
 # Kernels that could not be compiled, loaded or launched in this process, and why: found (and
 # logged) at the first layer, then off for every other layer without another try.
 _CANNOT_RUN: dict[str, str] = {}
-# (device, dtype) -> the kernels that passed their check in a child process (`check_child`):
-# screened once per process, at the first layer, on that layer's shape.
-_SCREENED: dict[tuple[torch.device, torch.dtype], frozenset[str]] = {}
+# (device, dtype, N, K, group size) -> the kernels that passed their check in a child process
+# (`check_child`): screened once per process for each weight shape, at its first layer.
+_SCREENED: dict[tuple[torch.device, torch.dtype, int, int, int], frozenset[str]] = {}
+# (device, dtype) -> why the first layer's layout differs from its checkpoint's dequantization
+# (None: it does not); every layer's kernels are off after a difference.
+_LAYOUT_CHECKED: dict[tuple[torch.device, torch.dtype], str | None] = {}
 
 
 def on_nvidia_gpu(device: torch.device) -> bool:
@@ -133,18 +142,41 @@ def int4_child_checks(
 def screened_kernels(
     device: torch.device, dtype: torch.dtype, weights: Int4Weights
 ) -> frozenset[str] | None:
-    """On a CUDA device, the kernels that passed their checks in a child process (run once per
-    process for each device and dtype, on `weights`' shape); None elsewhere (nothing to
+    """On a CUDA device, the kernels that passed their checks in a child process on `weights`'
+    shape (run once per process for each device, dtype and shape: a kernel faulting on one
+    shape's grid must not reach the engine through another layer); None elsewhere (nothing to
     screen: the checks run here)."""
     if device.type != "cuda":
         return None
-    key = (device, dtype)
+    shape = (weights.out_features, weights.in_features, weights.group_size)
+    key = (device, dtype, *shape)
     if key not in _SCREENED:
-        shape = (weights.out_features, weights.in_features, weights.group_size)
         _SCREENED[key] = frozenset(
-            screen_in_child(int4_child_checks, (device, dtype, *shape), label="INT4").passed
+            screen_in_child(
+                int4_child_checks, (device, dtype, *shape), label=f"INT4 {shape[0]}x{shape[1]}"
+            ).passed
         )
     return _SCREENED[key]
+
+
+def layout_disagreement(layer: Linear, weights: Int4Weights) -> str | None:
+    """Why the layout's weights (float16 scales and zeros) differ from the checkpoint's
+    dequantization of `layer` beyond rounding its scales to float16, or None: each weight
+    within SCALE_TOLERANCE of its own magnitude (a wrong nibble, zero point or scale moves it
+    by at least a fifteenth of it)."""
+    want = dequantize(layer).to(weights.qweight.device)
+    got = dequantize_weights(weights)
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)}, the checkpoint's {tuple(want.shape)}"
+    bad = ~((got - want).abs() <= SCALE_TOLERANCE * want.abs())  # NaN counts as bad
+    if bool(bad.any()):
+        worst = int(bad.view(-1).nonzero()[0])
+        row, col = divmod(worst, want.shape[1])
+        return (
+            f"weight ({row}, {col}) is {float(got.view(-1)[worst]):.6g} in the layout, "
+            f"{float(want.view(-1)[worst]):.6g} in the checkpoint"
+        )
+    return None
 
 
 def remembering_failures(matmul: Int4Matmul) -> Int4Matmul:
@@ -195,6 +227,18 @@ class CudaInt4LinearMethod(QuantizedLinearMethod):
             weights = from_packed(layer.qvalues, layer.scales, layer.zeros)
         except KernelError as error:
             logger.warning("%s: %s; the CUDA INT4 kernels are off for it", self.prefix, error)
+            return
+        key = (device, self.dtype)
+        if key not in _LAYOUT_CHECKED:  # the first layer: its layout against its checkpoint
+            _LAYOUT_CHECKED[key] = why = layout_disagreement(layer, weights)
+            if why is not None:
+                logger.warning(
+                    "%s: the CUDA INT4 layout differs from the checkpoint's dequantization (%s); "
+                    "the CUDA INT4 kernels are off for every layer",
+                    self.prefix,
+                    why,
+                )
+        if _LAYOUT_CHECKED[key] is not None:
             return
         self.paths = self._checked_paths(weights, screened_kernels(device, self.dtype, weights))
         if self.paths:

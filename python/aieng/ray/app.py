@@ -14,6 +14,7 @@ from ray import serve
 from ray.serve import Application
 
 from aieng.config.cli_args import engine_args
+from aieng.config.default_model import served_name
 from aieng.config.engine_args import EngineArgs
 from aieng.ray.ingress import OpenAIIngress
 from aieng.ray.options import RayServeOptions
@@ -30,9 +31,10 @@ def build_app(
     options: RayServeOptions | None = None,
     server: ServerConfig | None = None,
 ) -> Application:
-    """`engine.model` must be a checkpoint folder every replica (and the ingress) can read."""
+    """`engine.model` must be a checkpoint folder every replica (and the ingress) can read;
+    None: the bundled default model, served under its name (aieng-kjv-6m)."""
     options = options or RayServeOptions()
-    server = server or ServerConfig(served_model_name=Path(str(engine.model)).name)
+    server = server or ServerConfig(served_model_name=served_name(engine.model))
     board = f"{REPLICAS}@{id(options):x}"
     replicas = (
         serve.deployment(EngineReplica)

@@ -5,7 +5,8 @@ A request goes to the replica the router picks. If that replica fails before the
 produced any output (its actor died, its engine loop died), the request is sent again and the
 router picks among the replicas left, up to `max_retries` times: the client sees nothing of it.
 Once output has been streamed the request cannot be replayed: it ends with `ReplicaLostError`
-(the server's error event). No other request is touched.
+(the server's error event). No other request is touched. An aborted request (its client went
+away) ends its replica call, and its stream just stops.
 
 The tokenizer and the grammar compiler are the ingress's own, loaded from the checkpoint the
 replicas serve; the stats are the sum over the replicas that run (`pooled_stats`).
@@ -13,6 +14,7 @@ replicas serve; the stats are the sum over the replicas that run (`pooled_stats`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -21,6 +23,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.serve.context import _get_serve_request_context, _serve_request_context
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from aieng._core import Grammar, GrammarCompiler, Tokenizer
@@ -117,6 +120,7 @@ class ReplicaPoolClient:
         replica_request_id = f"{self._tag}-{request_id}"
         for attempt in range(self.max_retries + 1):
             timeout_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            own_routing_id()
             stream = self.replicas.options(stream=True, method_name="generate").remote(
                 request_id=replica_request_id,
                 prompt=list(prompt),
@@ -134,6 +138,8 @@ class ReplicaPoolClient:
                     yield out
                 return
             except Exception as error:
+                if stream.cancelled():  # aborted here (`abort`): the request ends, quietly
+                    return
                 cause = _cause(error)
                 if not isinstance(cause, REPLICA_FAILURES):
                     raise cause from None
@@ -165,6 +171,19 @@ class ReplicaPoolClient:
     def abort_all(self) -> None:
         for request_id in list(self._streams):
             self.abort(request_id)
+
+
+def own_routing_id() -> None:
+    """Files the next handle call of this task under a Ray Serve request id of its own.
+
+    Ray Serve gives a handle call the internal id of the HTTP request it is made for, and its
+    router keeps one pending call per id (`_pending_requests_by_id`): of the calls one HTTP
+    request fans out to (a prompt list, several embedding inputs, each an engine request of its
+    own) it routed the first and left the others waiting forever. Each generate call runs in a
+    task of its own (the server's `Generation` pumps), so the id set here is that call's only.
+    """
+    context = _get_serve_request_context()
+    _serve_request_context.set(dataclasses.replace(context, _internal_request_id=uuid.uuid4().hex))
 
 
 def _cause(error: BaseException) -> BaseException:

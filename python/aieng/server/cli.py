@@ -158,12 +158,12 @@ def server_config(
     """The server's options; `model_path`: the folder the engine loads (the bundled model's when
     no model was named); `served_model_name`: the name it is served under, where not the
     folder's."""
-    from aieng.config.default_model import DEFAULT_MODEL_NAME
+    from aieng.config.default_model import served_name
 
     name = (
         served_model_name
         or args.served_model_name
-        or (DEFAULT_MODEL_NAME if args.model is None else model_path.name or str(model_path))
+        or served_name(None if args.model is None else model_path)
     )
     return ServerConfig(
         served_model_name=name,

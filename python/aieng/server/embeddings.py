@@ -1,9 +1,9 @@
 """`POST /v1/embeddings`: OpenAI's embeddings over the engine's prefill-only requests.
 
 Each input is one engine request (`PoolingParams`), admitted, timed out, aborted on disconnect
-and accounted like a completion's prompt (`Generation`). The pooling is the checkpoint's
-(sentence-transformers files) or the request's `pooling`; a model that declares none and a
-request that names none is refused with a 400 naming `pooling`. `dimensions` keeps the first
+and accounted like a completion's prompt (`Generation`). The pooling is the request's `pooling`,
+else the checkpoint's (sentence-transformers files), else the server's `--pooling`; with none
+of them the request is refused with a 400 naming `pooling`. `dimensions` keeps the first
 components and renormalises (Matryoshka); `encoding_format` "base64" sends each vector as the
 base64 of its little-endian float32 bytes, as OpenAI does.
 """

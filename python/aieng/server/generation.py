@@ -279,8 +279,9 @@ class Generation:
             done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
+            if not task.done():  # the client went, or this request was cancelled (Ray Serve)
+                task.cancel()
         if task not in done:
-            task.cancel()
             self.status, self.error = 499, "client_disconnected"
             raise ClientGone
         task.result()

@@ -9,8 +9,10 @@
 - `"required"` or a named function: the output is constrained, with the structured-outputs
   machinery, to calls in the parser's markup (`hermes` when the server has none: the grammar
   fixes the markup, so reading it needs no guess) whose arguments follow the function's schema,
-  so every call parses and validates. `parallel_tool_calls: false` (or a named function) allows
-  exactly one call.
+  so every call parses and validates; a string argument whose schema sets no bound (no
+  maxLength, enum, const, pattern or format) is held to DEFAULT_STRING_MAX_LENGTH characters,
+  so the call always closes. The output is exactly one call, and ends there, unless the request
+  sends `parallel_tool_calls: true` (then one or more; a named function: always one).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,10 +75,12 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
         return ToolPlan(template_tools, tool_parser(parser_name), None)
     parser = tool_parser(parser_name or CONSTRAINED_DEFAULT_PARSER)
     functions = [
-        FunctionSpec(t.function.name, closed_objects(t.function.parameters or NO_PARAMETERS))
+        FunctionSpec(t.function.name, forced_call_schema(t.function.parameters or NO_PARAMETERS))
         for t in req.tools
     ]
-    parallel = req.parallel_tool_calls
+    # Several calls only when the client asks for them: a small model that may call again
+    # tends to repeat its call until the token budget runs out.
+    parallel = "parallel_tool_calls" in req.model_fields_set and req.parallel_tool_calls
     if isinstance(choice, NamedToolChoice):
         wanted = choice.function.name
         functions = [f for f in functions if f.name == wanted]
@@ -117,36 +122,63 @@ async def constrain_to_calls(
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 SCHEMA_VALUES = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+# The longest string argument of a forced call whose schema sets no bound of its own: without
+# one a small model may never close the string, and the call never ends (LangChain's schema of
+# `def weather(city: str)` has none).
+DEFAULT_STRING_MAX_LENGTH = 128
+# What bounds a string already (or fixes its values): such a schema is kept as it is.
+STRING_BOUNDS = ("maxLength", "enum", "const", "pattern", "format")
 
 
-def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+def forced_call_schema(parameters: dict[str, Any]) -> dict[str, Any]:
+    """The arguments schema a forced call is constrained to: objects closed, strings bounded."""
+    return _rewrite(parameters, _bounded_string)
+
+
+def closed_objects(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object that lists its properties
     and says nothing of others (xgrammar's strict mode, which vLLM constrains tool calls with):
     a function takes the arguments it declares, and a model must not pad a call with invented
     keys. Members of an `allOf` stay open (closing each would refuse the others' keys)."""
+    return _rewrite(schema, lambda node: node)
+
+
+def _bounded_string(node: dict[str, Any]) -> dict[str, Any]:
+    """A string schema without a bound gets `maxLength` DEFAULT_STRING_MAX_LENGTH."""
+    kinds = node.get("type")
+    is_string = kinds == "string" or (isinstance(kinds, list) and "string" in kinds)
+    if is_string and not any(k in node for k in STRING_BOUNDS):
+        return {**node, "maxLength": DEFAULT_STRING_MAX_LENGTH}
+    return node
+
+
+def _rewrite(
+    schema: Any, change: Callable[[dict[str, Any]], dict[str, Any]], in_all_of: bool = False
+) -> Any:
+    """Every subschema of `schema` rewritten by `change`, and its objects closed."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+            out[key] = {name: _rewrite(sub, change) for name, sub in out[key].items()}
     for key in SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [closed_objects(sub) for sub in out[key]]
+            out[key] = [_rewrite(sub, change) for sub in out[key]]
     if isinstance(out.get("allOf"), list):
-        out["allOf"] = [closed_objects(sub, in_all_of=True) for sub in out["allOf"]]
+        out["allOf"] = [_rewrite(sub, change, in_all_of=True) for sub in out["allOf"]]
     for key in SCHEMA_VALUES:
         if key in out:
             value = out[key]
             out[key] = (
-                [closed_objects(v) for v in value]
+                [_rewrite(v, change) for v in value]
                 if isinstance(value, list)
-                else closed_objects(value)
+                else _rewrite(value, change)
             )
     open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
     if "properties" in out and not in_all_of and not any(k in out for k in open_keys):
         out["additionalProperties"] = False
-    return out
+    return change(out)
 
 
 def call_id() -> str:

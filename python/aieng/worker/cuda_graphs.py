@@ -15,11 +15,20 @@ them on the device: `GraphDecodeInputs` holds the step's cache slots, sequence l
 tables at fixed addresses; the backend's `graph_metadata(inputs)` (or, for the torch and cuda
 backends, the adapters below) turns them into its metadata once, at capture. A backend without
 one runs eagerly.
+
+Context buckets: a captured grid is fixed, so the cuda backend's split-K plan is made at capture
+for a context length, not the live one. Planned for the longest context the engine allows, a
+batch of one 1k context under a 32k limit would run 94 splits of which 3 hold positions. So each
+size is captured once per context bucket — 1024, 2048, ... positions up to max_model_len
+(`context_buckets`) — keeping only the buckets whose plan differs from the next one's
+(`distinct_buckets`: sizes that never split, windows shorter than a bucket), and a step replays
+the smallest bucket that holds its longest live context.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +48,34 @@ SIZE_STEP = 16
 GRAPH_PAD_BLOCKS = 2
 # A replayed step's relative error against the eager forward beyond which graphs are turned off.
 GRAPH_TOLERANCE = 2e-2
+# The smallest context bucket (positions); each next one doubles, up to max_model_len.
+MIN_CONTEXT_BUCKET = 1024
+
+
+def context_buckets(max_context: int) -> list[int]:
+    """MIN_CONTEXT_BUCKET, twice that, ... below max_context, then max_context itself."""
+    if max_context < 1:
+        raise ValueError(f"the largest context must be at least 1, got {max_context}")
+    buckets = []
+    bucket = MIN_CONTEXT_BUCKET
+    while bucket < max_context:
+        buckets.append(bucket)
+        bucket *= 2
+    return [*buckets, max_context]
+
+
+def distinct_buckets(buckets: list[int], plan_of: Callable[[int], Hashable]) -> list[int]:
+    """The buckets worth a graph of their own: a bucket whose plan (`plan_of(bucket)`) is the
+    next bucket's is served by that one (the same kernels and grids, over contexts it holds)."""
+    plans = [plan_of(bucket) for bucket in buckets]
+    kept = [b for b, plan, after in zip(buckets, plans, plans[1:], strict=False) if plan != after]
+    return [*kept, buckets[-1]]
+
+
+def bucket_for(context: int, buckets: list[int]) -> int:
+    """The smallest bucket that holds `context` positions (the last one holds every context
+    the engine allows)."""
+    return next((bucket for bucket in buckets if bucket >= context), buckets[-1])
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -59,6 +96,14 @@ def is_decode_only(query_start_loc: np.ndarray) -> bool:
     """Every request of the step brings exactly one new token."""
     lengths = np.diff(np.asarray(query_start_loc))
     return len(lengths) > 0 and bool(np.all(lengths == 1))
+
+
+def step_bucket(plan: Any, sizes: list[int], buckets: dict[int, list[int]]) -> int:
+    """The context bucket a decode step replays: of its padded size's buckets, the smallest
+    that holds its longest live context."""
+    size = padded_size(len(plan.input_ids), sizes)
+    longest = int(np.max(plan.seq_lens)) if len(plan.seq_lens) else 1
+    return bucket_for(longest, buckets[size if size is not None else sizes[-1]])
 
 
 @dataclass
@@ -99,12 +144,14 @@ def pad_decode(
 
 @dataclass
 class GraphDecodeInputs:
-    """A decode step's attention inputs at fixed device addresses (S rows)."""
+    """A decode step's attention inputs at fixed device addresses (S rows), for live contexts
+    of at most `planned_len` positions (the graph's context bucket)."""
 
     slot_mapping: torch.Tensor  # (S,) int64
     seq_lens: torch.Tensor  # (S,) int32
     block_tables: torch.Tensor  # (S, W) int32
     block_size: int
+    planned_len: int
 
     @property
     def num_rows(self) -> int:
@@ -136,17 +183,58 @@ def torch_graph_metadata(backend: Any, inputs: GraphDecodeInputs) -> Any:
 
 def cuda_graph_metadata(backend: Any, inputs: GraphDecodeInputs) -> Any:
     """The cuda backend's metadata for a captured decode step: its decode batch over the
-    persistent arrays, split-K planned for the longest context the table can hold."""
+    persistent arrays, split-K planned for the graph's context bucket."""
     from aieng.attention.cuda_paged import CudaAttentionMetadata, DecodeBatch
 
     device = inputs.seq_lens.device
     rows = torch.arange(inputs.num_rows, dtype=torch.int32, device=device)
-    longest = np.full(inputs.num_rows, inputs.max_context, np.int64)
-    decode = DecodeBatch(rows, inputs.seq_lens, inputs.block_tables, longest)
+    live = np.ones(inputs.num_rows, np.int64)  # unknown at capture: read on the device
+    decode = DecodeBatch(rows, inputs.seq_lens, inputs.block_tables, live, inputs.planned_len)
     return CudaAttentionMetadata(inputs.slot_mapping, inputs.num_rows, decode, None)
 
 
+def cuda_plan_of(backend: Any, runner: Any, rows: int) -> Callable[[int], Hashable]:
+    """For `rows` decode rows of the runner's model on the cuda backend: context length -> the
+    split-K plans of its layers (one per sliding window), as `distinct_buckets` compares them;
+    an unsplit plan is the same for every length (its one split reads each row's context)."""
+    from aieng.attention.backend import QuantizedKVCache
+    from aieng.attention.cuda_paged import plan_for_lengths
+    from aieng.distributed.parallel_state import heads_per_rank
+    from aieng.kernels.paged_attention import decode_kernel_name
+
+    cache = runner.kv_caches[0]
+    int8 = isinstance(cache, QuantizedKVCache)
+    _, _, kv_heads, head_dim = (cache.k if int8 else cache[0]).shape
+    config = runner.model_config
+    heads = heads_per_rank(config.num_attention_heads)
+    ctas = backend.ctas_per_sm(decode_kernel_name(runner.dtype, int8, head_dim, heads // kv_heads))
+    windows = dict.fromkeys(
+        getattr(config, "layer_sliding_windows", ()) or (config.sliding_window,)
+    )
+
+    def plan_of(length: int) -> Hashable:
+        lengths = np.full(rows, length, np.int64)
+        plans = (
+            plan_for_lengths(lengths, w, heads, kv_heads, head_dim, backend.num_sms, ctas)
+            for w in windows
+        )
+        return tuple(plan if plan.num_splits > 1 else None for plan in plans)
+
+    return plan_of
+
+
 GRAPH_ADAPTERS = {"torch": torch_graph_metadata, "cuda": cuda_graph_metadata}
+# Backends whose graph plans depend on the context (the rest capture one bucket per size).
+GRAPH_PLANS = {"cuda": cuda_plan_of}
+
+
+def graph_buckets(backend: Any, runner: Any, rows: int, max_context: int) -> list[int]:
+    """The context buckets to capture for `rows` rows: one (max_context) unless the backend
+    plans by the context (`GRAPH_PLANS`), then the distinct ones of `context_buckets`."""
+    plans = GRAPH_PLANS.get(getattr(backend, "name", ""))
+    if plans is None:
+        return [max_context]
+    return distinct_buckets(context_buckets(max_context), plans(backend, runner, rows))
 
 
 def supports_graphs(backend: Any) -> bool:
@@ -186,7 +274,16 @@ class DecodeGraphs:
         )
         self._host_seq_lens = torch.ones(largest, dtype=torch.int32, pin_memory=pin)
         self._host_tables = torch.zeros((largest, self.width), dtype=torch.int32, pin_memory=pin)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, context bucket) -> its graph and the hidden states it writes
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.max_context = min(runner.max_model_len, self.width * self.block_size)
+        self.buckets = {
+            size: graph_buckets(runner.attention, runner, size, self.max_context)
+            for size in self.sizes
+        }
+
+    def bucket(self, plan: Any) -> int:
+        return step_bucket(plan, self.sizes, self.buckets)
 
     def _pad(self, plan: Any, block_tables: np.ndarray) -> PaddedDecode:
         size = padded_size(len(plan.input_ids), self.sizes)
@@ -212,39 +309,50 @@ class DecodeGraphs:
         self._tables[:size].copy_(self._host_tables[:size], non_blocking=True)
         return self.runner.inputs.write(step.input_ids, step.positions, step.slot_mapping)
 
-    def _model(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
-        """The model over the persistent buffers with the backend's graph metadata -> (S,
-        hidden): what a graph holds. Fresh `ids`/`positions` views make per-step caches keyed by
-        the tensor objects (the rotary cos/sin lookup) compute inside the graph."""
+    def _model(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, bucket: int
+    ) -> torch.Tensor:
+        """The model over the persistent buffers with the backend's graph metadata for contexts
+        of at most `bucket` positions -> (S, hidden): what a graph holds. Fresh `ids`/`positions`
+        views make per-step caches keyed by the tensor objects (the rotary cos/sin lookup)
+        compute inside the graph."""
         size, runner = len(ids), self.runner
         inputs = GraphDecodeInputs(
-            slots, self._seq_lens[:size], self._tables[:size], self.block_size
+            slots, self._seq_lens[:size], self._tables[:size], self.block_size, bucket
         )
         metadata = graph_metadata(runner.attention, inputs)
         ctx = ForwardContext(runner.attention, metadata, runner.kv_caches)
         return runner.model(ids, positions, ctx)
 
-    def forward_padded(self, plan: Any, block_tables: np.ndarray) -> torch.Tensor:
-        """The graph's computation run eagerly -> (R, hidden) of the plan's R rows."""
-        return self._model(*self._write(self._pad(plan, block_tables)))[: len(plan.input_ids)]
+    def forward_padded(
+        self, plan: Any, block_tables: np.ndarray, bucket: int | None = None
+    ) -> torch.Tensor:
+        """The graph's computation run eagerly (for the step's bucket, or `bucket`) -> (R,
+        hidden) of the plan's R rows."""
+        bucket = self.bucket(plan) if bucket is None else bucket
+        views = self._write(self._pad(plan, block_tables))
+        return self._model(*views, bucket)[: len(plan.input_ids)]
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, in one memory pool; each is run eagerly once
-        before (kernels compiled and loaded, lazy buffers allocated)."""
+        """Capture every size and context bucket, largest first, in one memory pool; each is run
+        eagerly once before (kernels compiled and loaded, lazy buffers allocated)."""
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            step = self._empty_step(size)
-            self._model(*self._write(step))  # warm-up
-            views = self._write(step)
-            torch.cuda.synchronize(self.runner.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self._model(*views)
-            self._graphs[size] = (graph, hidden)
+            for bucket in reversed(self.buckets[size]):
+                step = self._empty_step(size)
+                self._model(*self._write(step), bucket)  # warm-up
+                views = self._write(step)
+                torch.cuda.synchronize(self.runner.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self._model(*views, bucket)
+                self._graphs[size, bucket] = (graph, hidden)
         torch.cuda.synchronize(self.runner.device)
         logger.info(
-            "CUDA graphs: captured decode steps of %s rows", ", ".join(map(str, self.sizes))
+            "CUDA graphs: captured %d decode graphs, rows (context buckets): %s",
+            len(self._graphs),
+            ", ".join(f"{size} ({'/'.join(map(str, self.buckets[size]))})" for size in self.sizes),
         )
 
     def can_run(self, plan: Any) -> bool:
@@ -255,24 +363,32 @@ class DecodeGraphs:
             and is_decode_only(plan.query_start_loc)
         )
 
-    def run(self, plan: Any, block_tables: np.ndarray) -> torch.Tensor:
-        """Replay the graph of the plan's padded size -> (R, hidden) of its R rows."""
+    def run(self, plan: Any, block_tables: np.ndarray, bucket: int | None = None) -> torch.Tensor:
+        """Replay the graph of the plan's padded size and context bucket (or `bucket`, one that
+        holds its contexts) -> (R, hidden) of its R rows."""
         step = self._pad(plan, block_tables)
         self._write(step)
-        graph, hidden = self._graphs[len(step.input_ids)]
+        bucket = self.bucket(plan) if bucket is None else bucket
+        graph, hidden = self._graphs[len(step.input_ids), bucket]
         graph.replay()
         return hidden[: len(plan.input_ids)]
 
     @torch.inference_mode()
     def check(self, replay: bool = True) -> float:
-        """A graph step against the eager forward of the same rows (relative error of their
-        hidden states): random tokens r = 0..R-1 at position r of the second scratch block, each
-        attending to the ones before it, padded by one row. replay=False runs the graph's
-        computation eagerly instead (`forward_padded`)."""
+        """Graph steps against the eager forward of the same rows (the worst relative error of
+        their hidden states): random tokens r = 0..R-1 at position r of the second scratch
+        block, each attending to the ones before it, padded by one row, replayed in the
+        smallest and the largest context bucket of their size (the most splits past the live
+        context). replay=False runs the graphs' computation eagerly (`forward_padded`)."""
         plan, tables = self.check_step()
         eager = self.runner._forward(plan, tables, self.runner.kv_caches).float().clone()
-        padded = self.run(plan, tables) if replay else self.forward_padded(plan, tables)
-        return relative_error(padded.float(), eager)
+        buckets = self.buckets[padded_size(len(plan.input_ids), self.sizes) or self.sizes[-1]]
+        errors = []
+        for bucket in dict.fromkeys((buckets[0], buckets[-1])):
+            run = self.run if replay else self.forward_padded
+            padded = run(plan, tables, bucket)
+            errors.append(relative_error(padded.float(), eager))
+        return max(errors)
 
     def check_step(self) -> tuple[ForwardArrays, np.ndarray]:
         block = self.pad_block + 1

@@ -72,8 +72,9 @@ class DraftModel:
         self.max_model_len = max_model_len
         self.kv_spec = KVCacheSpec.for_model(self.model_config, block_size, dtype, kv_cache_dtype)
         self.attention = select_attention_backend(
-            config.runner.attention_backend, self.model_config, device, dtype, kv_cache_dtype
-        )
+            config.runner.attention_backend, self.model_config, device, dtype, kv_cache_dtype,
+            block_size,
+        )  # fmt: skip
         # Scratch blocks per row: the proposal steps reach at most k positions past its blocks.
         self.scratch_per_row = math.ceil(self.k / block_size) + 1
         self.max_rows = config.scheduler.max_num_seqs

@@ -76,8 +76,9 @@ class ModelRunner:
             self.model_config, self.block_size, self.dtype, kv_cache_dtype
         )
         self.attention = select_attention_backend(
-            options.attention_backend, self.model_config, self.device, self.dtype, kv_cache_dtype
-        )
+            options.attention_backend, self.model_config, self.device, self.dtype, kv_cache_dtype,
+            self.block_size,
+        )  # fmt: skip
         if kv_cache_dtype not in self.attention.kv_cache_dtypes:
             raise ValueError(
                 f"kv_cache_dtype {kv_cache_dtype!r}: the attention backend "
