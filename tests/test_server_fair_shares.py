@@ -4,6 +4,7 @@ and the fair queue serves a light flow before a heavy flow's backlog."""
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -245,7 +246,9 @@ async def _light_beside_heavy(server, light_key: str) -> tuple[httpx.Response, i
                 headers=_key("heavy"),
             )
         )
+        end = time.monotonic() + 30
         while server.in_loop(lambda: admission.num_at_gates) < HEAVY_INPUTS // 2:
+            assert time.monotonic() < end, "the heavy inputs never waited at the gate"
             await asyncio.sleep(0.01)
         light = await client.post(
             "/v1/completions",

@@ -40,8 +40,6 @@ def server(model):
         ("n", 2**40),
         ("seed", 2**70),
         ("seed", -(2**63) - 1),
-        ("logprobs", 2**64),
-        ("prompt_logprobs", 2**64),
     ],
 )
 def test_integers_too_large_are_a_value_error_naming_the_field(field, value):
@@ -203,3 +201,38 @@ def test_more_inputs_than_the_queue_holds_is_a_400_naming_input(server):
     assert str(limit) in error["message"]
     prompts = {"prompt": [[5, 6]] * (limit + 1), "max_tokens": 1}
     assert _post(server, "/v1/completions", prompts).json()["error"]["param"] == "prompt"
+
+
+# ---------------------------------------------------------------------------- the document
+
+
+def test_the_document_states_the_served_models_bounds(server):
+    doc = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    schemas, paths = doc["components"]["schemas"], doc["paths"]
+    vocab = server.ctx.engine.model_info.vocab_size
+    token = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert token["exclusiveMaximum"] == vocab and token["minimum"] == 0
+    assert "pooling" in schemas["EmbeddingRequest"]["required"]  # the tiny model declares none
+    assert "text/plain" in paths["/metrics"]["get"]["responses"]["200"]["content"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        content = paths[path]["post"]["responses"]["200"]["content"]
+        assert {"application/json", "text/event-stream"} <= set(content)
+    assert "422" not in json.dumps(paths)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/detokenize", {"tokens": [3, 4.0]}, 200),
+        ("/v1/completions", {"prompt": [3, 4], "n": 1.0, "max_tokens": 2.0}, 200),
+        ("/v1/completions", {"prompt": "x", "n": 1.5}, 400),
+        ("/tokenize", {"messages": []}, 400),
+        ("/tokenize", {"prompt": None, "messages": [{"role": "user", "content": "x"}]}, 400),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": None}]}, 400),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "top_p": 1.401298464324817e-45}, 200),
+        ("/v1/completions", {"prompt": "x", "top_p": 5e-324}, 400),
+    ],
+)
+def test_the_server_accepts_what_the_document_allows_and_no_more(server, path, body, status):
+    response = _post(server, path, body)
+    assert response.status_code == status, response.text

@@ -101,10 +101,11 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
+        # logprobs and prompt_logprobs: bounded by the engine's max_logprobs (verify)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_TOKENS)
+            _check_int("logprobs", self.logprobs, minimum=0)
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=MAX_TOKENS)
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(

@@ -11,6 +11,7 @@ if honoured (`functions`, `guided_json`, ...) is refused with a 400 naming it
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -37,6 +38,9 @@ MAX_TOOLS = 128  # OpenAI's limit on the functions of one request
 MAX_MESSAGES = 4096  # messages of one chat request: bounds the validation work a body can ask for
 MAX_SCHEMA_NESTING = 64  # objects and arrays in a tool's parameters (serde's limit is 128)
 INT64 = 1 << 63
+# The largest int64 a double holds exactly: JSON tools read numbers as doubles, and 2**63 - 1
+# reads back as 2**63, so a bound written as it would not be the bound they apply.
+MAX_SEED = int(math.nextafter(2.0**63, 0))
 
 
 def check_unicode(value: str) -> str:
@@ -114,7 +118,7 @@ class SamplingFields(_Lenient):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=FLOAT32_TINY, le=1.0)  # below it float32 has 0
     stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    seed: int | None = Field(None, ge=-INT64, le=MAX_SEED)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
