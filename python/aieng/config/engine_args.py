@@ -279,7 +279,9 @@ class EngineArgs:
     enforce_eager: bool = option(
         False,
         "run every step eagerly, without CUDA graphs (which replay decode steps of 1, 2, 4, 8, "
-        "16, 32, ... up to max_num_seqs rows); no effect on CPU",
+        "16, 32, ... up to max_num_seqs rows, with the `cuda` attention backend once per context "
+        "bucket of 1024, 2048, ... positions up to max_model_len where its split-K plan differs, "
+        "the smallest holding the step's longest context replayed); no effect on CPU",
     )
 
     tensor_parallel_size: int = option(
