@@ -20,11 +20,8 @@ Writes profile_cpu_step.md/json: per configuration, milliseconds per step and sh
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bench_cpu_peers.py, before torch loads
-
 import argparse
+import os
 import json
 import sys
 import tempfile
@@ -204,7 +201,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
-    info = {**machine(THREADS), "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
+    info = {**machine(THREADS), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "unset")}
     load = os.getloadavg()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
