@@ -21,8 +21,8 @@ Writes profile_cpu_step.md/json: per configuration, milliseconds per step and sh
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import sys
 import tempfile
 import time
