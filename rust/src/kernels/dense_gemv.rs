@@ -195,6 +195,41 @@ fn rows_fn(isa: Isa, m: usize, bf16: bool) -> Option<(RowsFn, usize)> {
     }
 }
 
+/// The checks `dense_gemv` and `dense_gemm` share: the CPU runs `isa`, x (m, k), W (n, k) and
+/// out (m, n) hold their shapes, and every activation is finite.
+#[allow(clippy::too_many_arguments)]
+fn check_dense_call(
+    op: &str,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w_len: usize,
+    n: usize,
+    out_len: usize,
+    isa: Isa,
+) -> Result<(), KernelError> {
+    if !isa.supported() {
+        return Err(KernelError::InvalidArgument(format!(
+            "this CPU cannot run {isa}"
+        )));
+    }
+    if x.len() != m * k || w_len != n * k || out_len != m * n {
+        return Err(KernelError::InvalidArgument(format!(
+            "dense {op}: x ({}), W ({w_len}) and out ({out_len}) do not hold ({m}, {k}), ({n}, {k}), ({m}, {n})",
+            x.len()
+        )));
+    }
+    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+        return Err(KernelError::NotFinite(format!(
+            "activation row {} column {} is {} (the dense {op} takes finite inputs only)",
+            i / k,
+            i % k,
+            x[i]
+        )));
+    }
+    Ok(())
+}
+
 /// out (m, n) = x (m, k) · Wᵀ for m ≤ DENSE_MAX_M, on `isa` (supported).
 #[allow(clippy::too_many_arguments)]
 pub fn dense_gemv(
@@ -207,31 +242,12 @@ pub fn dense_gemv(
     isa: Isa,
     threads: ThreadCount,
 ) -> Result<(), KernelError> {
-    let invalid = |m: String| Err(KernelError::InvalidArgument(m));
-    if !isa.supported() {
-        return invalid(format!("this CPU cannot run {isa}"));
-    }
     if m > DENSE_MAX_M {
-        return invalid(format!(
+        return Err(KernelError::InvalidArgument(format!(
             "dense GEMV takes at most {DENSE_MAX_M} rows, got {m}"
-        ));
-    }
-    if x.len() != m * k || w.len() != n * k || out.len() != m * n {
-        return invalid(format!(
-            "dense GEMV: x ({}), W ({}) and out ({}) do not hold ({m}, {k}), ({n}, {k}), ({m}, {n})",
-            x.len(),
-            w.len(),
-            out.len()
-        ));
-    }
-    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-        return Err(KernelError::NotFinite(format!(
-            "activation row {} column {} is {} (the dense GEMV takes finite inputs only)",
-            i / k,
-            i % k,
-            x[i]
         )));
     }
+    check_dense_call("GEMV", x, m, k, w.len(), n, out.len(), isa)?;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -281,26 +297,7 @@ pub fn dense_gemm(
     if m <= DENSE_MAX_M {
         return dense_gemv(x, m, k, w, n, out, isa, threads);
     }
-    let invalid = |m: String| Err(KernelError::InvalidArgument(m));
-    if !isa.supported() {
-        return invalid(format!("this CPU cannot run {isa}"));
-    }
-    if x.len() != m * k || w.len() != n * k || out.len() != m * n {
-        return invalid(format!(
-            "dense GEMM: x ({}), W ({}) and out ({}) do not hold ({m}, {k}), ({n}, {k}), ({m}, {n})",
-            x.len(),
-            w.len(),
-            out.len()
-        ));
-    }
-    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-        return Err(KernelError::NotFinite(format!(
-            "activation row {} column {} is {} (the dense GEMM takes finite inputs only)",
-            i / k,
-            i % k,
-            x[i]
-        )));
-    }
+    check_dense_call("GEMM", x, m, k, w.len(), n, out.len(), isa)?;
     if n == 0 {
         return Ok(());
     }
