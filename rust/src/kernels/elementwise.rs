@@ -118,25 +118,9 @@ pub fn silu_and_mul(
     rows: usize,
     threads: ThreadCount,
 ) -> Result<(), KernelError> {
-    if width == 0 || out.len() != rows * width || x.len() != 2 * rows * width {
-        return invalid(format!(
-            "silu_and_mul: x of {} values and out of {} are not {rows} rows of 2 × {width}",
-            x.len(),
-            out.len()
-        ));
-    }
-    let outs = SharedMut::new(out.as_mut_ptr());
-    over_rows(threads, rows, width, |range| {
-        for r in range {
-            let (gate, up) = x[2 * r * width..][..2 * width].split_at(width);
-            // SAFETY: each row belongs to one range of one thread.
-            let out = unsafe { std::slice::from_raw_parts_mut(outs.get().add(r * width), width) };
-            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                *o = g / (1.0 + exp(-g)) * u;
-            }
-        }
-    });
-    Ok(())
+    gated_and_mul("silu_and_mul", x, out, width, rows, threads, |g| {
+        g / (1.0 + exp(-g))
+    })
 }
 
 /// x (rows, 2·I) = [gate | up] → out (rows, I) = gelu_tanh(gate) · up, GELU's tanh
@@ -149,14 +133,29 @@ pub fn gelu_tanh_and_mul(
     rows: usize,
     threads: ThreadCount,
 ) -> Result<(), KernelError> {
+    const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
+    gated_and_mul("gelu_tanh_and_mul", x, out, width, rows, threads, |g| {
+        0.5 * g * (1.0 + (BETA * (g + 0.044715 * (g * g * g))).tanh())
+    })
+}
+
+/// The gated MLP's shared loop: out[r] = act(gate[r]) · up[r] over rows split between threads.
+fn gated_and_mul(
+    name: &str,
+    x: &[f32],
+    out: &mut [f32],
+    width: usize,
+    rows: usize,
+    threads: ThreadCount,
+    act: impl Fn(f32) -> f32 + Sync,
+) -> Result<(), KernelError> {
     if width == 0 || out.len() != rows * width || x.len() != 2 * rows * width {
         return invalid(format!(
-            "gelu_tanh_and_mul: x of {} values and out of {} are not {rows} rows of 2 × {width}",
+            "{name}: x of {} values and out of {} are not {rows} rows of 2 × {width}",
             x.len(),
             out.len()
         ));
     }
-    const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
     let outs = SharedMut::new(out.as_mut_ptr());
     over_rows(threads, rows, width, |range| {
         for r in range {
@@ -164,8 +163,7 @@ pub fn gelu_tanh_and_mul(
             // SAFETY: each row belongs to one range of one thread.
             let out = unsafe { std::slice::from_raw_parts_mut(outs.get().add(r * width), width) };
             for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                let inner = BETA * (g + 0.044715 * (g * g * g));
-                *o = 0.5 * g * (1.0 + inner.tanh()) * u;
+                *o = act(g) * u;
             }
         }
     });
