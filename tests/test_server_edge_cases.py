@@ -137,6 +137,8 @@ def test_one_client_cannot_hold_every_body_slot(server):
     """A client trickling bodies holds at most its 2 places (its third gets 429 at once), so
     another client's body is still read; once the trickles pass their deadline their places
     are free again."""
+    key = "aieng_request_rejected_total{reason=too_many_uploads_from_client}"
+    counted = server.metrics().get(key, 0.0)
     held = [start_trickle(server) for _ in range(2)]
     try:
         time.sleep(0.2)
@@ -144,6 +146,8 @@ def test_one_client_cannot_hold_every_body_slot(server):
             data = read_until_closed(third)
             assert data.startswith(b"HTTP/1.1 429"), data
             assert b"too_many_uploads_from_client" in data and b"retry-after: 1" in data
+        # the refusal is in the server's refusal counter, as every refusal a client sees
+        assert server.metrics().get(key, 0.0) == counted + 1
         other = connect(server, "127.0.0.2")  # another peer address on the loopback
         with other:
             body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()

@@ -122,6 +122,8 @@ def test_slow_headers_close_the_connection(server):
 def test_concurrent_body_reads_are_bounded(server):
     """Two bodies arriving slowly take both places; a third gets 503 at once; once they time
     out, bodies are read again."""
+    key = "aieng_request_rejected_total{reason=too_many_uploads}"
+    counted = server.metrics().get(key, 0.0)
     slow = [connect(server) for _ in range(2)]
     try:
         for sock in slow:
@@ -132,6 +134,7 @@ def test_concurrent_body_reads_are_bounded(server):
             status, data = read_response(sock)
             assert status == 503 and b"too_many_uploads" in data, data
             assert sock.recv(1) == b""
+        assert server.metrics().get(key, 0.0) == counted + 1  # counted as a refusal
         for sock in slow:
             assert read_response(sock)[0] == 408
     finally:

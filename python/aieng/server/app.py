@@ -103,6 +103,7 @@ def build_app(
         max_concurrent_reads=config.max_concurrent_body_reads,
         body_timeout=config.request_body_timeout,
         max_reads_per_client=config.max_body_reads_per_client,
+        on_refused=ctx.metrics.rejected,
     )
     if config.api_key:  # outside the body limit: the key is checked before any body is read
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

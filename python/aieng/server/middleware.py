@@ -9,6 +9,7 @@ import re
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -97,7 +98,8 @@ class BodyLimitMiddleware:
     never hold more than `max_concurrent_reads * max_bytes` of memory), and at most
     `max_reads_per_client` of them from one peer address (past it 429), so one client cannot
     hold every place. Runs inside the API key check, so an unauthenticated request is refused
-    before its body is read.
+    before its body is read. Each 503/429 it answers is reported to `on_refused` by reason, so
+    the server's refusal counter holds every refusal a client sees.
     """
 
     def __init__(
@@ -108,8 +110,10 @@ class BodyLimitMiddleware:
         max_concurrent_reads: int | None = None,
         body_timeout: float | None = None,
         max_reads_per_client: int | None = None,
+        on_refused: Callable[[str], None] | None = None,
     ):
         self.app, self.max_bytes = app, max_bytes
+        self.on_refused = on_refused
         self.read_timeout, self.body_timeout = read_timeout, body_timeout
         self.max_concurrent_reads = max_concurrent_reads
         self.max_reads_per_client = max_reads_per_client
@@ -161,6 +165,7 @@ class BodyLimitMiddleware:
         """Answers 503 when every place to read a body is taken, 429 when this client holds its
         share of them."""
         if self.max_concurrent_reads is not None and self.reading >= self.max_concurrent_reads:
+            self._count_refusal("too_many_uploads")
             await _send_error(
                 send,
                 503,
@@ -171,6 +176,7 @@ class BodyLimitMiddleware:
             return True
         held = self.reading_by_client[client]
         if self.max_reads_per_client is not None and held >= self.max_reads_per_client:
+            self._count_refusal("too_many_uploads_from_client")
             await _send_error(
                 send,
                 429,
@@ -181,6 +187,10 @@ class BodyLimitMiddleware:
             )
             return True
         return False
+
+    def _count_refusal(self, reason: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(reason)
 
     async def _read(self, receive: Receive, send: Send) -> bytes | None:
         """The body, or None once an error was answered or the client left."""
