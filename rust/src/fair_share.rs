@@ -26,8 +26,9 @@
 //! prefill budget. Priority classes still apply first: the fair pick is made within the
 //! best class waiting, and chunks of running requests go in their (priority, arrival)
 //! order, each capped by its client's deficit. What the split leaves unspent (a waiting
-//! prompt found in the prefix cache needs less than its estimate) goes to waiting
-//! requests in (priority, arrival) order, so no budget is wasted.
+//! prompt found in the prefix cache needs less than its estimate, a waiting client finds no
+//! free slot) goes to waiting requests in (priority, arrival) order, then to the chunks the
+//! split capped, so no budget is wasted.
 
 use std::sync::Arc;
 
@@ -183,6 +184,11 @@ impl FairShare {
                 }
             }
         }
+    }
+
+    /// Whether the step being planned splits its budget between clients.
+    pub fn splitting(&self) -> bool {
+        self.splitting
     }
 
     /// The most prefill tokens client `id` may take now: its deficit while the step splits

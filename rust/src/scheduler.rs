@@ -391,6 +391,7 @@ impl EngineCore {
         let preempted = self.schedule_running(&mut guard, &mut entries, &mut budget);
         if !preempted {
             self.schedule_waiting(&mut guard, &mut entries, &mut budget);
+            self.top_up_prefills(&mut guard, &mut entries, &mut budget);
         }
         let mut plan = self.build_plan(&guard, &entries);
         drop(guard);
@@ -613,6 +614,29 @@ impl EngineCore {
             (r.client, tokens, r.status == Status::Running && tokens == 1)
         });
         self.fair.begin_step(budget, self.chunk_cap(), work);
+    }
+
+    /// Hands what the clients' shares left unspent (a waiting client that got no free slot,
+    /// a prompt found in the prefix cache) to the prefill chunks the shares capped, in plan
+    /// order, so a split step wastes no budget.
+    fn top_up_prefills(
+        &mut self,
+        pool: &mut PoolInner,
+        entries: &mut [Scheduled],
+        budget: &mut usize,
+    ) {
+        if !self.fair.splitting() {
+            return;
+        }
+        for e in entries.iter_mut().filter(|e| e.num_draft == 0) {
+            let wanted = self.remaining(e.slot).min(self.chunk_cap());
+            let more = wanted.saturating_sub(e.num_new).min(*budget);
+            let table_id = self.req(e.slot).table.as_ref().expect("scheduled").id();
+            if more > 0 && pool.reserve(table_id, e.start + e.num_new + more).is_ok() {
+                *e = self.scheduled(e.slot, e.num_new + more, 0);
+                *budget -= more;
+            }
+        }
     }
 
     /// The next waiting request to admit and the most tokens it may take: the first in

@@ -3,20 +3,27 @@
 use super::*;
 
 fn core(budget: usize, max_num_seqs: usize) -> EngineCore {
+    caching_core(budget, max_num_seqs, false)
+}
+
+fn caching_core(budget: usize, max_num_seqs: usize, enable_prefix_caching: bool) -> EngineCore {
     EngineCore::new(SchedulerConfig {
         num_blocks: 1024,
         block_size: 4,
         max_num_seqs,
         max_num_batched_tokens: budget,
         max_model_len: 2048,
-        enable_prefix_caching: false,
+        enable_prefix_caching,
         long_prefill_token_threshold: 0,
     })
     .unwrap()
 }
 
+/// Adds a request whose prompt is `prompt_len` tokens of a sequence named by its id's first
+/// letter (requests of one letter share prefixes).
 fn add(core: &mut EngineCore, id: &str, prompt_len: usize, client: Option<&str>, priority: i32) {
-    let prompt: Vec<u32> = (0..prompt_len as u32).map(|t| t % 50 + 1).collect();
+    let base = id.as_bytes()[0] as u32 * 100;
+    let prompt: Vec<u32> = (0..prompt_len as u32).map(|t| base + t % 50).collect();
     let params = RequestParams {
         max_tokens: 4,
         ignore_eos: true,
@@ -145,4 +152,28 @@ fn clients_are_forgotten_when_their_requests_end() {
         step(&mut core);
     }
     assert_eq!(core.fair.num_clients(), 0);
+}
+
+#[test]
+fn a_share_that_finds_no_free_slot_goes_to_the_capped_prefill() {
+    let mut core = core(64, 1);
+    add(&mut core, "heavy", 600, Some("heavy"), 0);
+    step(&mut core);
+    add(&mut core, "light", 10, Some("light"), 0);
+    assert_eq!(step(&mut core), [("heavy".to_string(), 64)]);
+}
+
+#[test]
+fn a_share_a_cached_prompt_does_not_need_goes_to_the_capped_prefill() {
+    let mut core = caching_core(64, 8, true);
+    add(&mut core, "light0", 33, Some("light"), 0);
+    while core.has_unfinished() {
+        step(&mut core);
+    }
+    add(&mut core, "heavy", 600, Some("heavy"), 0);
+    step(&mut core);
+    add(&mut core, "light1", 33, Some("light"), 0); // 32 of its tokens are cached
+    let rows = step(&mut core);
+    assert_eq!(tokens_of(&rows, "light"), 1, "{rows:?}");
+    assert_eq!(tokens_of(&rows, "heavy"), 63, "{rows:?}");
 }
