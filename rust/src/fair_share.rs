@@ -23,8 +23,9 @@
 //! per-step split needs no clock and no tags, only a counter per client.
 //!
 //! Embeddings and generation are both requests of their client: they draw on the same
-//! prefill budget. Priority classes still apply first: the fair pick is made within the
-//! best class waiting, and chunks of running requests go in their (priority, arrival)
+//! prefill budget. Priority classes still apply first: the clients of the best class with
+//! prefill work split the budget, the next class splits what they leave, and so on; the
+//! fair pick is made within the best class waiting, and chunks of running requests go in their (priority, arrival)
 //! order, each capped by its client's deficit. What the split leaves unspent (a waiting
 //! prompt found in the prefix cache needs less than its estimate, a waiting client finds no
 //! free slot) goes to waiting requests in (priority, arrival) order, then to the chunks the
@@ -45,9 +46,12 @@ struct Client {
     key: Option<Arc<str>>,
     /// Its live requests; at 0 its id is free for the next new key.
     requests: u32,
-    /// Prefill tokens it could take this step (an estimate for waiting prompts).
+    /// Prefill tokens its requests of the priority class being split could take this step
+    /// (an estimate for waiting prompts).
     demand: usize,
-    /// Prefill tokens it may still take this step.
+    /// Of `demand`, what the class's split gave it.
+    given: usize,
+    /// Prefill tokens it may still take this step (its shares of every class).
     deficit: usize,
     /// When it was last given tokens (a counter, not a time); 0: never.
     last_served: u64,
@@ -66,6 +70,8 @@ pub struct FairShare {
     served: u64,
     /// Where the next split starts handing out the tokens an even split leaves over.
     rotation: usize,
+    /// The step's prefill work, (priority, client, tokens): kept to reuse its memory.
+    work: Vec<(i32, ClientId, usize)>,
 }
 
 impl Default for FairShare {
@@ -78,6 +84,7 @@ impl Default for FairShare {
             splitting: false,
             served: 0,
             rotation: 0,
+            work: Vec::new(),
         }
     }
 }
@@ -132,51 +139,69 @@ impl FairShare {
 
     /// Starts planning a step of `budget` tokens. With several clients live, splits what
     /// the step's decodes leave of it between the clients by their `work`: per live
-    /// request (client, tokens it has to compute, whether it decodes), each prefill counted
-    /// up to `chunk_cap`. With one client `work` is never read.
+    /// request (client, priority, tokens it has to compute, whether it decodes), each
+    /// prefill counted up to `chunk_cap`. Classes are served strictly in priority order:
+    /// the best class's clients split the budget, the next class splits what they leave.
+    /// With one client `work` is never read.
     pub fn begin_step(
         &mut self,
         budget: usize,
         chunk_cap: usize,
-        work: impl Iterator<Item = (ClientId, usize, bool)>,
+        work: impl Iterator<Item = (ClientId, i32, usize, bool)>,
     ) {
         self.splitting = self.num_live > 1;
         if !self.splitting {
             return;
         }
-        for client in &mut self.clients {
-            client.demand = 0;
-            client.deficit = 0;
-        }
-        let mut prefill_budget = budget;
-        for (id, tokens, decodes) in work {
+        let mut left = budget;
+        self.work.clear();
+        for (id, priority, tokens, decodes) in work {
             if decodes {
-                prefill_budget = prefill_budget.saturating_sub(tokens);
+                left = left.saturating_sub(tokens);
             } else {
-                let demand = &mut self.clients[id as usize].demand;
-                *demand = demand.saturating_add(tokens.min(chunk_cap));
+                self.work.push((priority, id, tokens.min(chunk_cap)));
             }
         }
-        self.split(prefill_budget);
+        self.work.sort_unstable();
+        for client in &mut self.clients {
+            client.deficit = 0;
+        }
+        self.rotation = (self.rotation + 1) % self.clients.len();
+        let mut start = 0;
+        while start < self.work.len() && left > 0 {
+            let class = self.work[start].0;
+            let len = self.work[start..].partition_point(|w| w.0 == class);
+            for client in &mut self.clients {
+                (client.demand, client.given) = (0, 0);
+            }
+            for &(_, id, tokens) in &self.work[start..start + len] {
+                let demand = &mut self.clients[id as usize].demand;
+                *demand = demand.saturating_add(tokens);
+            }
+            left = self.split(left);
+            for client in &mut self.clients {
+                client.deficit += client.given;
+            }
+            start += len;
+        }
     }
 
-    /// Max-min fair split of `budget` over the clients' demands, into their deficits: equal
-    /// shares, a share a client cannot use going to the others; the tokens an even split
-    /// leaves over go one each, starting from a client that rotates step by step.
-    fn split(&mut self, mut budget: usize) {
+    /// Max-min fair split of `budget` over the clients' demands: equal shares, a share a
+    /// client cannot use going to the others; the tokens an even split leaves over go one
+    /// each, starting from a client that rotates step by step. Returns what is left.
+    fn split(&mut self, mut budget: usize) -> usize {
         let n = self.clients.len();
-        self.rotation = (self.rotation + 1) % n;
         let mut open = self.clients.iter().filter(|c| c.demand > 0).count();
         while budget > 0 && open > 0 {
             let share = (budget / open).max(1);
             for i in (0..n).map(|i| (i + self.rotation) % n) {
                 let client = &mut self.clients[i];
-                let need = client.demand - client.deficit;
+                let need = client.demand - client.given;
                 if need == 0 {
                     continue;
                 }
                 let give = share.min(need).min(budget);
-                client.deficit += give;
+                client.given += give;
                 budget -= give;
                 open -= usize::from(give == need);
                 if budget == 0 {
@@ -184,6 +209,7 @@ impl FairShare {
                 }
             }
         }
+        budget
     }
 
     /// Whether the step being planned splits its budget between clients.
@@ -264,7 +290,11 @@ mod tests {
             fair.join(Some("b")),
             fair.join(Some("c")),
         );
-        let work = [(a, 1000, false), (b, 1000, false), (c, 1000, false)];
+        let work = [
+            (a, 0, 1000, false),
+            (b, 0, 1000, false),
+            (c, 0, 1000, false),
+        ];
         let mut totals = [0; 3];
         for _ in 0..3 {
             fair.begin_step(100, usize::MAX, work.into_iter());
@@ -284,9 +314,9 @@ mod tests {
         let (heavy, light) = (fair.join(Some("heavy")), fair.join(Some("light")));
         fair.join(Some("idle"));
         let work = [
-            (heavy, 5000, false),
-            (heavy, 5000, false),
-            (light, 10, false),
+            (heavy, 0, 5000, false),
+            (heavy, 0, 5000, false),
+            (light, 0, 10, false),
         ];
         fair.begin_step(2048, usize::MAX, work.into_iter());
         assert_eq!(deficits(&fair, &[heavy, light]), [2038, 10]);
@@ -297,10 +327,45 @@ mod tests {
         let mut fair = FairShare::default();
         let (a, b) = (fair.join(None), fair.join(Some("b")));
         // a decodes 4 rows; b's prefill of 900 counts as one chunk of 64; 6 tokens are left.
-        let work = [(a, 1, true), (a, 1, true), (a, 1, true), (a, 1, true)];
-        let work = work.into_iter().chain([(b, 900, false), (a, 30, false)]);
+        let work = [
+            (a, 0, 1, true),
+            (a, 0, 1, true),
+            (a, 0, 1, true),
+            (a, 0, 1, true),
+        ];
+        let work = work
+            .into_iter()
+            .chain([(b, 0, 900, false), (a, 0, 30, false)]);
         fair.begin_step(104, 64, work);
         assert_eq!(deficits(&fair, &[a, b]), [30, 64]);
+    }
+
+    #[test]
+    fn a_lower_class_splits_only_what_the_better_one_leaves() {
+        let mut fair = FairShare::default();
+        let (a, b, shadow) = (fair.join(Some("a")), fair.join(Some("b")), fair.join(None));
+        let work = [
+            (shadow, 5, 900, false),
+            (a, 0, 900, false),
+            (b, 0, 900, false),
+        ];
+        fair.begin_step(100, usize::MAX, work.into_iter());
+        assert_eq!(deficits(&fair, &[a, b, shadow]), [50, 50, 0]);
+        let work = [
+            (shadow, 5, 900, false),
+            (a, 0, 20, false),
+            (b, 0, 10, false),
+        ];
+        fair.begin_step(100, usize::MAX, work.into_iter());
+        assert_eq!(deficits(&fair, &[a, b, shadow]), [20, 10, 70]);
+        // A client with requests in two classes gets its share of each.
+        let work = [
+            (a, 5, 900, false),
+            (a, 0, 20, false),
+            (shadow, 5, 900, false),
+        ];
+        fair.begin_step(100, usize::MAX, work.into_iter());
+        assert_eq!(deficits(&fair, &[a, shadow]), [20 + 40, 40]);
     }
 
     #[test]
@@ -310,7 +375,7 @@ mod tests {
         fair.begin_step(
             100,
             usize::MAX,
-            [(a, 80, false), (b, 80, false)].into_iter(),
+            [(a, 0, 80, false), (b, 0, 80, false)].into_iter(),
         );
         // Both unserved: the earliest waiting request goes first.
         assert_eq!(
@@ -339,13 +404,13 @@ mod tests {
         fair.begin_step(
             100,
             usize::MAX,
-            [(heavy, 90, false), (light, 10, false)].into_iter(),
+            [(heavy, 0, 90, false), (light, 0, 10, false)].into_iter(),
         );
         fair.spend(heavy, 40); // admitted; then no slot was free for light
         fair.begin_step(
             100,
             usize::MAX,
-            [(heavy, 90, false), (light, 10, false)].into_iter(),
+            [(heavy, 0, 90, false), (light, 0, 10, false)].into_iter(),
         );
         let waiting = [("heavy2", heavy), ("light1", light)];
         assert_eq!(fair.pick(waiting.into_iter()), Some(("light1", 10)));

@@ -611,7 +611,8 @@ impl EngineCore {
         let work = work.map(|&slot| {
             let r = requests[slot as usize].as_ref().expect("live slot");
             let tokens = r.tokens.len() - r.num_computed;
-            (r.client, tokens, r.status == Status::Running && tokens == 1)
+            let decodes = r.status == Status::Running && tokens == 1;
+            (r.client, r.params.priority, tokens, decodes)
         });
         self.fair.begin_step(budget, self.chunk_cap(), work);
     }

@@ -177,3 +177,15 @@ fn a_share_a_cached_prompt_does_not_need_goes_to_the_capped_prefill() {
     assert_eq!(tokens_of(&rows, "light"), 1, "{rows:?}");
     assert_eq!(tokens_of(&rows, "heavy"), 63, "{rows:?}");
 }
+
+#[test]
+fn a_lower_class_client_takes_no_share_from_a_better_class() {
+    let mut core = core(64, 8);
+    add(&mut core, "shadow", 600, None, 1);
+    add(&mut core, "heavy", 600, Some("heavy"), 0);
+    assert_eq!(step(&mut core), [("heavy".to_string(), 64)]);
+    add(&mut core, "light", 10, Some("light"), 0);
+    let rows = step(&mut core);
+    assert_eq!(tokens_of(&rows, "light"), 10, "{rows:?}");
+    assert_eq!(tokens_of(&rows, "heavy"), 54, "{rows:?}");
+}
