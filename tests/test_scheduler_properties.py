@@ -83,8 +83,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         min_tokens=st.integers(0, 4),
         ignore_eos=st.booleans(),
         priority=st.integers(0, 2),
+        client=st.sampled_from([None, "a", "b"]),  # several clients: shared step budgets
     )
-    def add(self, prompt, shared, max_tokens, min_tokens, ignore_eos, priority):
+    def add(self, prompt, shared, max_tokens, min_tokens, ignore_eos, priority, client):
         if shared:
             prompt = [3, 4, 5, 6, 3, 4, 5, 6][: len(prompt)] + prompt
         min_tokens = min(min_tokens, max_tokens)
@@ -104,6 +105,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 eos_token_ids=[EOS],
                 stop_token_ids=[STOP],
                 priority=priority,
+                client=client,
             )
         except aieng.InvalidArgumentError:
             assert not fits
