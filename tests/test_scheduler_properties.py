@@ -72,6 +72,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             block_size,
             max_model_len,
         )
+        self.budget = max_num_seqs + extra_budget
         self.live: dict[str, Tracked] = {}
         self.next_id = 0
         self.tables: dict[int, list[int]] = {}  # a runner's block table per slot
@@ -121,7 +122,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def step(self, data, abort_in_flight, several):
         plan = self.core.schedule()
-        assert plan.num_tokens <= self.core.stats()["num_running"] + 1000
+        assert plan.num_tokens <= self.budget
         self.check_new_blocks(plan)
         n = len(plan.logits_indices)
         counts = data.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n)) if several else []
