@@ -25,11 +25,11 @@
 //! Embeddings and generation are both requests of their client: they draw on the same
 //! prefill budget. Priority classes still apply first: the clients of the best class with
 //! prefill work split the budget, the next class splits what they leave, and so on; the
-//! fair pick is made within the best class waiting, and chunks of running requests go in their (priority, arrival)
-//! order, each capped by its client's deficit. What the split leaves unspent (a waiting
-//! prompt found in the prefix cache needs less than its estimate, a waiting client finds no
-//! free slot) goes to waiting requests in (priority, arrival) order, then to the chunks the
-//! split capped, so no budget is wasted.
+//! fair pick is made within the best class waiting, and chunks of running requests go in
+//! their (priority, arrival) order, each capped by its client's deficit. What the split
+//! leaves unspent (a waiting prompt found in the prefix cache needs less than its
+//! estimate, a waiting client finds no free slot) goes to waiting requests in (priority,
+//! arrival) order, then to the chunks the split capped, so no budget is wasted.
 
 use std::sync::Arc;
 
