@@ -7,6 +7,7 @@
 pub mod block_pool;
 pub mod cpu_decoder;
 pub mod error;
+pub mod fair_share;
 mod free_list;
 pub mod kernels;
 mod prefix_hash;

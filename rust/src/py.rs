@@ -642,7 +642,7 @@ impl PyEngineCore {
         request_id, prompt_token_ids, *, max_tokens = 16, min_tokens = 0, ignore_eos = false,
         eos_token_ids = None, stop_token_ids = None, priority = 0, stop = None,
         include_stop_str_in_output = false, skip_special_tokens = true, grammar = None,
-        skip_prefix_cache = false,
+        skip_prefix_cache = false, client = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -660,6 +660,7 @@ impl PyEngineCore {
         skip_special_tokens: bool,
         grammar: Option<PyRef<'_, PyGrammar>>,
         skip_prefix_cache: bool,
+        client: Option<String>,
     ) -> PyResult<u32> {
         let count = |name: &str, v: i64| {
             usize::try_from(v).map_err(|_| {
@@ -683,6 +684,7 @@ impl PyEngineCore {
             include_stop_str_in_output,
             skip_special_tokens,
             skip_prefix_cache,
+            client,
         };
         let prompt = u32_tokens(prompt_token_ids, "prompt_token_ids")?;
         let grammar = grammar.as_ref().map(|g| g.inner.as_ref());
@@ -1032,6 +1034,18 @@ impl PyGrammar {
     #[getter]
     fn kind(&self) -> &'static str {
         self.inner.spec().kind()
+    }
+
+    /// Of `token_ids`, those the grammar allows as the first output token; `stop_ids` are
+    /// allowed if it may end at its start.
+    fn allowed_first(
+        &self,
+        token_ids: &Bound<'_, PyAny>,
+        stop_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u32>> {
+        let tokens = u32_tokens(token_ids, "token_ids")?;
+        let stops = u32_tokens(stop_ids, "stop_ids")?;
+        Ok(self.inner.allowed_first(&tokens, &stops))
     }
 
     fn __repr__(&self) -> String {

@@ -8,6 +8,9 @@
 //! running request is preempted by recompute: it frees its blocks and waits again
 //! with its generated tokens kept.
 //!
+//! With requests of several clients, each step's prefill budget is split between the
+//! clients (`fair_share`); with one, nothing changes.
+//!
 //! An update may append several tokens to a row; those past the first are
 //! scheduled in the next step like the rest of a prefill.
 //!
@@ -23,6 +26,7 @@ use rustc_hash::FxHashMap;
 
 use crate::block_pool::{BlockPool, PoolInner, PoolStats};
 use crate::error::{CoreError, Result};
+use crate::fair_share::FairShare;
 use crate::request::{
     FinishReason, Request, RequestParams, SlotIds, Status, StopReason, TextState,
 };
@@ -142,6 +146,8 @@ pub struct EngineCore {
     num_preemptions: u64,
     num_steps: u64,
     tokenizer: Option<Arc<Tokenizer>>,
+    /// The clients' shares of each step's prefill budget (idle with one client).
+    fair: FairShare,
 }
 
 impl EngineCore {
@@ -177,6 +183,7 @@ impl EngineCore {
             num_preemptions: 0,
             num_steps: 0,
             tokenizer,
+            fair: FairShare::default(),
         })
     }
 
@@ -285,7 +292,9 @@ impl EngineCore {
         self.next_arrival += 1;
         self.waiting.insert((params.priority, arrival, slot));
         let id: Arc<str> = Arc::from(id);
+        let client = self.fair.join(params.client.as_deref());
         let mut request = Request::new(Arc::clone(&id), arrival, prompt, params, max_len, text);
+        request.client = client;
         if let Some(grammar) = grammar {
             request.grammar = Some(grammar.matcher(request.stop_ids().to_vec()).shared());
             self.num_grammars += 1;
@@ -326,6 +335,7 @@ impl EngineCore {
         self.free_slots.push(slot);
         self.num_grammars -= usize::from(r.grammar.is_some());
         self.num_drafted -= usize::from(!r.draft.is_empty());
+        self.fair.leave(r.client);
         let finished = FinishedRequest {
             num_output_tokens: r.num_output_tokens(),
             request_id: r.id.to_string(),
@@ -377,9 +387,11 @@ impl EngineCore {
         let mut guard = pool.lock();
         let mut entries = Vec::with_capacity(self.running.len() + 8);
         let mut budget = self.config.max_num_batched_tokens;
+        self.begin_fair_step(budget);
         let preempted = self.schedule_running(&mut guard, &mut entries, &mut budget);
         if !preempted {
             self.schedule_waiting(&mut guard, &mut entries, &mut budget);
+            self.top_up_prefills(&mut guard, &mut entries, &mut budget);
         }
         let mut plan = self.build_plan(&guard, &entries);
         drop(guard);
@@ -456,6 +468,7 @@ impl EngineCore {
                 remaining
                     .min(budget.saturating_sub(decodes_left))
                     .min(self.chunk_cap())
+                    .min(self.fair.allowance(self.req(slot).client))
             };
             if n == 0 {
                 i += 1;
@@ -483,6 +496,9 @@ impl EngineCore {
                 }
             }
             let num_draft = if decoding { n - 1 } else { 0 };
+            if !decoding {
+                self.fair.spend(self.req(slot).client, n);
+            }
             entries.push(self.scheduled(slot, n, num_draft));
             *budget -= n;
             i += 1;
@@ -544,7 +560,7 @@ impl EngineCore {
         budget: &mut usize,
     ) {
         while *budget > 0 {
-            let Some(&(priority, arrival, slot)) = self.waiting.first() else {
+            let Some(((priority, arrival, slot), allowance)) = self.next_waiting() else {
                 break;
             };
             if self.running.len() >= self.config.max_num_seqs
@@ -553,7 +569,11 @@ impl EngineCore {
                 break;
             }
             self.open_table(pool, slot);
-            let n = self.remaining(slot).min(*budget).min(self.chunk_cap());
+            let n = self
+                .remaining(slot)
+                .min(*budget)
+                .min(self.chunk_cap())
+                .min(allowance);
             let (table_id, start) = {
                 let r = self.req(slot);
                 (r.table.as_ref().expect("opened").id(), r.num_computed)
@@ -577,9 +597,61 @@ impl EngineCore {
                 .running
                 .partition_point(|&s| self.req(s).order_key() < key);
             self.running.insert(at, slot);
+            self.fair.spend(self.req(slot).client, n);
             entries.push(self.scheduled(slot, n, 0));
             *budget -= n;
         }
+    }
+
+    /// With several clients live, splits the step's prefill budget between them (see
+    /// `fair_share`); with one, nothing is read.
+    fn begin_fair_step(&mut self, budget: usize) {
+        let requests = &self.requests;
+        let work = self.running.iter().chain(self.waiting.iter().map(|k| &k.2));
+        let work = work.map(|&slot| {
+            let r = requests[slot as usize].as_ref().expect("live slot");
+            let tokens = r.tokens.len() - r.num_computed;
+            let decodes = r.status == Status::Running && tokens == 1;
+            (r.client, r.params.priority, tokens, decodes)
+        });
+        self.fair.begin_step(budget, self.chunk_cap(), work);
+    }
+
+    /// Hands what the clients' shares left unspent (a waiting client that got no free slot,
+    /// a prompt found in the prefix cache) to the prefill chunks the shares capped, in plan
+    /// order, so a split step wastes no budget.
+    fn top_up_prefills(
+        &mut self,
+        pool: &mut PoolInner,
+        entries: &mut [Scheduled],
+        budget: &mut usize,
+    ) {
+        if !self.fair.splitting() {
+            return;
+        }
+        for e in entries.iter_mut().filter(|e| e.num_draft == 0) {
+            let wanted = self.remaining(e.slot).min(self.chunk_cap());
+            let more = wanted.saturating_sub(e.num_new).min(*budget);
+            let table_id = self.req(e.slot).table.as_ref().expect("scheduled").id();
+            if more > 0 && pool.reserve(table_id, e.start + e.num_new + more).is_ok() {
+                *e = self.scheduled(e.slot, e.num_new + more, 0);
+                *budget -= more;
+            }
+        }
+    }
+
+    /// The next waiting request to admit and the most tokens it may take: the first in
+    /// (priority, arrival) order, or, while the step splits its budget, the fair pick
+    /// within the best priority class waiting.
+    fn next_waiting(&self) -> Option<((i32, u64, u32), usize)> {
+        let first = *self.waiting.first()?;
+        let requests = &self.requests;
+        let class = self.waiting.iter().take_while(|k| k.0 == first.0);
+        let fair = self.fair.pick(class.map(|&k| {
+            let r = requests[k.2 as usize].as_ref().expect("live slot");
+            (k, r.client)
+        }));
+        Some(fair.unwrap_or((first, usize::MAX)))
     }
 
     fn open_table(&mut self, pool: &mut PoolInner, slot: u32) {
@@ -1014,3 +1086,7 @@ mod tests;
 #[cfg(test)]
 #[path = "scheduler_spec_tests.rs"]
 mod spec_tests;
+
+#[cfg(test)]
+#[path = "scheduler_fair_tests.rs"]
+mod fair_tests;
