@@ -22,6 +22,7 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use crate::block_pool::{BlockPool, PoolInner, PoolStats};
+use crate::block_size::BlockSize;
 use crate::error::{CoreError, Result};
 use crate::request::{
     FinishReason, Request, RequestParams, SlotIds, Status, StopReason, TextState,
@@ -122,6 +123,7 @@ struct Scheduled {
 /// The scheduler and the block pool it allocates from.
 pub struct EngineCore {
     config: SchedulerConfig,
+    block_size: BlockSize,
     pool: BlockPool,
     requests: Vec<Option<Request>>,
     free_slots: Vec<u32>,
@@ -137,6 +139,10 @@ pub struct EngineCore {
     running: Vec<u32>,
     next_arrival: u64,
     in_flight: Option<Vec<Scheduled>>,
+    /// The last applied step's entries and the last plan handed back (`recycle`), kept
+    /// for their buffers: a step in the steady state allocates none of them.
+    spare_entries: Vec<Scheduled>,
+    spare_plan: StepPlan,
     /// The in-flight step's masks: update() waits for them before advancing matchers.
     in_flight_masks: Option<PendingMasks>,
     num_preemptions: u64,
@@ -161,6 +167,7 @@ impl EngineCore {
             config.enable_prefix_caching,
         )?;
         Ok(EngineCore {
+            block_size: BlockSize::new(config.block_size),
             config,
             pool,
             requests: Vec::new(),
@@ -173,6 +180,8 @@ impl EngineCore {
             running: Vec::new(),
             next_arrival: 0,
             in_flight: None,
+            spare_entries: Vec::new(),
+            spare_plan: StepPlan::default(),
             in_flight_masks: None,
             num_preemptions: 0,
             num_steps: 0,
@@ -375,13 +384,14 @@ impl EngineCore {
         }
         let pool = self.pool.clone();
         let mut guard = pool.lock();
-        let mut entries = Vec::with_capacity(self.running.len() + 8);
+        let mut entries = std::mem::take(&mut self.spare_entries);
         let mut budget = self.config.max_num_batched_tokens;
         let preempted = self.schedule_running(&mut guard, &mut entries, &mut budget);
         if !preempted {
             self.schedule_waiting(&mut guard, &mut entries, &mut budget);
         }
-        let mut plan = self.build_plan(&guard, &entries);
+        let mut plan = std::mem::take(&mut self.spare_plan);
+        self.build_plan(&guard, &entries, &mut plan);
         drop(guard);
         plan.request_ids = self.slot_ids.clone();
         if self.num_grammars > 0 {
@@ -391,6 +401,13 @@ impl EngineCore {
         self.in_flight = Some(entries);
         self.debug_check();
         Ok(plan)
+    }
+
+    /// Takes back a plan its caller is done with: the next schedule() refills its
+    /// buffers instead of allocating new ones.
+    pub fn recycle(&mut self, mut plan: StepPlan) {
+        plan.clear();
+        self.spare_plan = plan;
     }
 
     /// Starts the masks of the sampling rows whose requests have a grammar.
@@ -432,19 +449,21 @@ impl EngineCore {
     ) -> bool {
         let mut preempted = false;
         let drafted = self.num_drafted > 0;
-        let mut decodes_left = self
-            .running
-            .iter()
-            .filter(|&&s| self.remaining(s) == 1)
-            .count();
+        // Decoding requests behind the current one, counted the first time a row reads it
+        // (a chunk or a draft reserves their budget; a step of plain decodes never does).
+        let mut behind: Option<usize> = None;
         let mut i = 0;
         'requests: while i < self.running.len() {
             let slot = self.running[i];
             let remaining = self.remaining(slot);
             let decoding = remaining == 1;
             if decoding {
-                decodes_left -= 1;
+                behind = behind.map(|d| d - 1);
             }
+            let decodes_left = match (decoding, drafted) {
+                (true, false) => 0,
+                _ => *behind.get_or_insert_with(|| self.decodes_after(i)),
+            };
             let n = if decoding && !drafted {
                 1.min(*budget)
             } else if decoding {
@@ -474,7 +493,7 @@ impl EngineCore {
             while start + n > held && pool.reserve(table_id, start + n).is_err() {
                 let victim = *self.running.last().expect("running is not empty");
                 if self.remaining(victim) == 1 && victim != slot {
-                    decodes_left -= 1;
+                    behind = behind.map(|d| d - 1);
                 }
                 self.preempt(pool, victim);
                 preempted = true;
@@ -488,6 +507,14 @@ impl EngineCore {
             i += 1;
         }
         preempted
+    }
+
+    /// Decoding requests after the `i`-th running one.
+    fn decodes_after(&self, i: usize) -> usize {
+        self.running[i + 1..]
+            .iter()
+            .filter(|&&s| self.remaining(s) == 1)
+            .count()
     }
 
     fn scheduled(&self, slot: u32, num_new: usize, num_draft: usize) -> Scheduled {
@@ -633,53 +660,57 @@ impl EngineCore {
         self.waiting.insert(key);
     }
 
-    /// The plan of `entries`; marks every block of theirs as reported.
-    fn build_plan(&mut self, pool: &PoolInner, entries: &[Scheduled]) -> StepPlan {
-        let bs = pool.block_size();
+    /// Fills `plan` (cleared) with the step of `entries`; marks every block of theirs as
+    /// reported. The per-row columns are written in one pass each; the per-token ones
+    /// row by row, a row of one token (a decode) without the loops a chunk needs.
+    fn build_plan(&mut self, pool: &PoolInner, entries: &[Scheduled], plan: &mut StepPlan) {
+        let bs = self.block_size;
         let rows = entries.len();
         let num_tokens = entries.iter().map(|e| e.num_new).sum();
-        let mut plan = StepPlan {
-            input_ids: Vec::with_capacity(num_tokens),
-            positions: Vec::with_capacity(num_tokens),
-            slot_mapping: Vec::with_capacity(num_tokens),
-            query_start_loc: Vec::with_capacity(rows + 1),
-            num_computed_tokens: Vec::with_capacity(rows),
-            seq_lens: Vec::with_capacity(rows),
-            logits_indices: Vec::with_capacity(rows),
-            sample_request_rows: Vec::with_capacity(rows),
-            slots: Vec::with_capacity(rows),
-            new_block_slots: Vec::new(),
-            new_block_indices: Vec::new(),
-            new_block_ids: Vec::new(),
-            banned_rows: Vec::new(),
-            banned_ids: Vec::new(),
-            request_ids: SlotIds::default(),
-            grammar_masks: None,
-        };
+        plan.input_ids.reserve(num_tokens);
+        plan.positions.reserve(num_tokens);
+        plan.slot_mapping.reserve(num_tokens);
+        plan.logits_indices.reserve(rows);
+        plan.sample_request_rows.reserve(rows);
+        plan.slots.extend(entries.iter().map(|e| e.slot as i32));
+        plan.num_computed_tokens
+            .extend(entries.iter().map(|e| e.start as i32));
+        plan.seq_lens
+            .extend(entries.iter().map(|e| (e.start + e.num_new) as i32));
+        let mut end = 0;
+        plan.query_start_loc.reserve(rows + 1);
         plan.query_start_loc.push(0);
+        plan.query_start_loc.extend(entries.iter().map(|e| {
+            end += e.num_new as i32;
+            end
+        }));
+        let slot_of = |blocks: &[u32], pos: usize| {
+            let (block, offset) = bs.split(pos);
+            (blocks[block] as usize * bs.get() + offset) as i32
+        };
         for (row, e) in entries.iter().enumerate() {
             let r = self.requests[e.slot as usize].as_mut().expect("live slot");
             let blocks = &pool.table(r.table.as_ref().expect("scheduled").id()).blocks;
             let (start, end) = (e.start, e.start + e.num_new);
-            let own_end = end - e.num_draft;
-            plan.input_ids
-                .extend(r.tokens[start..own_end].iter().map(|&t| t as i32));
-            if e.num_draft > 0 {
+            if e.num_new == 1 && e.num_draft == 0 {
+                plan.input_ids.push(r.tokens[start] as i32);
+                plan.positions.push(start as i32);
+                plan.slot_mapping.push(slot_of(blocks, start));
+            } else {
+                let own_end = end - e.num_draft;
+                plan.input_ids
+                    .extend(r.tokens[start..own_end].iter().map(|&t| t as i32));
                 plan.input_ids
                     .extend(r.draft[..e.num_draft].iter().map(|&t| t as i32));
+                plan.positions.extend((start..end).map(|p| p as i32));
+                let mut pos = start;
+                while pos < end {
+                    let first = slot_of(blocks, pos);
+                    let run = (bs.get() - bs.offset(pos)).min(end - pos) as i32;
+                    plan.slot_mapping.extend(first..first + run);
+                    pos += run as usize;
+                }
             }
-            plan.positions.extend((start..end).map(|p| p as i32));
-            let mut pos = start;
-            while pos < end {
-                let first = blocks[pos / bs] as usize * bs + pos % bs;
-                let run = (bs - pos % bs).min(end - pos);
-                plan.slot_mapping
-                    .extend((first..first + run).map(|s| s as i32));
-                pos += run;
-            }
-            plan.query_start_loc.push(plan.input_ids.len() as i32);
-            plan.num_computed_tokens.push(start as i32);
-            plan.seq_lens.push(end as i32);
             if e.samples {
                 // Position j (0: the row's own next token, then one per draft) samples the
                 // output token that follows j more; it may not end the request while
@@ -703,15 +734,15 @@ impl EngineCore {
                     }
                 }
             }
-            plan.slots.push(e.slot as i32);
-            for (index, &block) in blocks.iter().enumerate().skip(r.reported_blocks) {
-                plan.new_block_slots.push(e.slot as i32);
-                plan.new_block_indices.push(index as i32);
-                plan.new_block_ids.push(block as i32);
+            if r.reported_blocks < blocks.len() {
+                for (index, &block) in blocks.iter().enumerate().skip(r.reported_blocks) {
+                    plan.new_block_slots.push(e.slot as i32);
+                    plan.new_block_indices.push(index as i32);
+                    plan.new_block_ids.push(block as i32);
+                }
+                r.reported_blocks = blocks.len();
             }
-            r.reported_blocks = blocks.len();
         }
-        plan
     }
 
     /// Applies the step in flight: `sampled[i]` is the token of the i-th sampling
@@ -760,7 +791,7 @@ impl EngineCore {
         let tokenizer = self.tokenizer.clone();
         let (drafted, grammars) = (self.num_drafted > 0, self.num_grammars > 0);
         let mut undrafted = 0;
-        let bs = self.config.block_size;
+        let bs = self.block_size;
         let pool = self.pool.clone();
         let mut guard = pool.lock();
         for (row, e) in entries.iter().enumerate() {
@@ -815,7 +846,7 @@ impl EngineCore {
                     break;
                 }
             }
-            if e.start % bs + e.num_new >= bs {
+            if bs.offset(e.start) + e.num_new >= bs.get() {
                 // A block filled up: it becomes findable by later requests.
                 guard.commit(table_id, &r.tokens, r.num_computed);
             }
@@ -837,6 +868,8 @@ impl EngineCore {
             out.finished.push(self.retire(slot, reason, stop_reason));
         }
         drop(guard);
+        self.spare_entries = entries;
+        self.spare_entries.clear();
         self.num_steps += 1;
         self.debug_check();
         Ok(out)
