@@ -661,76 +661,89 @@ impl EngineCore {
     }
 
     /// Fills `plan` (cleared) with the step of `entries`; marks every block of theirs as
-    /// reported. The per-row columns are written in one pass each; the per-token ones
-    /// row by row, a row of one token (a decode) without the loops a chunk needs.
+    /// reported. The row columns are built in one pass each; the token and sample columns
+    /// are sized once and written in place, a row of one token (a decode) without the
+    /// loops a chunk needs.
     fn build_plan(&mut self, pool: &PoolInner, entries: &[Scheduled], plan: &mut StepPlan) {
         let bs = self.block_size;
-        let rows = entries.len();
-        let num_tokens = entries.iter().map(|e| e.num_new).sum();
-        plan.input_ids.reserve(num_tokens);
-        plan.positions.reserve(num_tokens);
-        plan.slot_mapping.reserve(num_tokens);
-        plan.logits_indices.reserve(rows);
-        plan.sample_request_rows.reserve(rows);
         plan.slots.extend(entries.iter().map(|e| e.slot as i32));
         plan.num_computed_tokens
             .extend(entries.iter().map(|e| e.start as i32));
         plan.seq_lens
             .extend(entries.iter().map(|e| (e.start + e.num_new) as i32));
-        let mut end = 0;
-        plan.query_start_loc.reserve(rows + 1);
+        let mut num_tokens = 0;
         plan.query_start_loc.push(0);
         plan.query_start_loc.extend(entries.iter().map(|e| {
-            end += e.num_new as i32;
-            end
+            num_tokens += e.num_new;
+            num_tokens as i32
         }));
+        plan.input_ids.resize(num_tokens, 0);
+        plan.positions.resize(num_tokens, 0);
+        plan.slot_mapping.resize(num_tokens, 0);
+        let num_samples = entries
+            .iter()
+            .map(|e| if e.samples { 1 + e.num_draft } else { 0 })
+            .sum();
+        plan.logits_indices.resize(num_samples, 0);
+        plan.sample_request_rows.resize(num_samples, 0);
         let slot_of = |blocks: &[u32], pos: usize| {
             let (block, offset) = bs.split(pos);
             (blocks[block] as usize * bs.get() + offset) as i32
         };
+        let (mut first, mut sample) = (0, 0);
         for (row, e) in entries.iter().enumerate() {
             let r = self.requests[e.slot as usize].as_mut().expect("live slot");
             let blocks = &pool.table(r.table.as_ref().expect("scheduled").id()).blocks;
             let (start, end) = (e.start, e.start + e.num_new);
             if e.num_new == 1 && e.num_draft == 0 {
-                plan.input_ids.push(r.tokens[start] as i32);
-                plan.positions.push(start as i32);
-                plan.slot_mapping.push(slot_of(blocks, start));
+                plan.input_ids[first] = r.tokens[start] as i32;
+                plan.positions[first] = start as i32;
+                plan.slot_mapping[first] = slot_of(blocks, start);
             } else {
                 let own_end = end - e.num_draft;
-                plan.input_ids
-                    .extend(r.tokens[start..own_end].iter().map(|&t| t as i32));
-                plan.input_ids
-                    .extend(r.draft[..e.num_draft].iter().map(|&t| t as i32));
-                plan.positions.extend((start..end).map(|p| p as i32));
-                let mut pos = start;
+                let ids = r.tokens[start..own_end]
+                    .iter()
+                    .chain(&r.draft[..e.num_draft]);
+                for (out, &t) in plan.input_ids[first..first + e.num_new].iter_mut().zip(ids) {
+                    *out = t as i32;
+                }
+                let positions = &mut plan.positions[first..first + e.num_new];
+                for (out, p) in positions.iter_mut().zip(start..end) {
+                    *out = p as i32;
+                }
+                let (mut pos, mut at) = (start, first);
                 while pos < end {
-                    let first = slot_of(blocks, pos);
-                    let run = (bs.get() - bs.offset(pos)).min(end - pos) as i32;
-                    plan.slot_mapping.extend(first..first + run);
-                    pos += run as usize;
+                    let base = slot_of(blocks, pos);
+                    let run = (bs.get() - bs.offset(pos)).min(end - pos);
+                    for (out, k) in plan.slot_mapping[at..at + run].iter_mut().zip(0..) {
+                        *out = base + k;
+                    }
+                    pos += run;
+                    at += run;
                 }
             }
+            first += e.num_new;
             if e.samples {
                 // Position j (0: the row's own next token, then one per draft) samples the
                 // output token that follows j more; it may not end the request while
                 // min_tokens are not out.
-                let last = plan.input_ids.len() - e.num_draft - 1;
+                let last = first - e.num_draft - 1;
                 if e.num_draft == 0 && r.may_stop() {
                     // The common row: one sample, nothing banned.
-                    plan.logits_indices.push(last as i32);
-                    plan.sample_request_rows.push(row as i32);
+                    plan.logits_indices[sample] = last as i32;
+                    plan.sample_request_rows[sample] = row as i32;
+                    sample += 1;
                 } else {
                     for j in 0..=e.num_draft {
                         if r.tokens.len() + j < r.stops.min_len {
-                            let sample = plan.logits_indices.len() as i32;
                             for &id in r.stop_ids() {
-                                plan.banned_rows.push(sample);
+                                plan.banned_rows.push(sample as i32);
                                 plan.banned_ids.push(id as i32);
                             }
                         }
-                        plan.logits_indices.push((last + j) as i32);
-                        plan.sample_request_rows.push(row as i32);
+                        plan.logits_indices[sample] = (last + j) as i32;
+                        plan.sample_request_rows[sample] = row as i32;
+                        sample += 1;
                     }
                 }
             }
@@ -775,13 +788,16 @@ impl EngineCore {
             self.in_flight = Some(entries);
             return Err(CoreError::InvalidArgument(message));
         }
+        // At most every sampled token is appended: the columns are sized once, written in
+        // place and cut to the tokens appended.
         let mut out = StepUpdate {
-            rows: Vec::with_capacity(sampled.len()),
-            slots: Vec::with_capacity(sampled.len()),
-            token_ids: Vec::with_capacity(sampled.len()),
+            rows: vec![0; sampled.len()],
+            slots: vec![0; sampled.len()],
+            token_ids: vec![0; sampled.len()],
             texts: Vec::new(),
             finished: Vec::new(),
         };
+        let mut appended = 0;
         if let Some(masks) = self.in_flight_masks.take() {
             masks.wait(); // its worker must not read a matcher this update advances
         }
@@ -802,12 +818,12 @@ impl EngineCore {
                     .map_or(1, |c| *c.next().expect("counted") as usize);
                 (tokens, rest) = rest.split_at(k);
             }
-            let alive =
-                matches!(&self.requests[e.slot as usize], Some(r) if r.arrival == e.arrival);
-            if !alive {
-                continue;
-            }
-            let r = self.req_mut(e.slot);
+            let Some(r) = self.requests[e.slot as usize]
+                .as_mut()
+                .filter(|r| r.arrival == e.arrival)
+            else {
+                continue; // aborted while in flight
+            };
             // Drafts count as computed as far as the tokens taken confirm them.
             let confirmed = match e.num_draft {
                 0 => 0,
@@ -823,13 +839,13 @@ impl EngineCore {
                 r.draft.clear();
                 undrafted += 1;
             }
-            let table_id = r.table.as_ref().expect("scheduled").id();
             for &token in tokens {
                 let token = token as u32;
                 r.tokens.push(token);
-                out.rows.push(row as u32);
-                out.slots.push(e.slot);
-                out.token_ids.push(token);
+                out.rows[appended] = row as u32;
+                out.slots[appended] = e.slot;
+                out.token_ids[appended] = token;
+                appended += 1;
                 let mut stop = match tokenizer.as_deref() {
                     Some(tok) => {
                         let (text, stop) = Self::append_text(r, tok, token);
@@ -848,16 +864,21 @@ impl EngineCore {
             }
             if bs.offset(e.start) + e.num_new >= bs.get() {
                 // A block filled up: it becomes findable by later requests.
+                let table_id = r.table.as_ref().expect("scheduled").id();
                 guard.commit(table_id, &r.tokens, r.num_computed);
             }
             if confirmed < e.num_draft {
                 // Blocks that held only rejected positions go back to the pool.
+                let table_id = r.table.as_ref().expect("scheduled").id();
                 guard.release_tail(table_id, r.tokens.len());
                 let held = guard.table(table_id).blocks.len();
                 r.reported_blocks = r.reported_blocks.min(held);
             }
         }
         self.num_drafted -= undrafted;
+        out.rows.truncate(appended);
+        out.slots.truncate(appended);
+        out.token_ids.truncate(appended);
         for (slot, (reason, stop_reason)) in finished_slots {
             self.running.retain(|&s| s != slot);
             let r = self.req_mut(slot);
