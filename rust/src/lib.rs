@@ -5,6 +5,7 @@
 //! bindings live in `py` behind the `python` cargo feature.
 
 pub mod block_pool;
+mod block_size;
 pub mod cpu_decoder;
 pub mod error;
 pub mod fair_share;

@@ -392,15 +392,16 @@ struct PyStepPlan {
     #[pyo3(get)]
     banned_ids: Py<PyArray1<i32>>,
     /// Each slot's request id as the core held them when it planned the step (shared,
-    /// not copied), and each row's slot: the `request_ids` list is built from them.
+    /// not copied): the `request_ids` list is built from them and `slots`.
     slot_ids: SlotIds,
-    row_slots: Vec<i32>,
     id_list: PyOnceLock<Py<PyList>>,
     grammar_masks: Option<PendingMasks>,
 }
 
 impl PyStepPlan {
-    fn new(py: Python<'_>, plan: StepPlan) -> Self {
+    /// The arrays of `plan`, copied; its ids and masks are taken, its buffers left for
+    /// the core to reuse.
+    fn new(py: Python<'_>, plan: &mut StepPlan) -> Self {
         PyStepPlan {
             num_requests: plan.seq_lens.len(),
             num_tokens: plan.input_ids.len(),
@@ -418,10 +419,9 @@ impl PyStepPlan {
             new_block_ids: array(py, &plan.new_block_ids),
             banned_rows: array(py, &plan.banned_rows),
             banned_ids: array(py, &plan.banned_ids),
-            slot_ids: plan.request_ids,
-            row_slots: plan.slots,
+            slot_ids: std::mem::take(&mut plan.request_ids),
             id_list: PyOnceLock::new(),
-            grammar_masks: plan.grammar_masks,
+            grammar_masks: plan.grammar_masks.take(),
         }
     }
 }
@@ -431,9 +431,10 @@ impl PyStepPlan {
     #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         once(py, &self.id_list, || {
+            let slots = self.slots.bind(py).readonly();
             PyList::new(
                 py,
-                self.row_slots.iter().map(|&slot| {
+                slots.as_slice()?.iter().map(|&slot| {
                     self.slot_ids
                         .get(slot as u32)
                         .expect("a planned slot is named")
@@ -702,8 +703,10 @@ impl PyEngineCore {
     /// Plans the next step.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
         let core = &mut self.core;
-        let plan = py.detach(|| core.schedule())?;
-        Ok(PyStepPlan::new(py, plan))
+        let mut plan = py.detach(|| core.schedule())?;
+        let step = PyStepPlan::new(py, &mut plan);
+        self.core.recycle(plan);
+        Ok(step)
     }
 
     /// Applies the tokens sampled for the last plan: one per sampling row, or

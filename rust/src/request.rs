@@ -279,13 +279,16 @@ impl Request {
 
     /// Checks the stop conditions after a token was appended: the stop ids, then
     /// the lengths.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn check_stop(&self) -> Option<(FinishReason, Option<StopReason>)> {
-        let token = *self.tokens.last().expect("a generated token");
-        if self.may_stop() && self.stops.ids.contains(&token) {
-            return Some((FinishReason::Stop, Some(StopReason::Token(token))));
+        let len = self.tokens.len();
+        if !self.stops.ids.is_empty() && len >= self.stops.min_len {
+            let token = self.tokens[len - 1];
+            if self.stops.ids.contains(&token) {
+                return Some((FinishReason::Stop, Some(StopReason::Token(token))));
+            }
         }
-        (self.tokens.len() >= self.stops.max_len).then_some((FinishReason::Length, None))
+        (len >= self.stops.max_len).then_some((FinishReason::Length, None))
     }
 }
 
