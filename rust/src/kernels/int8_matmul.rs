@@ -1,13 +1,17 @@
 //! y = x Wᵀ for W4A8 / W8A8 layers: activations quantized per block of 32 (`quantize`), the
 //! weights in `PackedWeights`' layout, int32 sums per block, float scales.
 //!
-//! Work is cut by weight tiles (16 output rows) across the pool's threads, so each thread
-//! streams its own share of the weights. Activation rows go through a tile MR at a time (the
-//! GEMV for M ≤ MR reads every weight byte once); for larger M the rows are taken in panels
-//! of `PANEL_ROWS`, so a panel of quantized activations stays in L2 while each tile's weights
-//! are read once per panel (a tiled GEMM).
+//! A kernel call multiplies MR rows of activations by NT weight tiles (16 output columns each)
+//! over a range of K's blocks, its int32 and float sums held in registers. The work of a call is
+//! cut into units of (a panel of rows, NT tiles), shared out among the pool's threads: over N
+//! when it has tiles enough, over M as well when it has not. The GEMV (M ≤ the kernel's MR) reads
+//! every weight byte once, a tile at a time. The AVX-512 GEMM (larger M) is blocked like BLIS:
+//! K is cut into chunks whose NT tiles of weights (16 KiB) stay in L1 while every MR-row step
+//! of the panel reads them, the panel's activations stay in L2, and the output block is summed
+//! across the chunks in place.
 
 use std::cell::RefCell;
+use std::ops::Range;
 
 use super::isa::Isa;
 use super::packed::{PackedWeights, TILE};
@@ -17,13 +21,79 @@ use super::quantize::{
 };
 use super::KernelError;
 
-/// Rows of activations per GEMM panel (64 rows x K bytes of int8: L2-resident).
+/// Rows of activations per panel of the GEMV paths (64 rows x K bytes of int8: L2-resident).
 pub const PANEL_ROWS: usize = 64;
+/// Rows per panel of the AVX-512 GEMM, at most (the panel's activations stay in L2).
+const GEMM_PANEL_ROWS: usize = 192;
+/// Bytes of weights a GEMM chunk of K holds for its NT tiles: half of L1, the other half for
+/// the activations and outputs streaming past.
+const GEMM_CHUNK_BYTES: usize = 16 * 1024;
 
-/// A tile kernel: 16 output columns of MR rows, written at out[(m0 + r) * n + tile * 16 ..].
-type TileFn = unsafe fn(&PackedWeights, usize, &QuantizedRows, usize, *mut f32, usize);
+/// The operands of one matmul, shared by the kernels. In the kernels' math, per output
+/// y[m, n] = Σ_groups (s · Σ_blocks f32(Σ xq·q) · d − s·z · Σ_blocks d · Σxq), the last sum
+/// taken once per call into `group_sums`.
+pub(super) struct Operands<'a> {
+    pub w: &'a PackedWeights,
+    pub x: &'a QuantizedRows,
+    /// (rows, groups): Σ d · Σxq over each weight group's blocks.
+    pub group_sums: &'a [f32],
+    /// (rows, n) float32.
+    pub out: SharedMut<f32>,
+    pub n: usize,
+}
 
-/// The largest MR the path holds in registers (the tile's accumulators).
+impl Operands<'_> {
+    #[inline(always)]
+    pub fn group_sum(&self, row: usize, group: usize) -> f32 {
+        self.group_sums[row * self.w.groups + group]
+    }
+}
+
+/// The blocks of one weight group a kernel call covers from block `b` on, and what the output
+/// holds around them. Between calls `out` holds the finished groups' sum; a call may also stop
+/// inside the first group (a chunk of K shorter than the group), and then `out` holds that
+/// group's unscaled Σ f32(Σ xq·q)·d until the call that finishes it.
+pub(super) struct Segment {
+    pub blocks: Range<usize>,
+    pub group: usize,
+    /// The group began in an earlier call: its unscaled sums are in `out`.
+    pub resumes: bool,
+    /// The group ends here: scale it and add it to `out`; else store its unscaled sums.
+    pub ends_group: bool,
+    /// Groups before this one are summed in `out`.
+    pub adds: bool,
+}
+
+impl Segment {
+    #[inline(always)]
+    pub fn new(w: &PackedWeights, b: usize, end: usize) -> Segment {
+        let group = w.group_of(b);
+        let start = group * blocks_per_group(w);
+        let group_end = (start + blocks_per_group(w)).min(w.blocks);
+        let stop = group_end.min(end);
+        debug_assert!(start == 0 || (b == start && stop == group_end));
+        Segment {
+            blocks: b..stop,
+            group,
+            resumes: b > start,
+            ends_group: stop == group_end,
+            adds: start > 0,
+        }
+    }
+}
+
+fn blocks_per_group(w: &PackedWeights) -> usize {
+    if w.groups == 1 {
+        w.blocks
+    } else {
+        w.group_size / BLOCK
+    }
+}
+
+/// A kernel: MR rows from m0, NT tiles from `tile`, over a range of blocks (see `Segment`).
+type KernelFn = unsafe fn(&Operands, usize, usize, Range<usize>);
+
+/// The largest MR the GEMV holds in registers (the tile's accumulators).
 pub fn max_rows(isa: Isa) -> usize {
     match isa {
         Isa::Avx2 | Isa::AvxVnni => 4,
@@ -31,68 +101,81 @@ pub fn max_rows(isa: Isa) -> usize {
     }
 }
 
-/// The portable tile kernel: the same layout and arithmetic as the SIMD ones, one lane at a
-/// time.
-unsafe fn tile_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
-    w: &PackedWeights,
+/// The portable kernel: the same layout and arithmetic as the SIMD ones, one lane at a time.
+unsafe fn gemm_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
+    op: &Operands,
     tile: usize,
-    x: &QuantizedRows,
     m0: usize,
-    out: *mut f32,
-    n: usize,
+    blocks: Range<usize>,
 ) {
+    let (w, x) = (op.w, op.x);
     let per = w.tile_block_bytes();
     let data = w.tile_data(tile);
-    let valid = (n - tile * TILE).min(TILE);
-    for r in 0..MR {
-        let mut y = [0f32; TILE];
-        for b in 0..w.blocks {
-            let tb = &data[b * per..(b + 1) * per];
-            let at = ((m0 + r) * x.blocks + b) * BLOCK;
-            let xs = &x.values[at..at + BLOCK];
-            let rs = if SPLIT {
-                &x.residuals[at..at + BLOCK]
-            } else {
-                xs
-            };
-            let (mut acc, mut rest) = ([0i32; TILE], [0i32; TILE]);
-            for (c, (&xv, &rv)) in xs.iter().zip(rs).enumerate() {
-                let (j, i) = (c / 4, c % 4);
-                for (lane, a) in acc.iter_mut().enumerate() {
-                    let q = if BITS == 8 {
-                        tb[j * 64 + lane * 4 + i]
-                    } else {
-                        let byte = tb[(j % 4) * 64 + lane * 4 + i];
-                        if j < 4 {
-                            byte & 0xF
+    let valid = (op.n - tile * TILE).min(TILE);
+    for row in m0..m0 + MR {
+        let out = std::slice::from_raw_parts_mut(op.out.get().add(row * op.n + tile * TILE), valid);
+        let mut b = blocks.start;
+        while b < blocks.end {
+            let seg = Segment::new(w, b, blocks.end);
+            let mut yg = [0f32; TILE];
+            if seg.resumes {
+                yg[..valid].copy_from_slice(out);
+            }
+            for bb in seg.blocks.clone() {
+                let tb = &data[bb * per..(bb + 1) * per];
+                let at = (row * x.blocks + bb) * BLOCK;
+                let xs = &x.values[at..at + BLOCK];
+                let rs = if SPLIT {
+                    &x.residuals[at..at + BLOCK]
+                } else {
+                    xs
+                };
+                let (mut acc, mut rest) = ([0i32; TILE], [0i32; TILE]);
+                for (c, (&xv, &rv)) in xs.iter().zip(rs).enumerate() {
+                    let (j, i) = (c / 4, c % 4);
+                    for (lane, a) in acc.iter_mut().enumerate() {
+                        let q = if BITS == 8 {
+                            tb[j * 64 + lane * 4 + i]
                         } else {
-                            byte >> 4
-                        }
-                    };
-                    *a += q as i32 * xv as i32;
-                    rest[lane] += q as i32 * rv as i32;
+                            let byte = tb[(j % 4) * 64 + lane * 4 + i];
+                            if j < 4 {
+                                byte & 0xF
+                            } else {
+                                byte >> 4
+                            }
+                        };
+                        *a += q as i32 * xv as i32;
+                        rest[lane] += q as i32 * rv as i32;
+                    }
+                }
+                let d = x.scales[row * x.blocks + bb];
+                for lane in 0..TILE {
+                    yg[lane] = (acc[lane] as f32).mul_add(d, yg[lane]);
+                    if SPLIT {
+                        yg[lane] = (rest[lane] as f32).mul_add(d / RESIDUAL_STEPS, yg[lane]);
+                    }
                 }
             }
-            let sc = w.tile_scales(tile, w.group_of(b));
-            let i = (m0 + r) * x.blocks + b;
-            let (d, sum) = (x.scales[i], x.sums[i]);
-            for lane in 0..TILE {
-                y[lane] = (acc[lane] as f32).mul_add(sc[lane] * d, y[lane]);
-                if SPLIT {
-                    let sd_rest = sc[lane] * (d / RESIDUAL_STEPS);
-                    y[lane] = (rest[lane] as f32).mul_add(sd_rest, y[lane]);
+            if !seg.ends_group {
+                out.copy_from_slice(&yg[..valid]);
+            } else {
+                let sc = w.tile_scales(tile, seg.group);
+                let dsum = op.group_sum(row, seg.group);
+                for (lane, y) in out.iter_mut().enumerate() {
+                    let prev = if seg.adds { *y } else { 0.0 };
+                    let scaled = yg[lane].mul_add(sc[lane], prev);
+                    *y = (-(sc[lane] * sc[TILE + lane])).mul_add(dsum, scaled);
                 }
-                y[lane] -= (sc[lane] * sc[TILE + lane]) * (d * sum);
             }
+            b = seg.blocks.end;
         }
-        std::ptr::copy_nonoverlapping(y.as_ptr(), out.add((m0 + r) * n + tile * TILE), valid);
     }
 }
 
 macro_rules! by_rows {
     ($f:ident, $rows:expr, $bits:literal, $split:literal $(, $nt:literal)?) => {
         match $rows {
-            1 => $f::<1, $bits, $split $(, $nt)?> as TileFn,
+            1 => $f::<1, $bits, $split $(, $nt)?> as KernelFn,
             2 => $f::<2, $bits, $split $(, $nt)?>,
             3 => $f::<3, $bits, $split $(, $nt)?>,
             4 => $f::<4, $bits, $split $(, $nt)?>,
@@ -115,33 +198,78 @@ macro_rules! pick {
     };
 }
 
-/// Rows of a panel the two-tile AVX-512 kernel takes at once (2·MR accumulators, twice that
-/// with the second activation term, and 2·MR outputs in 32 registers).
-const PAIR_ROWS: usize = 4;
-
-/// The two-tile kernel for the GEMM (M past the GEMV's rows), where the ISA has one.
-fn pair_fn(isa: Isa, rows: usize, bits: u8, split: bool) -> Option<TileFn> {
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512Vnni {
-        use super::int8_x86::tile_avx512;
-        return Some(pick!(tile_avx512, rows, bits, split, 2));
-    }
-    let _ = (isa, rows, bits, split);
-    None
-}
-
-fn tile_fn(isa: Isa, rows: usize, bits: u8, split: bool) -> TileFn {
+/// The kernel of `rows` rows and `tiles` tiles (2 only on AVX-512) on `isa`.
+fn kernel(isa: Isa, rows: usize, tiles: usize, bits: u8, split: bool) -> KernelFn {
     #[cfg(target_arch = "x86_64")]
     {
-        use super::int8_x86::{tile_avx2, tile_avx512, tile_avxvnni};
-        match isa {
-            Isa::Avx512Vnni => return pick!(tile_avx512, rows, bits, split, 1),
-            Isa::AvxVnni => return pick!(tile_avxvnni, rows, bits, split),
-            Isa::Avx2 => return pick!(tile_avx2, rows, bits, split),
-            Isa::Scalar => {}
+        use super::int8_x86::{gemm_avx2, gemm_avx512, gemm_avxvnni};
+        match (isa, tiles) {
+            (Isa::Avx512Vnni, 2) => return pick!(gemm_avx512, rows, bits, split, 2),
+            (Isa::Avx512Vnni, _) => return pick!(gemm_avx512, rows, bits, split, 1),
+            (Isa::AvxVnni, _) => return pick!(gemm_avxvnni, rows, bits, split),
+            (Isa::Avx2, _) => return pick!(gemm_avx2, rows, bits, split),
+            (Isa::Scalar, _) => {}
         }
     }
-    pick!(tile_scalar, rows, bits, split)
+    debug_assert!(tiles == 1);
+    pick!(gemm_scalar, rows, bits, split)
+}
+
+/// How a call's work is cut: kernel calls of `rows` x `tiles`, K in chunks of `chunk` blocks,
+/// M in panels of `panel` rows; the units (panel, `tiles` tiles) are shared among the threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Blocking {
+    rows: usize,
+    tiles: usize,
+    chunk: usize,
+    panel: usize,
+}
+
+impl Blocking {
+    fn new(isa: Isa, m: usize, w: &PackedWeights, split: bool, threads: ThreadCount) -> Blocking {
+        if isa != Isa::Avx512Vnni || m <= max_rows(isa) {
+            return Blocking {
+                rows: max_rows(isa),
+                tiles: 1,
+                chunk: w.blocks,
+                panel: PANEL_ROWS,
+            };
+        }
+        // 24 of the 32 registers hold sums: 2 x MR x NT, three sets with the second term.
+        let env = |name: &str, default: usize| -> usize {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(default)
+        };
+        let (rows, tiles) = (
+            env("AIENG_GEMM_ROWS", if split { 4 } else { 6 }),
+            env("AIENG_GEMM_TILES", 2),
+        );
+        let chunk_budget = env("AIENG_GEMM_CHUNK", GEMM_CHUNK_BYTES);
+        let panel_rows = env("AIENG_GEMM_PANEL", GEMM_PANEL_ROWS);
+        // K in balanced chunks of whole groups (or of blocks, with one group per row).
+        let chunk_bytes = tiles * TILE * BLOCK * w.bits as usize / 8;
+        let per_group = if w.groups == 1 {
+            1
+        } else {
+            blocks_per_group(w)
+        };
+        let most = (chunk_budget / chunk_bytes / per_group).max(1);
+        let units = w.blocks.div_ceil(per_group);
+        let chunk = units.div_ceil(units.div_ceil(most)) * per_group;
+        // M in balanced panels, enough of them for every thread to have two units.
+        let column_units = w.tiles.div_ceil(tiles);
+        let wanted = (2 * threads.get()).div_ceil(column_units);
+        let panels = m.div_ceil(panel_rows).max(wanted).min(m.div_ceil(rows));
+        let panel = m.div_ceil(panels).next_multiple_of(rows);
+        Blocking {
+            rows,
+            tiles,
+            chunk,
+            panel,
+        }
+    }
 }
 
 /// out (m, n) = x (m, k) · Wᵀ, on `isa` (which must be supported: `Isa::supported`), the
@@ -180,6 +308,18 @@ pub fn int8_matmul(
     })
 }
 
+/// Σ d · Σxq over each weight group's blocks, per row: (rows, groups).
+fn group_sums(x: &QuantizedRows, w: &PackedWeights, sums: &mut Vec<f32>) {
+    sums.clear();
+    sums.resize(x.rows * w.groups, 0.0);
+    for (row, out) in sums.chunks_exact_mut(w.groups).enumerate() {
+        let at = row * x.blocks..(row + 1) * x.blocks;
+        for (b, (d, s)) in x.scales[at.clone()].iter().zip(&x.sums[at]).enumerate() {
+            out[w.group_of(b)] += d * s;
+        }
+    }
+}
+
 /// The matmul over already quantized activations.
 pub fn matmul_quantized(
     x: &QuantizedRows,
@@ -188,29 +328,43 @@ pub fn matmul_quantized(
     isa: Isa,
     threads: ThreadCount,
 ) {
+    thread_local! {
+        static GROUP_SUMS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
     assert!(isa.supported() && x.blocks == w.blocks && out.len() == x.rows * w.n);
-    let (m, n, mr) = (x.rows, w.n, max_rows(isa));
-    let out = SharedMut::new(out.as_mut_ptr());
-    let pairs = m > mr && pair_fn(isa, 1, w.bits, x.split()).is_some();
-    // Threads take whole pairs of tiles when the GEMM kernel pairs them.
-    let unit = if pairs { 2 } else { 1 };
-    split(threads, w.tiles.div_ceil(unit), |units| {
-        let tiles = units.start * unit..(units.end * unit).min(w.tiles);
-        for panel in (0..m).step_by(PANEL_ROWS) {
-            let panel_end = (panel + PANEL_ROWS).min(m);
-            for tile in tiles.clone().step_by(unit) {
-                let paired = pairs && tile + 1 < tiles.end; // else a last, lone tile
-                let step = if paired { PAIR_ROWS } else { mr };
-                for m0 in (panel..panel_end).step_by(step) {
-                    let rows = step.min(panel_end - m0);
-                    let kernel = match paired {
-                        true => pair_fn(isa, rows, w.bits, x.split()).expect("checked above"),
-                        false => tile_fn(isa, rows, w.bits, x.split()),
-                    };
-                    // SAFETY: `isa` is supported; the kernel writes rows m0..m0+rows of columns
-                    // tile*16.. (< n; a pair only where tile + 1 exists) of `out`, a part no
-                    // other thread writes.
-                    unsafe { kernel(w, tile, x, m0, out.get(), n) };
+    GROUP_SUMS.with_borrow_mut(|sums| {
+        group_sums(x, w, sums);
+        let op = Operands {
+            w,
+            x,
+            group_sums: sums,
+            out: SharedMut::new(out.as_mut_ptr()),
+            n: w.n,
+        };
+        run(&op, isa, threads);
+    })
+}
+
+fn run(op: &Operands, isa: Isa, threads: ThreadCount) {
+    let (w, m) = (op.w, op.x.rows);
+    let plan = Blocking::new(isa, m, w, op.x.split(), threads);
+    let column_units = w.tiles.div_ceil(plan.tiles);
+    let panels = m.div_ceil(plan.panel);
+    split(threads, panels * column_units, |units| {
+        for unit in units {
+            let (panel, column) = (unit / column_units, unit % column_units);
+            let tile = column * plan.tiles;
+            let tiles = plan.tiles.min(w.tiles - tile);
+            let rows = panel * plan.panel..((panel + 1) * plan.panel).min(m);
+            for k0 in (0..w.blocks).step_by(plan.chunk) {
+                let chunk = k0..(k0 + plan.chunk).min(w.blocks);
+                for m0 in rows.clone().step_by(plan.rows) {
+                    let mr = plan.rows.min(rows.end - m0);
+                    let f = kernel(isa, mr, tiles, w.bits, op.x.split());
+                    // SAFETY: `isa` is supported; the kernel writes rows m0..m0+mr of the
+                    // columns of tiles tile..tile+tiles (< n) of `out`, a part no other unit
+                    // writes; chunks of K end inside a group only when there is one group.
+                    unsafe { f(op, tile, m0, chunk.clone()) };
                 }
             }
         }
