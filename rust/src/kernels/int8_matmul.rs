@@ -1,14 +1,13 @@
 //! y = x Wᵀ for W4A8 / W8A8 layers: activations quantized per block of 32 (`quantize`), the
 //! weights in `PackedWeights`' layout, int32 sums per block, float scales.
 //!
-//! A kernel call multiplies MR rows of activations by NT weight tiles (16 output columns each)
-//! over a range of K's blocks, its int32 and float sums held in registers. The work of a call is
-//! cut into units of (a panel of rows, NT tiles), shared out among the pool's threads: over N
-//! when it has tiles enough, over M as well when it has not. The GEMV (M ≤ the kernel's MR) reads
-//! every weight byte once, a tile at a time. The AVX-512 GEMM (larger M) is blocked like BLIS:
-//! K is cut into chunks whose NT tiles of weights (16 KiB) stay in L1 while every MR-row step
-//! of the panel reads them, the panel's activations stay in L2, and the output block is summed
-//! across the chunks in place.
+//! A kernel call multiplies MR rows of activations by one weight tile (16 output columns) over
+//! a range of K's blocks, its int32 and float sums held in registers. The activations are
+//! quantized once per call, and the work cut into units of (a panel of rows, a tile), shared
+//! out among the pool's threads: over N, and over M as well when N has few tiles. The GEMV
+//! (M ≤ MR) reads every weight byte once. The GEMM (larger M) is blocked like BLIS: K in chunks
+//! whose tile of weights (16 KiB) stays in L1 while every MR-row step of the panel reads it,
+//! the panel's activations in L2, the output summed across the chunks in place.
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -21,13 +20,12 @@ use super::quantize::{
 };
 use super::KernelError;
 
-/// Rows of activations per panel of the GEMV paths (64 rows x K bytes of int8: L2-resident).
-pub const PANEL_ROWS: usize = 64;
-/// Rows per panel of the AVX-512 GEMM, at most (the panel's activations stay in L2).
-const GEMM_PANEL_ROWS: usize = 192;
-/// Bytes of weights a GEMM chunk of K holds for its NT tiles: half of L1, the other half for
-/// the activations and outputs streaming past.
-const GEMM_CHUNK_BYTES: usize = 16 * 1024;
+/// Rows of activations per panel, at most: the panel's int8 rows stay in L2 (192 x K bytes)
+/// while each tile's weights pass by.
+const PANEL_ROWS: usize = 192;
+/// Bytes of a tile's weights per chunk of K: half of L1, read by every MR-row step of the
+/// panel, the other half for the activations and outputs streaming past.
+const CHUNK_BYTES: usize = 16 * 1024;
 
 /// The operands of one matmul, shared by the kernels. In the kernels' math, per output
 /// y[m, n] = Σ_groups (s · Σ_blocks f32(Σ xq·q) · d − s·z · Σ_blocks d · Σxq), the last sum
@@ -90,10 +88,11 @@ fn blocks_per_group(w: &PackedWeights) -> usize {
     }
 }
 
-/// A kernel: MR rows from m0, NT tiles from `tile`, over a range of blocks (see `Segment`).
+/// A kernel: MR rows from m0, the tile `tile`, over a range of blocks (see `Segment`).
 type KernelFn = unsafe fn(&Operands, usize, usize, Range<usize>);
 
-/// The largest MR the GEMV holds in registers (the tile's accumulators).
+/// The rows a kernel call takes: its sums in registers (2·MR of AVX-512's 32, 3·MR with the
+/// second term).
 pub fn max_rows(isa: Isa) -> usize {
     match isa {
         Isa::Avx2 | Isa::AvxVnni => 4,
@@ -173,102 +172,81 @@ unsafe fn gemm_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
 }
 
 macro_rules! by_rows {
-    ($f:ident, $rows:expr, $bits:literal, $split:literal $(, $nt:literal)?) => {
+    ($f:ident, $rows:expr, $bits:literal, $split:literal) => {
         match $rows {
-            1 => $f::<1, $bits, $split $(, $nt)?> as KernelFn,
-            2 => $f::<2, $bits, $split $(, $nt)?>,
-            3 => $f::<3, $bits, $split $(, $nt)?>,
-            4 => $f::<4, $bits, $split $(, $nt)?>,
-            5 => $f::<5, $bits, $split $(, $nt)?>,
-            6 => $f::<6, $bits, $split $(, $nt)?>,
-            7 => $f::<7, $bits, $split $(, $nt)?>,
-            _ => $f::<8, $bits, $split $(, $nt)?>,
+            1 => $f::<1, $bits, $split> as KernelFn,
+            2 => $f::<2, $bits, $split>,
+            3 => $f::<3, $bits, $split>,
+            4 => $f::<4, $bits, $split>,
+            5 => $f::<5, $bits, $split>,
+            6 => $f::<6, $bits, $split>,
+            7 => $f::<7, $bits, $split>,
+            _ => $f::<8, $bits, $split>,
         }
     };
 }
 
 macro_rules! pick {
-    ($f:ident, $rows:expr, $bits:expr, $split:expr $(, $nt:literal)?) => {
+    ($f:ident, $rows:expr, $bits:expr, $split:expr) => {
         match ($bits, $split) {
-            (4, false) => by_rows!($f, $rows, 4, false $(, $nt)?),
-            (4, true) => by_rows!($f, $rows, 4, true $(, $nt)?),
-            (_, false) => by_rows!($f, $rows, 8, false $(, $nt)?),
-            (_, true) => by_rows!($f, $rows, 8, true $(, $nt)?),
+            (4, false) => by_rows!($f, $rows, 4, false),
+            (4, true) => by_rows!($f, $rows, 4, true),
+            (_, false) => by_rows!($f, $rows, 8, false),
+            (_, true) => by_rows!($f, $rows, 8, true),
         }
     };
 }
 
-/// The kernel of `rows` rows and `tiles` tiles (2 only on AVX-512) on `isa`.
-fn kernel(isa: Isa, rows: usize, tiles: usize, bits: u8, split: bool) -> KernelFn {
+/// The kernel of `rows` rows on `isa`.
+fn kernel(isa: Isa, rows: usize, bits: u8, split: bool) -> KernelFn {
     #[cfg(target_arch = "x86_64")]
     {
         use super::int8_x86::{gemm_avx2, gemm_avx512, gemm_avxvnni};
-        match (isa, tiles) {
-            (Isa::Avx512Vnni, 2) => return pick!(gemm_avx512, rows, bits, split, 2),
-            (Isa::Avx512Vnni, _) => return pick!(gemm_avx512, rows, bits, split, 1),
-            (Isa::AvxVnni, _) => return pick!(gemm_avxvnni, rows, bits, split),
-            (Isa::Avx2, _) => return pick!(gemm_avx2, rows, bits, split),
-            (Isa::Scalar, _) => {}
+        match isa {
+            Isa::Avx512Vnni => return pick!(gemm_avx512, rows, bits, split),
+            Isa::AvxVnni => return pick!(gemm_avxvnni, rows, bits, split),
+            Isa::Avx2 => return pick!(gemm_avx2, rows, bits, split),
+            Isa::Scalar => {}
         }
     }
-    debug_assert!(tiles == 1);
     pick!(gemm_scalar, rows, bits, split)
 }
 
-/// How a call's work is cut: kernel calls of `rows` x `tiles`, K in chunks of `chunk` blocks,
-/// M in panels of `panel` rows; the units (panel, `tiles` tiles) are shared among the threads.
+/// How a call's work is cut: kernel calls of `rows` rows and one tile, K in chunks of `chunk`
+/// blocks, M in panels of `panel` rows; the units (panel, tile) are shared among the threads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Blocking {
     rows: usize,
-    tiles: usize,
     chunk: usize,
     panel: usize,
 }
 
 impl Blocking {
-    fn new(isa: Isa, m: usize, w: &PackedWeights, split: bool, threads: ThreadCount) -> Blocking {
-        if isa != Isa::Avx512Vnni || m <= max_rows(isa) {
+    fn new(isa: Isa, m: usize, w: &PackedWeights, threads: ThreadCount) -> Blocking {
+        let rows = max_rows(isa);
+        if m <= rows {
+            // The GEMV: every weight byte read once, whole rows of K.
             return Blocking {
-                rows: max_rows(isa),
-                tiles: 1,
+                rows,
                 chunk: w.blocks,
-                panel: PANEL_ROWS,
+                panel: rows,
             };
         }
-        // 24 of the 32 registers hold sums: 2 x MR x NT, three sets with the second term.
-        let env = |name: &str, default: usize| -> usize {
-            std::env::var(name)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(default)
-        };
-        let (rows, tiles) = (
-            env("AIENG_GEMM_ROWS", if split { 4 } else { 6 }),
-            env("AIENG_GEMM_TILES", 2),
-        );
-        let chunk_budget = env("AIENG_GEMM_CHUNK", GEMM_CHUNK_BYTES);
-        let panel_rows = env("AIENG_GEMM_PANEL", GEMM_PANEL_ROWS);
         // K in balanced chunks of whole groups (or of blocks, with one group per row).
-        let chunk_bytes = tiles * TILE * BLOCK * w.bits as usize / 8;
+        let tile_block = TILE * BLOCK * w.bits as usize / 8;
         let per_group = if w.groups == 1 {
             1
         } else {
             blocks_per_group(w)
         };
-        let most = (chunk_budget / chunk_bytes / per_group).max(1);
+        let most = (CHUNK_BYTES / tile_block / per_group).max(1);
         let units = w.blocks.div_ceil(per_group);
         let chunk = units.div_ceil(units.div_ceil(most)) * per_group;
         // M in balanced panels, enough of them for every thread to have two units.
-        let column_units = w.tiles.div_ceil(tiles);
-        let wanted = (2 * threads.get()).div_ceil(column_units);
-        let panels = m.div_ceil(panel_rows).max(wanted).min(m.div_ceil(rows));
+        let wanted = (2 * threads.get()).div_ceil(w.tiles);
+        let panels = m.div_ceil(PANEL_ROWS).max(wanted).min(m.div_ceil(rows));
         let panel = m.div_ceil(panels).next_multiple_of(rows);
-        Blocking {
-            rows,
-            tiles,
-            chunk,
-            panel,
-        }
+        Blocking { rows, chunk, panel }
     }
 }
 
@@ -347,30 +325,26 @@ pub fn matmul_quantized(
 
 fn run(op: &Operands, isa: Isa, threads: ThreadCount) {
     let (w, m) = (op.w, op.x.rows);
-    let plan = Blocking::new(isa, m, w, op.x.split(), threads);
-    let column_units = w.tiles.div_ceil(plan.tiles);
+    let plan = Blocking::new(isa, m, w, threads);
     let panels = m.div_ceil(plan.panel);
-    split(threads, panels * column_units, |units| {
+    split(threads, panels * w.tiles, |units| {
         for unit in units {
-            let (panel, column) = (unit / column_units, unit % column_units);
-            let tile = column * plan.tiles;
-            let tiles = plan.tiles.min(w.tiles - tile);
+            let (panel, tile) = (unit / w.tiles, unit % w.tiles);
             let rows = panel * plan.panel..((panel + 1) * plan.panel).min(m);
             for k0 in (0..w.blocks).step_by(plan.chunk) {
                 let chunk = k0..(k0 + plan.chunk).min(w.blocks);
                 for m0 in rows.clone().step_by(plan.rows) {
                     let mr = plan.rows.min(rows.end - m0);
-                    let f = kernel(isa, mr, tiles, w.bits, op.x.split());
-                    // SAFETY: `isa` is supported; the kernel writes rows m0..m0+mr of the
-                    // columns of tiles tile..tile+tiles (< n) of `out`, a part no other unit
-                    // writes; chunks of K end inside a group only when there is one group.
+                    let f = kernel(isa, mr, w.bits, op.x.split());
+                    // SAFETY: `isa` is supported; the kernel writes rows m0..m0+mr of tile
+                    // `tile`'s columns (< n) of `out`, a part no other unit writes; chunks of K
+                    // end inside a group only when there is one group (`Segment`).
                     unsafe { f(op, tile, m0, chunk.clone()) };
                 }
             }
         }
     });
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -514,6 +488,85 @@ mod tests {
                             &mut rng,
                             None,
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn chunks_of_k_panels_and_partial_tiles() {
+        // K long enough to be cut in chunks: one group per row (a chunk ends inside it), and
+        // groups of 128 and 64 (chunks of whole groups); M past the panel and the kernel's rows;
+        // N not a multiple of the tile; K not a multiple of the block where there is one group.
+        let mut rng = Rng(21);
+        let cases = [(8u8, 1100, 1), (8, 1152, 9), (4, 2240, 35), (4, 2100, 1)];
+        for (bits, k, groups) in cases {
+            for (m, n) in [(9, 40), (203, 17)] {
+                let symmetric = groups == 1;
+                let case = Case {
+                    n,
+                    k,
+                    bits,
+                    groups,
+                    symmetric,
+                };
+                check(case, m, &mut rng, None);
+            }
+        }
+    }
+
+    #[test]
+    fn blocking_keeps_groups_whole_and_every_thread_busy() {
+        let q = |n: usize, k: usize| vec![0u8; n * k];
+        let pack = |n: usize, k: usize, groups: usize, bits: u8| {
+            let s = vec![1.0; n * groups];
+            PackedWeights::pack(&q(n, k), &s, &vec![0.0; n * groups], n, k, bits).unwrap()
+        };
+        let two = ThreadCount::new(2);
+        // One group: balanced chunks of at most 16 KiB of a tile (32 blocks at 8 bits).
+        let w = pack(768, 2048, 1, 8);
+        let plan = Blocking::new(Isa::Scalar, 128, &w, two);
+        assert_eq!((plan.rows, plan.chunk, plan.panel), (8, 32, 128));
+        // Groups of 4 blocks: chunks hold whole groups.
+        let w = pack(64, 1152, 9, 8);
+        assert_eq!(Blocking::new(Isa::Scalar, 64, &w, two).chunk, 20);
+        let w = pack(64, 4864, 38, 4);
+        assert_eq!(Blocking::new(Isa::Scalar, 64, &w, two).chunk % 4, 0);
+        // One tile: M is cut in two units for each thread; the GEMV reads K whole.
+        let w = pack(16, 256, 1, 4);
+        assert_eq!(Blocking::new(Isa::Scalar, 64, &w, two).panel, 16);
+        let gemv = Blocking::new(Isa::Scalar, 8, &w, two);
+        assert_eq!((gemv.chunk, gemv.panel), (w.blocks, 8));
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_batch() {
+        // The GEMM (chunks of K, panels) and the GEMV (whole K) add the same terms in the same
+        // order: a prompt's rows and a decode step's give the same bits.
+        let mut rng = Rng(5);
+        for (bits, k, groups) in [(8u8, 1100, 1), (4, 2240, 35)] {
+            let case = Case {
+                n: 20,
+                k,
+                bits,
+                groups,
+                symmetric: false,
+            };
+            let w = weights(&case, &mut rng);
+            let packed = PackedWeights::pack(&w.q, &w.s, &w.z, case.n, k, bits).unwrap();
+            let m = 30;
+            let x: Vec<f32> = (0..m * k).map(|_| rng.normal()).collect();
+            for activations in [Activations::Int8, Activations::Int8x2] {
+                for isa in Isa::supported_paths() {
+                    let t = ThreadCount::new(2);
+                    let mut all = vec![0f32; m * case.n];
+                    int8_matmul(&x, m, &packed, &mut all, activations, isa, t).unwrap();
+                    for (row, want) in all.chunks(case.n).enumerate() {
+                        let mut one = vec![0f32; case.n];
+                        let xr = &x[row * k..(row + 1) * k];
+                        int8_matmul(xr, 1, &packed, &mut one, activations, isa, t).unwrap();
+                        assert_eq!(one, want, "{isa} {activations:?} bits={bits} row {row}");
                     }
                 }
             }

@@ -1,5 +1,5 @@
-//! The x86 kernels of the int8 matmul: MR rows of quantized activations times NT tiles of
-//! `PackedWeights` (16 output columns each), over a range of K's blocks. For each block the
+//! The x86 kernels of the int8 matmul: MR rows of quantized activations times one tile of
+//! `PackedWeights` (16 output columns), over a range of K's blocks. For each block the
 //! int32 sums are turned to float and scaled by the activations' d; per weight group the
 //! result takes the tile's scales s and s·z (`Operands`, in int8_matmul.rs, has the math):
 //!
@@ -7,9 +7,10 @@
 //!   y += yg · s − (s·z) · Σ_blocks d·Σxq   (per group)
 //!
 //! AVX-512 VNNI multiplies a whole tile with one `vpdpbusd` per 4 columns: each weight register
-//! feeds MR dot products and each broadcast activation NT, and the MR·NT int32 sums plus the
-//! MR·NT float ones stay in registers (MR = 6, NT = 2 for the GEMM: 24 of the 32). The
-//! 256-bit paths do a tile in two halves of 8 columns, one tile at a time. AVX2 has no
+//! feeds MR = 8 dot products, whose int32 sums and float sums stay in registers (16 of the 32,
+//! 24 with the second term). Measured on Zen 4, 8 rows x 1 tile ran faster than 6 x 2 or 4 x 2
+//! (the broadcasts are loads, which have ports to spare; the float work per block is the same).
+//! The 256-bit paths do a tile in two halves of 8 columns. AVX2 has no
 //! dot-product instruction: `vpmaddubsw` (u8 × s8 pairs into saturating i16) then `vpmaddwd`
 //! by ones gives the same sums, exact for 4-bit weights (2·15·127 fits i16). For 8-bit weights a
 //! pair could reach 2·255·127 and saturate, so they go in as q − 128 (signed) with the sign
@@ -37,15 +38,10 @@ macro_rules! dot512 {
     };
 }
 
-/// NT consecutive tiles (16·NT output columns) for MR rows over `blocks` (see `Segment` for
-/// what `out` holds between calls).
+/// One tile (16 output columns) for MR rows over `blocks` (see `Segment` for what `out` holds
+/// between calls).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn gemm_avx512<
-    const MR: usize,
-    const BITS: u8,
-    const SPLIT: bool,
-    const NT: usize,
->(
+pub(super) unsafe fn gemm_avx512<const MR: usize, const BITS: u8, const SPLIT: bool>(
     op: &Operands,
     tile: usize,
     m0: usize,
@@ -53,7 +49,7 @@ pub(super) unsafe fn gemm_avx512<
 ) {
     let (w, x) = (op.w, op.x);
     let per = w.tile_block_bytes();
-    let data: [*const u8; NT] = std::array::from_fn(|t| w.tile_data(tile + t).as_ptr());
+    let data = w.tile_data(tile).as_ptr();
     let row_bytes = x.blocks * BLOCK;
     let xs: [*const i8; MR] = std::array::from_fn(|r| x.values.as_ptr().add((m0 + r) * row_bytes));
     let rs: [*const i8; MR] = std::array::from_fn(|r| {
@@ -64,103 +60,73 @@ pub(super) unsafe fn gemm_avx512<
         }
     });
     let ds: [*const f32; MR] = std::array::from_fn(|r| x.scales.as_ptr().add((m0 + r) * x.blocks));
-    let masks: [u16; NT] = std::array::from_fn(|t| {
-        let valid = (op.n - (tile + t) * TILE).min(TILE);
-        ((1u32 << valid) - 1) as u16
-    });
-    let out = |r: usize, t: usize| op.out.get().add((m0 + r) * op.n + (tile + t) * TILE);
+    let mask = ((1u32 << (op.n - tile * TILE).min(TILE)) - 1) as u16;
+    let out = |r: usize| op.out.get().add((m0 + r) * op.n + tile * TILE);
     let low = _mm512_set1_epi8(0x0F);
     let mut b = blocks.start;
     while b < blocks.end {
         let seg = Segment::new(w, b, blocks.end);
-        let mut yg = [[_mm512_setzero_ps(); NT]; MR];
+        let mut yg = [_mm512_setzero_ps(); MR];
         if seg.resumes {
             for (r, ygr) in yg.iter_mut().enumerate() {
-                for t in 0..NT {
-                    ygr[t] = _mm512_maskz_loadu_ps(masks[t], out(r, t));
-                }
+                *ygr = _mm512_maskz_loadu_ps(mask, out(r));
             }
         }
         for bb in seg.blocks.clone() {
-            let mut acc = [[_mm512_setzero_si512(); NT]; MR];
-            let mut rest = [[_mm512_setzero_si512(); NT]; MR];
-            let at = bb * BLOCK;
+            let mut acc = [_mm512_setzero_si512(); MR];
+            let mut rest = [_mm512_setzero_si512(); MR];
+            let (tb, at) = (data.add(bb * per), bb * BLOCK);
             if BITS == 8 {
                 for j in 0..8 {
-                    let wv: [__m512i; NT] = std::array::from_fn(|t| {
-                        _mm512_loadu_si512(data[t].add(bb * per + j * CHUNK_BYTES) as *const _)
-                    });
+                    let wv = _mm512_loadu_si512(tb.add(j * CHUNK_BYTES) as *const _);
                     for r in 0..MR {
-                        for t in 0..NT {
-                            acc[r][t] = dot512!(acc[r][t], wv[t], xs[r].add(at + 4 * j));
-                        }
+                        acc[r] = dot512!(acc[r], wv, xs[r].add(at + 4 * j));
                         if SPLIT {
-                            for t in 0..NT {
-                                rest[r][t] = dot512!(rest[r][t], wv[t], rs[r].add(at + 4 * j));
-                            }
+                            rest[r] = dot512!(rest[r], wv, rs[r].add(at + 4 * j));
                         }
                     }
                 }
             } else {
                 for j in 0..4 {
-                    let raw: [__m512i; NT] = std::array::from_fn(|t| {
-                        _mm512_loadu_si512(data[t].add(bb * per + j * CHUNK_BYTES) as *const _)
-                    });
-                    let lo: [__m512i; NT] = std::array::from_fn(|t| _mm512_and_si512(raw[t], low));
-                    let hi: [__m512i; NT] = std::array::from_fn(|t| {
-                        _mm512_and_si512(_mm512_srli_epi16(raw[t], 4), low)
-                    });
+                    let raw = _mm512_loadu_si512(tb.add(j * CHUNK_BYTES) as *const _);
+                    let lo = _mm512_and_si512(raw, low);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    let (x_lo, x_hi) = (at + 4 * j, at + 4 * j + 16);
                     for r in 0..MR {
-                        let (x_lo, x_hi) = (xs[r].add(at + 4 * j), xs[r].add(at + 4 * j + 16));
-                        for t in 0..NT {
-                            acc[r][t] = dot512!(acc[r][t], lo[t], x_lo);
-                            acc[r][t] = dot512!(acc[r][t], hi[t], x_hi);
-                        }
+                        acc[r] = dot512!(acc[r], lo, xs[r].add(x_lo));
+                        acc[r] = dot512!(acc[r], hi, xs[r].add(x_hi));
                         if SPLIT {
-                            let (r_lo, r_hi) = (rs[r].add(at + 4 * j), rs[r].add(at + 4 * j + 16));
-                            for t in 0..NT {
-                                rest[r][t] = dot512!(rest[r][t], lo[t], r_lo);
-                                rest[r][t] = dot512!(rest[r][t], hi[t], r_hi);
-                            }
+                            rest[r] = dot512!(rest[r], lo, rs[r].add(x_lo));
+                            rest[r] = dot512!(rest[r], hi, rs[r].add(x_hi));
                         }
                     }
                 }
             }
             for r in 0..MR {
                 let d = *ds[r].add(bb);
-                let dv = _mm512_set1_ps(d);
-                for t in 0..NT {
-                    yg[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), dv, yg[r][t]);
-                }
+                yg[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(d), yg[r]);
                 if SPLIT {
                     let dr = _mm512_set1_ps(d / RESIDUAL_STEPS);
-                    for t in 0..NT {
-                        yg[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest[r][t]), dr, yg[r][t]);
-                    }
+                    yg[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest[r]), dr, yg[r]);
                 }
             }
         }
         if !seg.ends_group {
             for (r, ygr) in yg.iter().enumerate() {
-                for t in 0..NT {
-                    _mm512_mask_storeu_ps(out(r, t), masks[t], ygr[t]);
-                }
+                _mm512_mask_storeu_ps(out(r), mask, *ygr);
             }
         } else {
-            for t in 0..NT {
-                let sc = w.tile_scales(tile + t, seg.group).as_ptr();
-                let s = _mm512_loadu_ps(sc);
-                let sz = _mm512_mul_ps(s, _mm512_loadu_ps(sc.add(TILE)));
-                for (r, ygr) in yg.iter().enumerate() {
-                    let prev = match seg.adds {
-                        true => _mm512_maskz_loadu_ps(masks[t], out(r, t)),
-                        false => _mm512_setzero_ps(),
-                    };
-                    let y = _mm512_fmadd_ps(ygr[t], s, prev);
-                    let dsum = _mm512_set1_ps(op.group_sum(m0 + r, seg.group));
-                    let y = _mm512_fnmadd_ps(sz, dsum, y);
-                    _mm512_mask_storeu_ps(out(r, t), masks[t], y);
-                }
+            let sc = w.tile_scales(tile, seg.group).as_ptr();
+            let s = _mm512_loadu_ps(sc);
+            let sz = _mm512_mul_ps(s, _mm512_loadu_ps(sc.add(TILE)));
+            for (r, ygr) in yg.iter().enumerate() {
+                let prev = match seg.adds {
+                    true => _mm512_maskz_loadu_ps(mask, out(r)),
+                    false => _mm512_setzero_ps(),
+                };
+                let y = _mm512_fmadd_ps(*ygr, s, prev);
+                let dsum = _mm512_set1_ps(op.group_sum(m0 + r, seg.group));
+                _mm512_mask_storeu_ps(out(r), mask, _mm512_fnmadd_ps(sz, dsum, y));
             }
         }
         b = seg.blocks.end;
