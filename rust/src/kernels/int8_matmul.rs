@@ -27,24 +27,20 @@ const PANEL_ROWS: usize = 192;
 /// panel, the other half for the activations and outputs streaming past.
 const CHUNK_BYTES: usize = 16 * 1024;
 
-/// The operands of one matmul, shared by the kernels. In the kernels' math, per output
-/// y[m, n] = Σ_groups (s · Σ_blocks f32(Σ xq·q) · d − s·z · Σ_blocks d · Σxq), the last sum
-/// taken once per call into `group_sums`.
+/// The operands of one matmul, shared by the kernels. Per output, the kernels sum
+///
+///   y[m, n] = Σ_groups s · Σ_blocks (f32(Σ xq·q) · d − z · (d · Σxq))
+///
+/// the inner sum (`yg`, in units of the weight's steps) per block, with one convert and two
+/// fmas; the scale s once per group. The zero point is taken off block by block, so the float
+/// sums never grow much past the block's own size (weights whose q sits near a large z, as
+/// min-max quantization makes them beside outlier channels, would cancel badly otherwise).
 pub(super) struct Operands<'a> {
     pub w: &'a PackedWeights,
     pub x: &'a QuantizedRows,
-    /// (rows, groups): Σ d · Σxq over each weight group's blocks.
-    pub group_sums: &'a [f32],
     /// (rows, n) float32.
     pub out: SharedMut<f32>,
     pub n: usize,
-}
-
-impl Operands<'_> {
-    #[inline(always)]
-    pub fn group_sum(&self, row: usize, group: usize) -> f32 {
-        self.group_sums[row * self.w.groups + group]
-    }
 }
 
 /// The blocks of one weight group a kernel call covers from block `b` on, and what the output
@@ -120,6 +116,7 @@ unsafe fn gemm_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
             if seg.resumes {
                 yg[..valid].copy_from_slice(out);
             }
+            let sc = w.tile_scales(tile, seg.group);
             for bb in seg.blocks.clone() {
                 let tb = &data[bb * per..(bb + 1) * per];
                 let at = (row * x.blocks + bb) * BLOCK;
@@ -147,23 +144,22 @@ unsafe fn gemm_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
                         rest[lane] += q as i32 * rv as i32;
                     }
                 }
-                let d = x.scales[row * x.blocks + bb];
+                let i = row * x.blocks + bb;
+                let (d, dsum) = (x.scales[i], x.scales[i] * x.sums[i]);
                 for lane in 0..TILE {
                     yg[lane] = (acc[lane] as f32).mul_add(d, yg[lane]);
                     if SPLIT {
                         yg[lane] = (rest[lane] as f32).mul_add(d / RESIDUAL_STEPS, yg[lane]);
                     }
+                    yg[lane] = (-sc[TILE + lane]).mul_add(dsum, yg[lane]);
                 }
             }
             if !seg.ends_group {
                 out.copy_from_slice(&yg[..valid]);
             } else {
-                let sc = w.tile_scales(tile, seg.group);
-                let dsum = op.group_sum(row, seg.group);
                 for (lane, y) in out.iter_mut().enumerate() {
                     let prev = if seg.adds { *y } else { 0.0 };
-                    let scaled = yg[lane].mul_add(sc[lane], prev);
-                    *y = (-(sc[lane] * sc[TILE + lane])).mul_add(dsum, scaled);
+                    *y = yg[lane].mul_add(sc[lane], prev);
                 }
             }
             b = seg.blocks.end;
@@ -286,18 +282,6 @@ pub fn int8_matmul(
     })
 }
 
-/// Σ d · Σxq over each weight group's blocks, per row: (rows, groups).
-fn group_sums(x: &QuantizedRows, w: &PackedWeights, sums: &mut Vec<f32>) {
-    sums.clear();
-    sums.resize(x.rows * w.groups, 0.0);
-    for (row, out) in sums.chunks_exact_mut(w.groups).enumerate() {
-        let at = row * x.blocks..(row + 1) * x.blocks;
-        for (b, (d, s)) in x.scales[at.clone()].iter().zip(&x.sums[at]).enumerate() {
-            out[w.group_of(b)] += d * s;
-        }
-    }
-}
-
 /// The matmul over already quantized activations.
 pub fn matmul_quantized(
     x: &QuantizedRows,
@@ -306,21 +290,14 @@ pub fn matmul_quantized(
     isa: Isa,
     threads: ThreadCount,
 ) {
-    thread_local! {
-        static GROUP_SUMS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    }
     assert!(isa.supported() && x.blocks == w.blocks && out.len() == x.rows * w.n);
-    GROUP_SUMS.with_borrow_mut(|sums| {
-        group_sums(x, w, sums);
-        let op = Operands {
-            w,
-            x,
-            group_sums: sums,
-            out: SharedMut::new(out.as_mut_ptr()),
-            n: w.n,
-        };
-        run(&op, isa, threads);
-    })
+    let op = Operands {
+        w,
+        x,
+        out: SharedMut::new(out.as_mut_ptr()),
+        n: w.n,
+    };
+    run(&op, isa, threads);
 }
 
 fn run(op: &Operands, isa: Isa, threads: ThreadCount) {

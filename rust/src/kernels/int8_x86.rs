@@ -1,10 +1,11 @@
 //! The x86 kernels of the int8 matmul: MR rows of quantized activations times one tile of
 //! `PackedWeights` (16 output columns), over a range of K's blocks. For each block the
-//! int32 sums are turned to float and scaled by the activations' d; per weight group the
-//! result takes the tile's scales s and s·z (`Operands`, in int8_matmul.rs, has the math):
+//! int32 sums are turned to float, scaled by the activations' d, and the zero points' share
+//! taken off; per weight group the sum takes the tile's scales s (`Operands`, in
+//! int8_matmul.rs, has the math):
 //!
-//!   yg = Σ_blocks f32(Σ xq·q) · d          (per block: one convert, one fma)
-//!   y += yg · s − (s·z) · Σ_blocks d·Σxq   (per group)
+//!   yg += f32(Σ xq·q) · d − z · (d·Σxq)   (per block: one convert, two fmas)
+//!   y  += yg · s                          (per group)
 //!
 //! AVX-512 VNNI multiplies a whole tile with one `vpdpbusd` per 4 columns: each weight register
 //! feeds MR = 8 dot products, whose int32 sums and float sums stay in registers (16 of the 32,
@@ -14,8 +15,8 @@
 //! dot-product instruction: `vpmaddubsw` (u8 × s8 pairs into saturating i16) then `vpmaddwd`
 //! by ones gives the same sums, exact for 4-bit weights (2·15·127 fits i16). For 8-bit weights a
 //! pair could reach 2·255·127 and saturate, so they go in as q − 128 (signed) with the sign
-//! moved onto the activation (|q − 128| ≤ 128: 2·128·127 fits), and the group pays the
-//! 128·Σxq back through s·(z − 128) in place of s·z.
+//! moved onto the activation (|q − 128| ≤ 128: 2·128·127 fits), and the block pays the
+//! 128·Σxq back through z − 128 in place of z.
 //!
 //! With `Activations::Int8x2` (SPLIT) every weight register is multiplied by both int8 terms of
 //! the activations, the second sum scaled by d/254; the sums of both are in Σxq.
@@ -60,6 +61,7 @@ pub(super) unsafe fn gemm_avx512<const MR: usize, const BITS: u8, const SPLIT: b
         }
     });
     let ds: [*const f32; MR] = std::array::from_fn(|r| x.scales.as_ptr().add((m0 + r) * x.blocks));
+    let sums: [*const f32; MR] = std::array::from_fn(|r| x.sums.as_ptr().add((m0 + r) * x.blocks));
     let mask = ((1u32 << (op.n - tile * TILE).min(TILE)) - 1) as u16;
     let out = |r: usize| op.out.get().add((m0 + r) * op.n + tile * TILE);
     let low = _mm512_set1_epi8(0x0F);
@@ -72,6 +74,8 @@ pub(super) unsafe fn gemm_avx512<const MR: usize, const BITS: u8, const SPLIT: b
                 *ygr = _mm512_maskz_loadu_ps(mask, out(r));
             }
         }
+        let sc = w.tile_scales(tile, seg.group).as_ptr();
+        let z = _mm512_loadu_ps(sc.add(TILE));
         for bb in seg.blocks.clone() {
             let mut acc = [_mm512_setzero_si512(); MR];
             let mut rest = [_mm512_setzero_si512(); MR];
@@ -109,6 +113,8 @@ pub(super) unsafe fn gemm_avx512<const MR: usize, const BITS: u8, const SPLIT: b
                     let dr = _mm512_set1_ps(d / RESIDUAL_STEPS);
                     yg[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest[r]), dr, yg[r]);
                 }
+                let dsum = _mm512_set1_ps(d * *sums[r].add(bb));
+                yg[r] = _mm512_fnmadd_ps(z, dsum, yg[r]);
             }
         }
         if !seg.ends_group {
@@ -116,17 +122,13 @@ pub(super) unsafe fn gemm_avx512<const MR: usize, const BITS: u8, const SPLIT: b
                 _mm512_mask_storeu_ps(out(r), mask, *ygr);
             }
         } else {
-            let sc = w.tile_scales(tile, seg.group).as_ptr();
             let s = _mm512_loadu_ps(sc);
-            let sz = _mm512_mul_ps(s, _mm512_loadu_ps(sc.add(TILE)));
             for (r, ygr) in yg.iter().enumerate() {
                 let prev = match seg.adds {
                     true => _mm512_maskz_loadu_ps(mask, out(r)),
                     false => _mm512_setzero_ps(),
                 };
-                let y = _mm512_fmadd_ps(*ygr, s, prev);
-                let dsum = _mm512_set1_ps(op.group_sum(m0 + r, seg.group));
-                _mm512_mask_storeu_ps(out(r), mask, _mm512_fnmadd_ps(sz, dsum, y));
+                _mm512_mask_storeu_ps(out(r), mask, _mm512_fmadd_ps(*ygr, s, prev));
             }
         }
         b = seg.blocks.end;
@@ -213,6 +215,11 @@ macro_rules! gemm_256 {
                             *ygr = load_lanes(out(r), valid);
                         }
                     }
+                    let sc = w.tile_scales(tile, seg.group).as_ptr().add(half * 8);
+                    let mut z = _mm256_loadu_ps(sc.add(TILE));
+                    if BITS == 8 && $offset8 {
+                        z = _mm256_sub_ps(z, _mm256_set1_ps(128.0));
+                    }
                     for bb in seg.blocks.clone() {
                         let tb = data.add(bb * per + half * 32);
                         let at = bb * BLOCK;
@@ -245,13 +252,16 @@ macro_rules! gemm_256 {
                             }
                         }
                         for r in 0..MR {
-                            let d = *x.scales.get_unchecked((m0 + r) * x.blocks + bb);
+                            let i = (m0 + r) * x.blocks + bb;
+                            let d = *x.scales.get_unchecked(i);
                             let dv = _mm256_set1_ps(d);
                             yg[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), dv, yg[r]);
                             if SPLIT {
                                 let dr = _mm256_set1_ps(d / RESIDUAL_STEPS);
                                 yg[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rest[r]), dr, yg[r]);
                             }
+                            let dsum = _mm256_set1_ps(d * *x.sums.get_unchecked(i));
+                            yg[r] = _mm256_fnmadd_ps(z, dsum, yg[r]);
                         }
                     }
                     if !seg.ends_group {
@@ -259,21 +269,13 @@ macro_rules! gemm_256 {
                             store_lanes(out(r), *ygr, valid);
                         }
                     } else {
-                        let sc = w.tile_scales(tile, seg.group).as_ptr().add(half * 8);
                         let s = _mm256_loadu_ps(sc);
-                        let mut z = _mm256_loadu_ps(sc.add(TILE));
-                        if BITS == 8 && $offset8 {
-                            z = _mm256_sub_ps(z, _mm256_set1_ps(128.0));
-                        }
-                        let sz = _mm256_mul_ps(s, z);
                         for (r, ygr) in yg.iter().enumerate() {
                             let prev = match seg.adds {
                                 true => load_lanes(out(r), valid),
                                 false => _mm256_setzero_ps(),
                             };
-                            let y = _mm256_fmadd_ps(*ygr, s, prev);
-                            let dsum = _mm256_set1_ps(op.group_sum(m0 + r, seg.group));
-                            store_lanes(out(r), _mm256_fnmadd_ps(sz, dsum, y), valid);
+                            store_lanes(out(r), _mm256_fmadd_ps(*ygr, s, prev), valid);
                         }
                     }
                     b = seg.blocks.end;
