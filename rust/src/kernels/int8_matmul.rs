@@ -15,9 +15,7 @@ use std::ops::Range;
 use super::isa::Isa;
 use super::packed::{PackedWeights, TILE};
 use super::pool::{split, ThreadCount};
-use super::quantize::{
-    quantize_rows, Activations, QuantizedRows, SharedMut, BLOCK, RESIDUAL_STEPS,
-};
+use super::quantize::{quantize_rows, Activations, QuantizedRows, SharedMut, BLOCK};
 use super::KernelError;
 
 /// Rows of activations per panel, at most: the panel's int8 rows stay in L2 (192 x K bytes)
@@ -145,11 +143,11 @@ unsafe fn gemm_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
                     }
                 }
                 let i = row * x.blocks + bb;
-                let (d, dsum) = (x.scales[i], x.scales[i] * x.sums[i]);
+                let (d, dsum) = (x.scales[i], x.scaled_sums[i]);
                 for lane in 0..TILE {
                     yg[lane] = (acc[lane] as f32).mul_add(d, yg[lane]);
                     if SPLIT {
-                        yg[lane] = (rest[lane] as f32).mul_add(d / RESIDUAL_STEPS, yg[lane]);
+                        yg[lane] = (rest[lane] as f32).mul_add(x.residual_scales[i], yg[lane]);
                     }
                     yg[lane] = (-sc[TILE + lane]).mul_add(dsum, yg[lane]);
                 }
@@ -325,6 +323,7 @@ fn run(op: &Operands, isa: Isa, threads: ThreadCount) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::quantize::RESIDUAL_STEPS;
 
     /// A small deterministic generator (xorshift), so the tests need no crate.
     struct Rng(u64);

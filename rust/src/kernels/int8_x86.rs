@@ -26,7 +26,7 @@ use std::ops::Range;
 
 use super::int8_matmul::{Operands, Segment};
 use super::packed::{CHUNK_BYTES, TILE};
-use super::quantize::{BLOCK, RESIDUAL_STEPS};
+use super::quantize::BLOCK;
 
 /// acc + Σ₄ w · broadcast(4 activation bytes at `x`), per int32 lane.
 macro_rules! dot512 {
@@ -60,8 +60,14 @@ pub(super) unsafe fn gemm_avx512<const MR: usize, const BITS: u8, const SPLIT: b
             xs[r]
         }
     });
-    let ds: [*const f32; MR] = std::array::from_fn(|r| x.scales.as_ptr().add((m0 + r) * x.blocks));
-    let sums: [*const f32; MR] = std::array::from_fn(|r| x.sums.as_ptr().add((m0 + r) * x.blocks));
+    let row_floats = |v: &Vec<f32>| -> [*const f32; MR] {
+        std::array::from_fn(|r| v.as_ptr().wrapping_add((m0 + r) * x.blocks))
+    };
+    let (ds, dr, dsums) = (
+        row_floats(&x.scales),
+        row_floats(&x.residual_scales),
+        row_floats(&x.scaled_sums),
+    );
     let mask = ((1u32 << (op.n - tile * TILE).min(TILE)) - 1) as u16;
     let out = |r: usize| op.out.get().add((m0 + r) * op.n + tile * TILE);
     let low = _mm512_set1_epi8(0x0F);
@@ -106,15 +112,15 @@ pub(super) unsafe fn gemm_avx512<const MR: usize, const BITS: u8, const SPLIT: b
                     }
                 }
             }
+            // The scalars are broadcast from memory: loads, not vector work.
             for r in 0..MR {
-                let d = *ds[r].add(bb);
-                yg[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(d), yg[r]);
+                let d = _mm512_set1_ps(*ds[r].add(bb));
+                yg[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), d, yg[r]);
                 if SPLIT {
-                    let dr = _mm512_set1_ps(d / RESIDUAL_STEPS);
-                    yg[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest[r]), dr, yg[r]);
+                    let d_rest = _mm512_set1_ps(*dr[r].add(bb));
+                    yg[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest[r]), d_rest, yg[r]);
                 }
-                let dsum = _mm512_set1_ps(d * *sums[r].add(bb));
-                yg[r] = _mm512_fnmadd_ps(z, dsum, yg[r]);
+                yg[r] = _mm512_fnmadd_ps(z, _mm512_set1_ps(*dsums[r].add(bb)), yg[r]);
             }
         }
         if !seg.ends_group {
@@ -253,14 +259,14 @@ macro_rules! gemm_256 {
                         }
                         for r in 0..MR {
                             let i = (m0 + r) * x.blocks + bb;
-                            let d = *x.scales.get_unchecked(i);
-                            let dv = _mm256_set1_ps(d);
-                            yg[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), dv, yg[r]);
+                            let d = _mm256_set1_ps(*x.scales.get_unchecked(i));
+                            yg[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), d, yg[r]);
                             if SPLIT {
-                                let dr = _mm256_set1_ps(d / RESIDUAL_STEPS);
-                                yg[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rest[r]), dr, yg[r]);
+                                let d_rest = _mm256_set1_ps(*x.residual_scales.get_unchecked(i));
+                                let f = _mm256_cvtepi32_ps(rest[r]);
+                                yg[r] = _mm256_fmadd_ps(f, d_rest, yg[r]);
                             }
-                            let dsum = _mm256_set1_ps(d * *x.sums.get_unchecked(i));
+                            let dsum = _mm256_set1_ps(*x.scaled_sums.get_unchecked(i));
                             yg[r] = _mm256_fnmadd_ps(z, dsum, yg[r]);
                         }
                     }

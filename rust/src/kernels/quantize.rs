@@ -40,8 +40,11 @@ pub struct QuantizedRows {
     pub residuals: Vec<i8>,
     /// (rows, blocks) scales d.
     pub scales: Vec<f32>,
-    /// (rows, blocks) Σ xq (+ Σ xr / 254 with the second terms), as float.
-    pub sums: Vec<f32>,
+    /// Int8x2: (rows, blocks) d / 254, the second terms' scales; empty otherwise.
+    pub residual_scales: Vec<f32>,
+    /// (rows, blocks) d · Σ xq (+ d · Σ xr / 254 with the second terms): what the weights'
+    /// zero points multiply.
+    pub scaled_sums: Vec<f32>,
 }
 
 impl QuantizedRows {
@@ -63,7 +66,8 @@ struct RowOut<'a> {
     values: &'a mut [i8],
     residuals: Option<&'a mut [i8]>,
     scales: &'a mut [f32],
-    sums: &'a mut [f32],
+    residual_scales: Option<&'a mut [f32]>,
+    scaled_sums: &'a mut [f32],
 }
 
 /// Quantizes one block; returns (d, Σ). `residuals`: the second terms, when wanted.
@@ -109,7 +113,8 @@ fn quantize_row(
         values,
         mut residuals,
         scales,
-        sums,
+        mut residual_scales,
+        scaled_sums,
     } = out;
     let mut finite = true;
     for (b, chunk) in x.chunks(BLOCK).enumerate() {
@@ -118,7 +123,10 @@ fn quantize_row(
         let (scale, sum) = block(chunk, &mut values[at], rest);
         finite &= scale.is_finite();
         scales[b] = scale;
-        sums[b] = sum;
+        scaled_sums[b] = scale * sum;
+        if let Some(r) = residual_scales.as_deref_mut() {
+            r[b] = scale / RESIDUAL_STEPS;
+        }
     }
     finite
 }
@@ -267,12 +275,15 @@ pub fn quantize_rows(
     out.residuals
         .resize(if split_terms { m * blocks * BLOCK } else { 0 }, 0);
     out.scales.resize(m * blocks, 0.0);
-    out.sums.resize(m * blocks, 0.0);
+    out.residual_scales
+        .resize(if split_terms { m * blocks } else { 0 }, 0.0);
+    out.scaled_sums.resize(m * blocks, 0.0);
     let path = RowPath::best();
     let values = SharedMut::new(out.values.as_mut_ptr());
     let residuals = SharedMut::new(out.residuals.as_mut_ptr());
     let scales = SharedMut::new(out.scales.as_mut_ptr());
-    let sums = SharedMut::new(out.sums.as_mut_ptr());
+    let residual_scales = SharedMut::new(out.residual_scales.as_mut_ptr());
+    let scaled_sums = SharedMut::new(out.scaled_sums.as_mut_ptr());
     let finite = AtomicBool::new(true);
     // A few rows take microseconds: not worth waking the pool (and yielding a core) for.
     let threads = if m * blocks < PARALLEL_BLOCKS {
@@ -291,7 +302,16 @@ pub fn quantize_rows(
                         std::slice::from_raw_parts_mut(residuals.get().add(r * per_row), per_row)
                     }),
                     scales: std::slice::from_raw_parts_mut(scales.get().add(r * blocks), blocks),
-                    sums: std::slice::from_raw_parts_mut(sums.get().add(r * blocks), blocks),
+                    residual_scales: split_terms.then(|| {
+                        std::slice::from_raw_parts_mut(
+                            residual_scales.get().add(r * blocks),
+                            blocks,
+                        )
+                    }),
+                    scaled_sums: std::slice::from_raw_parts_mut(
+                        scaled_sums.get().add(r * blocks),
+                        blocks,
+                    ),
                 }
             };
             if !path.quantize(&x[r * k..(r + 1) * k], row_out) {
@@ -371,7 +391,11 @@ mod tests {
                         .get(at)
                         .map_or(0, |r| r.iter().map(|&v| v as i32).sum());
                     let want = sum as f32 + rest as f32 / RESIDUAL_STEPS;
-                    assert!((want - q.sums[r * 3 + b]).abs() < 1e-3);
+                    let d = q.scales[r * 3 + b];
+                    assert!((want * d - q.scaled_sums[r * 3 + b]).abs() < 1e-3 * d);
+                    if q.split() {
+                        assert_eq!(q.residual_scales[r * 3 + b], d / RESIDUAL_STEPS);
+                    }
                 }
             }
             // The padding past K is zero.
@@ -389,7 +413,7 @@ mod tests {
         assert_eq!(&q.values[..3], &[-127, 127, -127]);
         assert!(q.values.iter().chain(&q.residuals).all(|&v| v >= -127));
         assert_eq!(q.scales[1], 0.0);
-        assert_eq!(q.sums[1], 0.0);
+        assert_eq!(q.scaled_sums[1], 0.0);
         assert!(q.residuals[32..].iter().all(|&v| v == 0));
     }
 
@@ -411,20 +435,22 @@ mod tests {
         assert!(quantize(&[0.0; 5], 2, 3, Activations::Int8).is_err());
     }
 
-    /// One row through `path`: (values, residuals, scale bits, sum bits).
-    fn row_with(path: RowPath, x: &[f32], split: bool) -> (Vec<i8>, Vec<i8>, Vec<u32>, Vec<u32>) {
+    /// One row through `path`: its bytes, and the bits of its scales, second scales and sums.
+    fn row_with(path: RowPath, x: &[f32], split: bool) -> (Vec<i8>, Vec<i8>, Vec<Vec<u32>>) {
         let blocks = x.len().div_ceil(BLOCK);
         let (mut values, mut residuals) = (vec![1i8; blocks * BLOCK], vec![1i8; blocks * BLOCK]);
-        let (mut scales, mut sums) = (vec![0f32; blocks], vec![0f32; blocks]);
+        let mut floats = [vec![0f32; blocks], vec![0f32; blocks], vec![0f32; blocks]];
+        let [scales, residual_scales, scaled_sums] = &mut floats;
         let out = RowOut {
             values: &mut values,
             residuals: split.then_some(&mut residuals[..]),
-            scales: &mut scales,
-            sums: &mut sums,
+            scales,
+            residual_scales: split.then_some(&mut residual_scales[..]),
+            scaled_sums,
         };
         assert!(path.quantize(x, out));
-        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect();
-        (values, residuals, bits(scales), bits(sums))
+        let bits = floats.map(|v| v.into_iter().map(f32::to_bits).collect());
+        (values, residuals, bits.to_vec())
     }
 
     #[test]
