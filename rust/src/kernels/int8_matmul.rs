@@ -87,7 +87,7 @@ type KernelFn = unsafe fn(&Operands, usize, usize, Range<usize>);
 
 /// The rows a kernel call takes: its sums in registers (2·MR of AVX-512's 32, 3·MR with the
 /// second term).
-pub fn max_rows(isa: Isa) -> usize {
+fn max_rows(isa: Isa) -> usize {
     match isa {
         Isa::Avx2 | Isa::AvxVnni => 4,
         Isa::Scalar | Isa::Avx512Vnni => 8,

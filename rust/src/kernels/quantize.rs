@@ -51,14 +51,6 @@ impl QuantizedRows {
     pub fn split(&self) -> bool {
         !self.residuals.is_empty()
     }
-
-    pub fn value_ptr(&self, row: usize, block: usize) -> *const i8 {
-        self.values[(row * self.blocks + block) * BLOCK..].as_ptr()
-    }
-
-    pub fn residual_ptr(&self, row: usize, block: usize) -> *const i8 {
-        self.residuals[(row * self.blocks + block) * BLOCK..].as_ptr()
-    }
 }
 
 /// One row's share of the outputs.
