@@ -33,9 +33,15 @@ const CHUNK_BYTES: usize = 16 * 1024;
 /// fmas; the scale s once per group. The zero point is taken off block by block, so the float
 /// sums never grow much past the block's own size (weights whose q sits near a large z, as
 /// min-max quantization makes them beside outlier channels, would cancel badly otherwise).
+///
+/// With one integer zero point for the whole weight (`PackedWeights::uniform_zero`), the AVX-512
+/// and portable kernels start each block's int32 sums at −z·Σxq instead (exact, and no float
+/// work: the weight's zero point is most often the same z = 2^(bits−1) everywhere).
 pub(super) struct Operands<'a> {
     pub w: &'a PackedWeights,
     pub x: &'a QuantizedRows,
+    /// With a uniform zero point: (rows, blocks, terms) −z·Σxq (then −z·Σxr); else empty.
+    pub zero_offsets: &'a [i32],
     /// (rows, n) float32.
     pub out: SharedMut<f32>,
     pub n: usize,
@@ -95,7 +101,7 @@ fn max_rows(isa: Isa) -> usize {
 }
 
 /// The portable kernel: the same layout and arithmetic as the SIMD ones, one lane at a time.
-unsafe fn gemm_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
+unsafe fn gemm_scalar<const MR: usize, const BITS: u8, const SPLIT: bool, const UNIFORM: bool>(
     op: &Operands,
     tile: usize,
     m0: usize,
@@ -124,7 +130,15 @@ unsafe fn gemm_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
                 } else {
                     xs
                 };
+                let i = row * x.blocks + bb;
                 let (mut acc, mut rest) = ([0i32; TILE], [0i32; TILE]);
+                if UNIFORM {
+                    let terms = if SPLIT { 2 } else { 1 };
+                    acc = [op.zero_offsets[i * terms]; TILE];
+                    if SPLIT {
+                        rest = [op.zero_offsets[i * 2 + 1]; TILE];
+                    }
+                }
                 for (c, (&xv, &rv)) in xs.iter().zip(rs).enumerate() {
                     let (j, i) = (c / 4, c % 4);
                     for (lane, a) in acc.iter_mut().enumerate() {
@@ -142,14 +156,15 @@ unsafe fn gemm_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
                         rest[lane] += q as i32 * rv as i32;
                     }
                 }
-                let i = row * x.blocks + bb;
                 let (d, dsum) = (x.scales[i], x.scaled_sums[i]);
                 for lane in 0..TILE {
                     yg[lane] = (acc[lane] as f32).mul_add(d, yg[lane]);
                     if SPLIT {
                         yg[lane] = (rest[lane] as f32).mul_add(x.residual_scales[i], yg[lane]);
                     }
-                    yg[lane] = (-sc[TILE + lane]).mul_add(dsum, yg[lane]);
+                    if !UNIFORM {
+                        yg[lane] = (-sc[TILE + lane]).mul_add(dsum, yg[lane]);
+                    }
                 }
             }
             if !seg.ends_group {
@@ -166,16 +181,16 @@ unsafe fn gemm_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
 }
 
 macro_rules! by_rows {
-    ($f:ident, $rows:expr, $bits:literal, $split:literal) => {
+    ($f:ident, $rows:expr, $($c:tt),*) => {
         match $rows {
-            1 => $f::<1, $bits, $split> as KernelFn,
-            2 => $f::<2, $bits, $split>,
-            3 => $f::<3, $bits, $split>,
-            4 => $f::<4, $bits, $split>,
-            5 => $f::<5, $bits, $split>,
-            6 => $f::<6, $bits, $split>,
-            7 => $f::<7, $bits, $split>,
-            _ => $f::<8, $bits, $split>,
+            1 => $f::<1, $($c),*> as KernelFn,
+            2 => $f::<2, $($c),*>,
+            3 => $f::<3, $($c),*>,
+            4 => $f::<4, $($c),*>,
+            5 => $f::<5, $($c),*>,
+            6 => $f::<6, $($c),*>,
+            7 => $f::<7, $($c),*>,
+            _ => $f::<8, $($c),*>,
         }
     };
 }
@@ -189,21 +204,39 @@ macro_rules! pick {
             (_, true) => by_rows!($f, $rows, 8, true),
         }
     };
+    ($f:ident, $rows:expr, $bits:expr, $split:expr, $uniform:expr) => {
+        match ($bits, $split, $uniform) {
+            (4, false, false) => by_rows!($f, $rows, 4, false, false),
+            (4, true, false) => by_rows!($f, $rows, 4, true, false),
+            (_, false, false) => by_rows!($f, $rows, 8, false, false),
+            (_, true, false) => by_rows!($f, $rows, 8, true, false),
+            (4, false, true) => by_rows!($f, $rows, 4, false, true),
+            (4, true, true) => by_rows!($f, $rows, 4, true, true),
+            (_, false, true) => by_rows!($f, $rows, 8, false, true),
+            (_, true, true) => by_rows!($f, $rows, 8, true, true),
+        }
+    };
 }
 
-/// The kernel of `rows` rows on `isa`.
-fn kernel(isa: Isa, rows: usize, bits: u8, split: bool) -> KernelFn {
+/// The kernel of `rows` rows on `isa`; `uniform`: the weight has one integer zero point.
+fn kernel(isa: Isa, rows: usize, bits: u8, split: bool, uniform: bool) -> KernelFn {
     #[cfg(target_arch = "x86_64")]
     {
         use super::int8_x86::{gemm_avx2, gemm_avx512, gemm_avxvnni};
         match isa {
-            Isa::Avx512Vnni => return pick!(gemm_avx512, rows, bits, split),
+            Isa::Avx512Vnni => return pick!(gemm_avx512, rows, bits, split, uniform),
             Isa::AvxVnni => return pick!(gemm_avxvnni, rows, bits, split),
             Isa::Avx2 => return pick!(gemm_avx2, rows, bits, split),
             Isa::Scalar => {}
         }
     }
-    pick!(gemm_scalar, rows, bits, split)
+    pick!(gemm_scalar, rows, bits, split, uniform)
+}
+
+/// Whether `isa`'s kernels take a uniform zero point off the int32 sums (the 256-bit ones
+/// always take z off the float sums).
+fn takes_uniform_zero(isa: Isa) -> bool {
+    matches!(isa, Isa::Avx512Vnni | Isa::Scalar)
 }
 
 /// How a call's work is cut: kernel calls of `rows` rows and one tile, K in chunks of `chunk`
@@ -288,14 +321,24 @@ pub fn matmul_quantized(
     isa: Isa,
     threads: ThreadCount,
 ) {
+    thread_local! {
+        static ZERO_OFFSETS: RefCell<Vec<i32>> = const { RefCell::new(Vec::new()) };
+    }
     assert!(isa.supported() && x.blocks == w.blocks && out.len() == x.rows * w.n);
-    let op = Operands {
-        w,
-        x,
-        out: SharedMut::new(out.as_mut_ptr()),
-        n: w.n,
-    };
-    run(&op, isa, threads);
+    ZERO_OFFSETS.with_borrow_mut(|offsets| {
+        offsets.clear();
+        if let Some(z) = w.uniform_zero.filter(|_| takes_uniform_zero(isa)) {
+            offsets.extend(x.sums.iter().map(|s| -z * s));
+        }
+        let op = Operands {
+            w,
+            x,
+            zero_offsets: offsets,
+            out: SharedMut::new(out.as_mut_ptr()),
+            n: w.n,
+        };
+        run(&op, isa, threads);
+    })
 }
 
 fn run(op: &Operands, isa: Isa, threads: ThreadCount) {
@@ -310,7 +353,8 @@ fn run(op: &Operands, isa: Isa, threads: ThreadCount) {
                 let chunk = k0..(k0 + plan.chunk).min(w.blocks);
                 for m0 in rows.clone().step_by(plan.rows) {
                     let mr = plan.rows.min(rows.end - m0);
-                    let f = kernel(isa, mr, w.bits, op.x.split());
+                    let uniform = !op.zero_offsets.is_empty();
+                    let f = kernel(isa, mr, w.bits, op.x.split(), uniform);
                     // SAFETY: `isa` is supported; the kernel writes rows m0..m0+mr of tile
                     // `tile`'s columns (< n) of `out`, a part no other unit writes; chunks of K
                     // end inside a group only when there is one group (`Segment`).
@@ -521,13 +565,13 @@ mod tests {
         // The GEMM (chunks of K, panels) and the GEMV (whole K) add the same terms in the same
         // order: a prompt's rows and a decode step's give the same bits.
         let mut rng = Rng(5);
-        for (bits, k, groups) in [(8u8, 1100, 1), (4, 2240, 35)] {
+        for (bits, k, groups, symmetric) in [(8u8, 1100, 1, true), (4, 2240, 35, false)] {
             let case = Case {
                 n: 20,
                 k,
                 bits,
                 groups,
-                symmetric: false,
+                symmetric,
             };
             let w = weights(&case, &mut rng);
             let packed = PackedWeights::pack(&w.q, &w.s, &w.z, case.n, k, bits).unwrap();

@@ -42,7 +42,12 @@ macro_rules! dot512 {
 /// One tile (16 output columns) for MR rows over `blocks` (see `Segment` for what `out` holds
 /// between calls).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn gemm_avx512<const MR: usize, const BITS: u8, const SPLIT: bool>(
+pub(super) unsafe fn gemm_avx512<
+    const MR: usize,
+    const BITS: u8,
+    const SPLIT: bool,
+    const UNIFORM: bool,
+>(
     op: &Operands,
     tile: usize,
     m0: usize,
@@ -63,6 +68,12 @@ pub(super) unsafe fn gemm_avx512<const MR: usize, const BITS: u8, const SPLIT: b
     let row_floats = |v: &Vec<f32>| -> [*const f32; MR] {
         std::array::from_fn(|r| v.as_ptr().wrapping_add((m0 + r) * x.blocks))
     };
+    let terms = if SPLIT { 2 } else { 1 };
+    let offsets: [*const i32; MR] = std::array::from_fn(|r| {
+        op.zero_offsets
+            .as_ptr()
+            .wrapping_add((m0 + r) * x.blocks * terms)
+    });
     let (ds, dr, dsums) = (
         row_floats(&x.scales),
         row_floats(&x.residual_scales),
@@ -83,8 +94,16 @@ pub(super) unsafe fn gemm_avx512<const MR: usize, const BITS: u8, const SPLIT: b
         let sc = w.tile_scales(tile, seg.group).as_ptr();
         let z = _mm512_loadu_ps(sc.add(TILE));
         for bb in seg.blocks.clone() {
-            let mut acc = [_mm512_setzero_si512(); MR];
-            let mut rest = [_mm512_setzero_si512(); MR];
+            // With a uniform zero point the sums start at −z·Σxq (a broadcast load).
+            let start = |r: usize, term: usize| match UNIFORM {
+                true => _mm512_set1_epi32(*offsets[r].add(bb * terms + term)),
+                false => _mm512_setzero_si512(),
+            };
+            let mut acc: [__m512i; MR] = std::array::from_fn(|r| start(r, 0));
+            let mut rest: [__m512i; MR] = std::array::from_fn(|r| match SPLIT {
+                true => start(r, 1),
+                false => _mm512_setzero_si512(),
+            });
             let (tb, at) = (data.add(bb * per), bb * BLOCK);
             if BITS == 8 {
                 for j in 0..8 {
@@ -120,7 +139,9 @@ pub(super) unsafe fn gemm_avx512<const MR: usize, const BITS: u8, const SPLIT: b
                     let d_rest = _mm512_set1_ps(*dr[r].add(bb));
                     yg[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest[r]), d_rest, yg[r]);
                 }
-                yg[r] = _mm512_fnmadd_ps(z, _mm512_set1_ps(*dsums[r].add(bb)), yg[r]);
+                if !UNIFORM {
+                    yg[r] = _mm512_fnmadd_ps(z, _mm512_set1_ps(*dsums[r].add(bb)), yg[r]);
+                }
             }
         }
         if !seg.ends_group {

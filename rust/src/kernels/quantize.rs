@@ -46,6 +46,8 @@ pub struct QuantizedRows {
     /// (rows, blocks) d · Σ xq (+ d · Σ xr / 254 with the second terms): what the weights'
     /// zero points multiply.
     pub scaled_sums: Vec<f32>,
+    /// (rows, blocks, terms) Σ xq, then Σ xr with the second terms (terms = 2).
+    pub sums: Vec<i32>,
 }
 
 impl QuantizedRows {
@@ -61,10 +63,19 @@ struct RowOut<'a> {
     scales: &'a mut [f32],
     residual_scales: Option<&'a mut [f32]>,
     scaled_sums: &'a mut [f32],
+    sums: &'a mut [i32],
 }
 
-/// Quantizes one block; returns (d, Σ). `residuals`: the second terms, when wanted.
-fn quantize_block(x: &[f32], out: &mut [i8], residuals: Option<&mut [i8]>) -> (f32, f32) {
+/// A block's scale d and the sums of its int8 terms (Σ xr = 0 without the second terms).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct BlockSums {
+    scale: f32,
+    sum: i32,
+    residual_sum: i32,
+}
+
+/// Quantizes one block. `residuals`: the second terms, when wanted.
+fn quantize_block(x: &[f32], out: &mut [i8], residuals: Option<&mut [i8]>) -> BlockSums {
     // f32::max skips NaN: a block holding a NaN or an infinity gets a NaN scale, and its row
     // is then reported as not finite.
     let finite = x.iter().fold(true, |f, v| f & v.is_finite());
@@ -77,8 +88,13 @@ fn quantize_block(x: &[f32], out: &mut [i8], residuals: Option<&mut [i8]>) -> (f
         *o = q;
     }
     out[x.len()..].fill(0);
+    let scale = amax / 127.0;
     let Some(residuals) = residuals else {
-        return (amax / 127.0, sum as f32);
+        return BlockSums {
+            scale,
+            sum,
+            residual_sum: 0,
+        };
     };
     let mut residual_sum = 0i32;
     for ((r, v), &q) in residuals.iter_mut().zip(x).zip(out.iter()) {
@@ -88,10 +104,11 @@ fn quantize_block(x: &[f32], out: &mut [i8], residuals: Option<&mut [i8]>) -> (f
         *r = q;
     }
     residuals[x.len()..].fill(0);
-    (
-        amax / 127.0,
-        sum as f32 + residual_sum as f32 / RESIDUAL_STEPS,
-    )
+    BlockSums {
+        scale,
+        sum,
+        residual_sum,
+    }
 }
 
 /// Returns false when the row holds a NaN or an infinity. `block` quantizes one block as
@@ -100,7 +117,7 @@ fn quantize_block(x: &[f32], out: &mut [i8], residuals: Option<&mut [i8]>) -> (f
 fn quantize_row(
     x: &[f32],
     out: RowOut<'_>,
-    block: impl Fn(&[f32], &mut [i8], Option<&mut [i8]>) -> (f32, f32),
+    block: impl Fn(&[f32], &mut [i8], Option<&mut [i8]>) -> BlockSums,
 ) -> bool {
     let RowOut {
         values,
@@ -108,17 +125,27 @@ fn quantize_row(
         scales,
         mut residual_scales,
         scaled_sums,
+        sums,
     } = out;
+    let terms = if residuals.is_some() { 2 } else { 1 };
     let mut finite = true;
     for (b, chunk) in x.chunks(BLOCK).enumerate() {
         let at = b * BLOCK..(b + 1) * BLOCK;
         let rest = residuals.as_deref_mut().map(|r| &mut r[at.clone()]);
-        let (scale, sum) = block(chunk, &mut values[at], rest);
+        let BlockSums {
+            scale,
+            sum,
+            residual_sum,
+        } = block(chunk, &mut values[at], rest);
         finite &= scale.is_finite();
         scales[b] = scale;
-        scaled_sums[b] = scale * sum;
+        sums[b * terms] = sum;
         if let Some(r) = residual_scales.as_deref_mut() {
             r[b] = scale / RESIDUAL_STEPS;
+            sums[b * terms + 1] = residual_sum;
+            scaled_sums[b] = scale * (sum as f32 + residual_sum as f32 / RESIDUAL_STEPS);
+        } else {
+            scaled_sums[b] = scale * sum as f32;
         }
     }
     finite
@@ -162,7 +189,7 @@ impl RowPath {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{quantize_block, quantize_row, RowOut, RESIDUAL_STEPS};
+    use super::{quantize_block, quantize_row, BlockSums, RowOut, RESIDUAL_STEPS};
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn quantize_row_avx2(x: &[f32], out: RowOut<'_>) -> bool {
@@ -182,7 +209,7 @@ mod x86 {
         x: &[f32],
         out: &mut [i8],
         residuals: Option<&mut [i8]>,
-    ) -> (f32, f32) {
+    ) -> BlockSums {
         let lanes = |from: usize| match x.len().saturating_sub(from) {
             0 => 0u16,
             n if n >= 16 => u16::MAX,
@@ -214,8 +241,13 @@ mod x86 {
         _mm_storeu_si128(out, _mm512_cvtepi32_epi8(q[0]));
         _mm_storeu_si128(out.add(1), _mm512_cvtepi32_epi8(q[1]));
         let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+        let scale = amax / 127.0;
         let Some(residuals) = residuals else {
-            return (amax / 127.0, sum as f32);
+            return BlockSums {
+                scale,
+                sum,
+                residual_sum: 0,
+            };
         };
         let steps = _mm512_set1_ps(RESIDUAL_STEPS);
         let rest = [0, 1].map(|i| {
@@ -226,10 +258,11 @@ mod x86 {
         _mm_storeu_si128(residuals, _mm512_cvtepi32_epi8(rest[0]));
         _mm_storeu_si128(residuals.add(1), _mm512_cvtepi32_epi8(rest[1]));
         let residual_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(rest[0], rest[1]));
-        (
-            amax / 127.0,
-            sum as f32 + residual_sum as f32 / RESIDUAL_STEPS,
-        )
+        BlockSums {
+            scale,
+            sum,
+            residual_sum,
+        }
     }
 }
 
@@ -271,12 +304,15 @@ pub fn quantize_rows(
     out.residual_scales
         .resize(if split_terms { m * blocks } else { 0 }, 0.0);
     out.scaled_sums.resize(m * blocks, 0.0);
+    let terms = if split_terms { 2 } else { 1 };
+    out.sums.resize(m * blocks * terms, 0);
     let path = RowPath::best();
     let values = SharedMut::new(out.values.as_mut_ptr());
     let residuals = SharedMut::new(out.residuals.as_mut_ptr());
     let scales = SharedMut::new(out.scales.as_mut_ptr());
     let residual_scales = SharedMut::new(out.residual_scales.as_mut_ptr());
     let scaled_sums = SharedMut::new(out.scaled_sums.as_mut_ptr());
+    let sums = SharedMut::new(out.sums.as_mut_ptr());
     let finite = AtomicBool::new(true);
     // A few rows take microseconds: not worth waking the pool (and yielding a core) for.
     let threads = if m * blocks < PARALLEL_BLOCKS {
@@ -304,6 +340,10 @@ pub fn quantize_rows(
                     scaled_sums: std::slice::from_raw_parts_mut(
                         scaled_sums.get().add(r * blocks),
                         blocks,
+                    ),
+                    sums: std::slice::from_raw_parts_mut(
+                        sums.get().add(r * blocks * terms),
+                        blocks * terms,
                     ),
                 }
             };
@@ -386,6 +426,11 @@ mod tests {
                     let want = sum as f32 + rest as f32 / RESIDUAL_STEPS;
                     let d = q.scales[r * 3 + b];
                     assert!((want * d - q.scaled_sums[r * 3 + b]).abs() < 1e-3 * d);
+                    let terms = if q.split() { 2 } else { 1 };
+                    assert_eq!(q.sums[(r * 3 + b) * terms], sum);
+                    if q.split() {
+                        assert_eq!(q.sums[(r * 3 + b) * 2 + 1], rest);
+                    }
                     if q.split() {
                         assert_eq!(q.residual_scales[r * 3 + b], d / RESIDUAL_STEPS);
                     }
@@ -434,16 +479,21 @@ mod tests {
         let (mut values, mut residuals) = (vec![1i8; blocks * BLOCK], vec![1i8; blocks * BLOCK]);
         let mut floats = [vec![0f32; blocks], vec![0f32; blocks], vec![0f32; blocks]];
         let [scales, residual_scales, scaled_sums] = &mut floats;
+        let mut sums = vec![0i32; 2 * blocks];
         let out = RowOut {
             values: &mut values,
             residuals: split.then_some(&mut residuals[..]),
             scales,
             residual_scales: split.then_some(&mut residual_scales[..]),
             scaled_sums,
+            sums: &mut sums,
         };
         assert!(path.quantize(x, out));
-        let bits = floats.map(|v| v.into_iter().map(f32::to_bits).collect());
-        (values, residuals, bits.to_vec())
+        let mut bits: Vec<Vec<u32>> = floats
+            .map(|v| v.into_iter().map(f32::to_bits).collect())
+            .to_vec();
+        bits.push(sums.into_iter().map(|v| v as u32).collect());
+        (values, residuals, bits)
     }
 
     #[test]
