@@ -34,9 +34,9 @@ const CHUNK_BYTES: usize = 16 * 1024;
 /// sums never grow much past the block's own size (weights whose q sits near a large z, as
 /// min-max quantization makes them beside outlier channels, would cancel badly otherwise).
 ///
-/// With one integer zero point for the whole weight (`PackedWeights::uniform_zero`), the AVX-512
-/// and portable kernels start each block's int32 sums at −z·Σxq instead (exact, and no float
-/// work: the weight's zero point is most often the same z = 2^(bits−1) everywhere).
+/// With one integer zero point for the whole weight (`PackedWeights::uniform_zero`), the
+/// kernels start each block's int32 sums at −z·Σxq instead (exact, and no float work: the
+/// weight's zero point is most often the same z = 2^(bits−1) everywhere).
 pub(super) struct Operands<'a> {
     pub w: &'a PackedWeights,
     pub x: &'a QuantizedRows,
@@ -196,14 +196,6 @@ macro_rules! by_rows {
 }
 
 macro_rules! pick {
-    ($f:ident, $rows:expr, $bits:expr, $split:expr) => {
-        match ($bits, $split) {
-            (4, false) => by_rows!($f, $rows, 4, false),
-            (4, true) => by_rows!($f, $rows, 4, true),
-            (_, false) => by_rows!($f, $rows, 8, false),
-            (_, true) => by_rows!($f, $rows, 8, true),
-        }
-    };
     ($f:ident, $rows:expr, $bits:expr, $split:expr, $uniform:expr) => {
         match ($bits, $split, $uniform) {
             (4, false, false) => by_rows!($f, $rows, 4, false, false),
@@ -225,18 +217,12 @@ fn kernel(isa: Isa, rows: usize, bits: u8, split: bool, uniform: bool) -> Kernel
         use super::int8_x86::{gemm_avx2, gemm_avx512, gemm_avxvnni};
         match isa {
             Isa::Avx512Vnni => return pick!(gemm_avx512, rows, bits, split, uniform),
-            Isa::AvxVnni => return pick!(gemm_avxvnni, rows, bits, split),
-            Isa::Avx2 => return pick!(gemm_avx2, rows, bits, split),
+            Isa::AvxVnni => return pick!(gemm_avxvnni, rows, bits, split, uniform),
+            Isa::Avx2 => return pick!(gemm_avx2, rows, bits, split, uniform),
             Isa::Scalar => {}
         }
     }
     pick!(gemm_scalar, rows, bits, split, uniform)
-}
-
-/// Whether `isa`'s kernels take a uniform zero point off the int32 sums (the 256-bit ones
-/// always take z off the float sums).
-fn takes_uniform_zero(isa: Isa) -> bool {
-    matches!(isa, Isa::Avx512Vnni | Isa::Scalar)
 }
 
 /// How a call's work is cut: kernel calls of `rows` rows and one tile, K in chunks of `chunk`
@@ -327,7 +313,7 @@ pub fn matmul_quantized(
     assert!(isa.supported() && x.blocks == w.blocks && out.len() == x.rows * w.n);
     ZERO_OFFSETS.with_borrow_mut(|offsets| {
         offsets.clear();
-        if let Some(z) = w.uniform_zero.filter(|_| takes_uniform_zero(isa)) {
+        if let Some(z) = w.uniform_zero {
             offsets.extend(x.sums.iter().map(|s| -z * s));
         }
         let op = Operands {
@@ -353,7 +339,7 @@ fn run(op: &Operands, isa: Isa, threads: ThreadCount) {
                 let chunk = k0..(k0 + plan.chunk).min(w.blocks);
                 for m0 in rows.clone().step_by(plan.rows) {
                     let mr = plan.rows.min(rows.end - m0);
-                    let uniform = !op.zero_offsets.is_empty();
+                    let uniform = w.uniform_zero.is_some();
                     let f = kernel(isa, mr, w.bits, op.x.split(), uniform);
                     // SAFETY: `isa` is supported; the kernel writes rows m0..m0+mr of tile
                     // `tile`'s columns (< n) of `out`, a part no other unit writes; chunks of K

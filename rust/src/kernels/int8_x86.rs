@@ -205,7 +205,12 @@ unsafe fn store_lanes(at: *mut f32, values: __m256, valid: usize) {
 macro_rules! gemm_256 {
     ($name:ident, $features:literal, $dot4:ident, $dot8:ident, $offset8:expr) => {
         #[target_feature(enable = $features)]
-        pub(super) unsafe fn $name<const MR: usize, const BITS: u8, const SPLIT: bool>(
+        pub(super) unsafe fn $name<
+            const MR: usize,
+            const BITS: u8,
+            const SPLIT: bool,
+            const UNIFORM: bool,
+        >(
             op: &Operands,
             tile: usize,
             m0: usize,
@@ -250,8 +255,23 @@ macro_rules! gemm_256 {
                     for bb in seg.blocks.clone() {
                         let tb = data.add(bb * per + half * 32);
                         let at = bb * BLOCK;
-                        let mut acc = [_mm256_setzero_si256(); MR];
-                        let mut rest = [_mm256_setzero_si256(); MR];
+                        // A uniform zero point z (z − 128 for offset weights) is taken off
+                        // the int32 sums: they start at −z·Σxq.
+                        let terms = if SPLIT { 2 } else { 1 };
+                        let start = |r: usize, term: usize| {
+                            let zero = w.uniform_zero.unwrap_or(0)
+                                - if BITS == 8 && $offset8 { 128 } else { 0 };
+                            let i = ((m0 + r) * x.blocks + bb) * terms + term;
+                            match UNIFORM {
+                                true => _mm256_set1_epi32(-zero * *x.sums.get_unchecked(i)),
+                                false => _mm256_setzero_si256(),
+                            }
+                        };
+                        let mut acc: [__m256i; MR] = std::array::from_fn(|r| start(r, 0));
+                        let mut rest: [__m256i; MR] = std::array::from_fn(|r| match SPLIT {
+                            true => start(r, 1),
+                            false => _mm256_setzero_si256(),
+                        });
                         if BITS == 8 {
                             for j in 0..8 {
                                 let wv = _mm256_loadu_si256(tb.add(j * CHUNK_BYTES) as *const _);
@@ -287,8 +307,10 @@ macro_rules! gemm_256 {
                                 let f = _mm256_cvtepi32_ps(rest[r]);
                                 yg[r] = _mm256_fmadd_ps(f, d_rest, yg[r]);
                             }
-                            let dsum = _mm256_set1_ps(*x.scaled_sums.get_unchecked(i));
-                            yg[r] = _mm256_fnmadd_ps(z, dsum, yg[r]);
+                            if !UNIFORM {
+                                let dsum = _mm256_set1_ps(*x.scaled_sums.get_unchecked(i));
+                                yg[r] = _mm256_fnmadd_ps(z, dsum, yg[r]);
+                            }
                         }
                     }
                     if !seg.ends_group {
