@@ -7,19 +7,22 @@
 //!   yg += f32(Σ xq·q) · d − z · (d·Σxq)   (per block: one convert, two fmas)
 //!   y  += yg · s                          (per group)
 //!
+//! (UNIFORM: one integer z for the whole weight, the int32 sums start at −z·Σxq and the block
+//! pays one convert and one fma.)
+//!
 //! AVX-512 VNNI multiplies a whole tile with one `vpdpbusd` per 4 columns: each weight register
 //! feeds MR = 8 dot products, whose int32 sums and float sums stay in registers (16 of the 32,
 //! 24 with the second term). Measured on Zen 4, 8 rows x 1 tile ran faster than 6 x 2 or 4 x 2
 //! (the broadcasts are loads, which have ports to spare; the float work per block is the same).
-//! The 256-bit paths do a tile in two halves of 8 columns. AVX2 has no
-//! dot-product instruction: `vpmaddubsw` (u8 × s8 pairs into saturating i16) then `vpmaddwd`
-//! by ones gives the same sums, exact for 4-bit weights (2·15·127 fits i16). For 8-bit weights a
-//! pair could reach 2·255·127 and saturate, so they go in as q − 128 (signed) with the sign
-//! moved onto the activation (|q − 128| ≤ 128: 2·128·127 fits), and the block pays the
-//! 128·Σxq back through z − 128 in place of z.
+//! The 256-bit paths do a tile in two halves of 8 columns. AVX2 has no dot-product
+//! instruction: `vpmaddubsw` (u8 × s8 pairs into saturating i16) then `vpmaddwd` by ones gives
+//! the same sums, exact for 4-bit weights (2·15·127 fits i16). For 8-bit weights a pair could
+//! reach 2·255·127 and saturate, so they go in as q − 128 (signed) with the sign moved onto
+//! the activation (|q − 128| ≤ 128: 2·128·127 fits), and the block pays the 128·Σxq back
+//! through z − 128 in place of z.
 //!
 //! With `Activations::Int8x2` (SPLIT) every weight register is multiplied by both int8 terms of
-//! the activations, the second sum scaled by d/254; the sums of both are in Σxq.
+//! the activations, the second sum scaled by d/254 and its zero-point share in d·Σxq.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
