@@ -40,7 +40,8 @@ const CHUNK_BYTES: usize = 16 * 1024;
 pub(super) struct Operands<'a> {
     pub w: &'a PackedWeights,
     pub x: &'a QuantizedRows,
-    /// With a uniform zero point: (rows, blocks, terms) −z·Σxq (then −z·Σxr); else empty.
+    /// With a uniform zero point: (rows, blocks, terms) −z·Σxq (then −z·Σxr), the AVX-512 and
+    /// portable kernels' start of each block (the 256-bit ones offset z by 128); else empty.
     pub zero_offsets: &'a [i32],
     /// (rows, n) float32.
     pub out: SharedMut<f32>,
