@@ -75,6 +75,26 @@ def test_matmul_matches_the_reference_on_every_path(isa, bits, group, symmetric,
 
 
 @pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_long_rows_cut_in_chunks_match_the_reference(isa, bits, symmetric):
+    """K long enough for the GEMM to cut it in chunks (inside the one group of a channel-wise
+    weight), M past a panel, N past a tile: the same values as the reference, and a row gives
+    the same bits in a batch as alone."""
+    n, k = 40, 2100
+    q, s, z, w = random_weight(n, k, bits, None, symmetric, seed=bits)
+    weights = pack_int8_weights(q, s, z, bits)
+    x = torch.randn(203, k, generator=torch.Generator().manual_seed(2))
+    for split in (False, True):
+        got = int8_matmul(x, weights, isa=isa, split=split)
+        xq = quantized_activations(x, split)
+        bound = 1e-5 * (xq.abs() @ w.abs().t()) + 1e-6
+        assert bool(((got.double() - xq @ w.t()).abs() <= bound).all())
+        alone = int8_matmul(x[150:151], weights, isa=isa, split=split)
+        assert torch.equal(alone[0], got[150])
+
+
+@pytest.mark.parametrize("isa", PATHS)
 def test_saturation_and_zeros(isa):
     n, k = 16, 64
     q = torch.tensor([[255, 0] * (k // 2)] * n)

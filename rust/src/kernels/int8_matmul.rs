@@ -1,147 +1,267 @@
 //! y = x Wᵀ for W4A8 / W8A8 layers: activations quantized per block of 32 (`quantize`), the
 //! weights in `PackedWeights`' layout, int32 sums per block, float scales.
 //!
-//! Work is cut by weight tiles (16 output rows) across the pool's threads, so each thread
-//! streams its own share of the weights. Activation rows go through a tile MR at a time (the
-//! GEMV for M ≤ MR reads every weight byte once); for larger M the rows are taken in panels
-//! of `PANEL_ROWS`, so a panel of quantized activations stays in L2 while each tile's weights
-//! are read once per panel (a tiled GEMM).
+//! A kernel call multiplies MR rows of activations by one weight tile (16 output columns) over
+//! a range of K's blocks, its int32 and float sums held in registers. The activations are
+//! quantized once per call, and the work cut into units of (a panel of rows, a tile), shared
+//! out among the pool's threads: over N, and over M as well when N has few tiles. The GEMV
+//! (M ≤ MR) reads every weight byte once. The GEMM (larger M) is blocked like BLIS: K in chunks
+//! whose tile of weights (16 KiB) stays in L1 while every MR-row step of the panel reads it,
+//! the panel's activations in L2, the output summed across the chunks in place.
 
 use std::cell::RefCell;
+use std::ops::Range;
 
 use super::isa::Isa;
 use super::packed::{PackedWeights, TILE};
 use super::pool::{split, ThreadCount};
-use super::quantize::{
-    quantize_rows, Activations, QuantizedRows, SharedMut, BLOCK, RESIDUAL_STEPS,
-};
+use super::quantize::{quantize_rows, Activations, QuantizedRows, SharedMut, BLOCK};
 use super::KernelError;
 
-/// Rows of activations per GEMM panel (64 rows x K bytes of int8: L2-resident).
-pub const PANEL_ROWS: usize = 64;
+/// Rows of activations per panel, at most: the panel's int8 rows stay in L2 (192 x K bytes)
+/// while each tile's weights pass by.
+const PANEL_ROWS: usize = 192;
+/// Bytes of a tile's weights per chunk of K: half of L1, read by every MR-row step of the
+/// panel, the other half for the activations and outputs streaming past.
+const CHUNK_BYTES: usize = 16 * 1024;
 
-/// A tile kernel: 16 output columns of MR rows, written at out[(m0 + r) * n + tile * 16 ..].
-type TileFn = unsafe fn(&PackedWeights, usize, &QuantizedRows, usize, *mut f32, usize);
+/// The operands of one matmul, shared by the kernels. Per output, the kernels sum
+///
+///   y[m, n] = Σ_groups s · Σ_blocks (f32(Σ xq·q) · d − z · (d · Σxq))
+///
+/// the inner sum (`yg`, in units of the weight's steps) per block, with one convert and two
+/// fmas; the scale s once per group. The zero point is taken off block by block, so the float
+/// sums never grow much past the block's own size (weights whose q sits near a large z, as
+/// min-max quantization makes them beside outlier channels, would cancel badly otherwise).
+///
+/// With one integer zero point for the whole weight (`PackedWeights::uniform_zero`), the
+/// kernels start each block's int32 sums at −z·Σxq instead (exact, and no float work: the
+/// weight's zero point is most often the same z = 2^(bits−1) everywhere).
+pub(super) struct Operands<'a> {
+    pub w: &'a PackedWeights,
+    pub x: &'a QuantizedRows,
+    /// With a uniform zero point: (rows, blocks, terms) −z·Σxq (then −z·Σxr), the AVX-512 and
+    /// portable kernels' start of each block (the 256-bit ones offset z by 128); else empty.
+    pub zero_offsets: &'a [i32],
+    /// (rows, n) float32.
+    pub out: SharedMut<f32>,
+    pub n: usize,
+}
 
-/// The largest MR the path holds in registers (the tile's accumulators).
-pub fn max_rows(isa: Isa) -> usize {
+/// The blocks of one weight group a kernel call covers from block `b` on, and what the output
+/// holds around them. Between calls `out` holds the finished groups' sum; a call may also stop
+/// inside the first group (a chunk of K shorter than the group), and then `out` holds that
+/// group's unscaled Σ f32(Σ xq·q)·d until the call that finishes it.
+pub(super) struct Segment {
+    pub blocks: Range<usize>,
+    pub group: usize,
+    /// The group began in an earlier call: its unscaled sums are in `out`.
+    pub resumes: bool,
+    /// The group ends here: scale it and add it to `out`; else store its unscaled sums.
+    pub ends_group: bool,
+    /// Groups before this one are summed in `out`.
+    pub adds: bool,
+}
+
+impl Segment {
+    #[inline(always)]
+    pub fn new(w: &PackedWeights, b: usize, end: usize) -> Segment {
+        let group = w.group_of(b);
+        let start = group * blocks_per_group(w);
+        let group_end = (start + blocks_per_group(w)).min(w.blocks);
+        let stop = group_end.min(end);
+        debug_assert!(start == 0 || (b == start && stop == group_end));
+        Segment {
+            blocks: b..stop,
+            group,
+            resumes: b > start,
+            ends_group: stop == group_end,
+            adds: start > 0,
+        }
+    }
+}
+
+fn blocks_per_group(w: &PackedWeights) -> usize {
+    if w.groups == 1 {
+        w.blocks
+    } else {
+        w.group_size / BLOCK
+    }
+}
+
+/// A kernel: MR rows from m0, the tile `tile`, over a range of blocks (see `Segment`).
+type KernelFn = unsafe fn(&Operands, usize, usize, Range<usize>);
+
+/// The rows a kernel call takes: its sums in registers (2·MR of AVX-512's 32, 3·MR with the
+/// second term).
+fn max_rows(isa: Isa) -> usize {
     match isa {
         Isa::Avx2 | Isa::AvxVnni => 4,
         Isa::Scalar | Isa::Avx512Vnni => 8,
     }
 }
 
-/// The portable tile kernel: the same layout and arithmetic as the SIMD ones, one lane at a
-/// time.
-unsafe fn tile_scalar<const MR: usize, const BITS: u8, const SPLIT: bool>(
-    w: &PackedWeights,
+/// The portable kernel: the same layout and arithmetic as the SIMD ones, one lane at a time.
+unsafe fn gemm_scalar<const MR: usize, const BITS: u8, const SPLIT: bool, const UNIFORM: bool>(
+    op: &Operands,
     tile: usize,
-    x: &QuantizedRows,
     m0: usize,
-    out: *mut f32,
-    n: usize,
+    blocks: Range<usize>,
 ) {
+    let (w, x) = (op.w, op.x);
     let per = w.tile_block_bytes();
     let data = w.tile_data(tile);
-    let valid = (n - tile * TILE).min(TILE);
-    for r in 0..MR {
-        let mut y = [0f32; TILE];
-        for b in 0..w.blocks {
-            let tb = &data[b * per..(b + 1) * per];
-            let at = ((m0 + r) * x.blocks + b) * BLOCK;
-            let xs = &x.values[at..at + BLOCK];
-            let rs = if SPLIT {
-                &x.residuals[at..at + BLOCK]
-            } else {
-                xs
-            };
-            let (mut acc, mut rest) = ([0i32; TILE], [0i32; TILE]);
-            for (c, (&xv, &rv)) in xs.iter().zip(rs).enumerate() {
-                let (j, i) = (c / 4, c % 4);
-                for (lane, a) in acc.iter_mut().enumerate() {
-                    let q = if BITS == 8 {
-                        tb[j * 64 + lane * 4 + i]
-                    } else {
-                        let byte = tb[(j % 4) * 64 + lane * 4 + i];
-                        if j < 4 {
-                            byte & 0xF
+    let valid = (op.n - tile * TILE).min(TILE);
+    for row in m0..m0 + MR {
+        let out = std::slice::from_raw_parts_mut(op.out.get().add(row * op.n + tile * TILE), valid);
+        let mut b = blocks.start;
+        while b < blocks.end {
+            let seg = Segment::new(w, b, blocks.end);
+            let mut yg = [0f32; TILE];
+            if seg.resumes {
+                yg[..valid].copy_from_slice(out);
+            }
+            let sc = w.tile_scales(tile, seg.group);
+            for bb in seg.blocks.clone() {
+                let tb = &data[bb * per..(bb + 1) * per];
+                let at = (row * x.blocks + bb) * BLOCK;
+                let xs = &x.values[at..at + BLOCK];
+                let rs = if SPLIT {
+                    &x.residuals[at..at + BLOCK]
+                } else {
+                    xs
+                };
+                let i = row * x.blocks + bb;
+                let (mut acc, mut rest) = ([0i32; TILE], [0i32; TILE]);
+                if UNIFORM {
+                    let terms = if SPLIT { 2 } else { 1 };
+                    acc = [op.zero_offsets[i * terms]; TILE];
+                    if SPLIT {
+                        rest = [op.zero_offsets[i * 2 + 1]; TILE];
+                    }
+                }
+                for (c, (&xv, &rv)) in xs.iter().zip(rs).enumerate() {
+                    let (j, i) = (c / 4, c % 4);
+                    for (lane, a) in acc.iter_mut().enumerate() {
+                        let q = if BITS == 8 {
+                            tb[j * 64 + lane * 4 + i]
                         } else {
-                            byte >> 4
-                        }
-                    };
-                    *a += q as i32 * xv as i32;
-                    rest[lane] += q as i32 * rv as i32;
+                            let byte = tb[(j % 4) * 64 + lane * 4 + i];
+                            if j < 4 {
+                                byte & 0xF
+                            } else {
+                                byte >> 4
+                            }
+                        };
+                        *a += q as i32 * xv as i32;
+                        rest[lane] += q as i32 * rv as i32;
+                    }
+                }
+                let (d, dsum) = (x.scales[i], x.scaled_sums[i]);
+                for lane in 0..TILE {
+                    yg[lane] = (acc[lane] as f32).mul_add(d, yg[lane]);
+                    if SPLIT {
+                        yg[lane] = (rest[lane] as f32).mul_add(x.residual_scales[i], yg[lane]);
+                    }
+                    if !UNIFORM {
+                        yg[lane] = (-sc[TILE + lane]).mul_add(dsum, yg[lane]);
+                    }
                 }
             }
-            let sc = w.tile_scales(tile, w.group_of(b));
-            let i = (m0 + r) * x.blocks + b;
-            let (d, sum) = (x.scales[i], x.sums[i]);
-            for lane in 0..TILE {
-                y[lane] = (acc[lane] as f32).mul_add(sc[lane] * d, y[lane]);
-                if SPLIT {
-                    let sd_rest = sc[lane] * (d / RESIDUAL_STEPS);
-                    y[lane] = (rest[lane] as f32).mul_add(sd_rest, y[lane]);
+            if !seg.ends_group {
+                out.copy_from_slice(&yg[..valid]);
+            } else {
+                for (lane, y) in out.iter_mut().enumerate() {
+                    let prev = if seg.adds { *y } else { 0.0 };
+                    *y = yg[lane].mul_add(sc[lane], prev);
                 }
-                y[lane] -= (sc[lane] * sc[TILE + lane]) * (d * sum);
             }
+            b = seg.blocks.end;
         }
-        std::ptr::copy_nonoverlapping(y.as_ptr(), out.add((m0 + r) * n + tile * TILE), valid);
     }
 }
 
 macro_rules! by_rows {
-    ($f:ident, $rows:expr, $bits:literal, $split:literal $(, $nt:literal)?) => {
+    ($f:ident, $rows:expr, $($c:tt),*) => {
         match $rows {
-            1 => $f::<1, $bits, $split $(, $nt)?> as TileFn,
-            2 => $f::<2, $bits, $split $(, $nt)?>,
-            3 => $f::<3, $bits, $split $(, $nt)?>,
-            4 => $f::<4, $bits, $split $(, $nt)?>,
-            5 => $f::<5, $bits, $split $(, $nt)?>,
-            6 => $f::<6, $bits, $split $(, $nt)?>,
-            7 => $f::<7, $bits, $split $(, $nt)?>,
-            _ => $f::<8, $bits, $split $(, $nt)?>,
+            1 => $f::<1, $($c),*> as KernelFn,
+            2 => $f::<2, $($c),*>,
+            3 => $f::<3, $($c),*>,
+            4 => $f::<4, $($c),*>,
+            5 => $f::<5, $($c),*>,
+            6 => $f::<6, $($c),*>,
+            7 => $f::<7, $($c),*>,
+            _ => $f::<8, $($c),*>,
         }
     };
 }
 
 macro_rules! pick {
-    ($f:ident, $rows:expr, $bits:expr, $split:expr $(, $nt:literal)?) => {
-        match ($bits, $split) {
-            (4, false) => by_rows!($f, $rows, 4, false $(, $nt)?),
-            (4, true) => by_rows!($f, $rows, 4, true $(, $nt)?),
-            (_, false) => by_rows!($f, $rows, 8, false $(, $nt)?),
-            (_, true) => by_rows!($f, $rows, 8, true $(, $nt)?),
+    ($f:ident, $rows:expr, $bits:expr, $split:expr, $uniform:expr) => {
+        match ($bits, $split, $uniform) {
+            (4, false, false) => by_rows!($f, $rows, 4, false, false),
+            (4, true, false) => by_rows!($f, $rows, 4, true, false),
+            (_, false, false) => by_rows!($f, $rows, 8, false, false),
+            (_, true, false) => by_rows!($f, $rows, 8, true, false),
+            (4, false, true) => by_rows!($f, $rows, 4, false, true),
+            (4, true, true) => by_rows!($f, $rows, 4, true, true),
+            (_, false, true) => by_rows!($f, $rows, 8, false, true),
+            (_, true, true) => by_rows!($f, $rows, 8, true, true),
         }
     };
 }
 
-/// Rows of a panel the two-tile AVX-512 kernel takes at once (2·MR accumulators, twice that
-/// with the second activation term, and 2·MR outputs in 32 registers).
-const PAIR_ROWS: usize = 4;
-
-/// The two-tile kernel for the GEMM (M past the GEMV's rows), where the ISA has one.
-fn pair_fn(isa: Isa, rows: usize, bits: u8, split: bool) -> Option<TileFn> {
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512Vnni {
-        use super::int8_x86::tile_avx512;
-        return Some(pick!(tile_avx512, rows, bits, split, 2));
-    }
-    let _ = (isa, rows, bits, split);
-    None
-}
-
-fn tile_fn(isa: Isa, rows: usize, bits: u8, split: bool) -> TileFn {
+/// The kernel of `rows` rows on `isa`; `uniform`: the weight has one integer zero point.
+fn kernel(isa: Isa, rows: usize, bits: u8, split: bool, uniform: bool) -> KernelFn {
     #[cfg(target_arch = "x86_64")]
     {
-        use super::int8_x86::{tile_avx2, tile_avx512, tile_avxvnni};
+        use super::int8_x86::{gemm_avx2, gemm_avx512, gemm_avxvnni};
         match isa {
-            Isa::Avx512Vnni => return pick!(tile_avx512, rows, bits, split, 1),
-            Isa::AvxVnni => return pick!(tile_avxvnni, rows, bits, split),
-            Isa::Avx2 => return pick!(tile_avx2, rows, bits, split),
+            Isa::Avx512Vnni => return pick!(gemm_avx512, rows, bits, split, uniform),
+            Isa::AvxVnni => return pick!(gemm_avxvnni, rows, bits, split, uniform),
+            Isa::Avx2 => return pick!(gemm_avx2, rows, bits, split, uniform),
             Isa::Scalar => {}
         }
     }
-    pick!(tile_scalar, rows, bits, split)
+    pick!(gemm_scalar, rows, bits, split, uniform)
+}
+
+/// How a call's work is cut: kernel calls of `rows` rows and one tile, K in chunks of `chunk`
+/// blocks, M in panels of `panel` rows; the units (panel, tile) are shared among the threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Blocking {
+    rows: usize,
+    chunk: usize,
+    panel: usize,
+}
+
+impl Blocking {
+    fn new(isa: Isa, m: usize, w: &PackedWeights, threads: ThreadCount) -> Blocking {
+        let rows = max_rows(isa);
+        if m <= rows {
+            // The GEMV: every weight byte read once, whole rows of K.
+            return Blocking {
+                rows,
+                chunk: w.blocks,
+                panel: rows,
+            };
+        }
+        // K in balanced chunks of whole groups (or of blocks, with one group per row).
+        let tile_block = TILE * BLOCK * w.bits as usize / 8;
+        let per_group = if w.groups == 1 {
+            1
+        } else {
+            blocks_per_group(w)
+        };
+        let most = (CHUNK_BYTES / tile_block / per_group).max(1);
+        let units = w.blocks.div_ceil(per_group);
+        let chunk = units.div_ceil(units.div_ceil(most)) * per_group;
+        // M in balanced panels, enough of them for every thread to have two units.
+        let wanted = (2 * threads.get()).div_ceil(w.tiles);
+        let panels = m.div_ceil(PANEL_ROWS).max(wanted).min(m.div_ceil(rows));
+        let panel = m.div_ceil(panels).next_multiple_of(rows);
+        Blocking { rows, chunk, panel }
+    }
 }
 
 /// out (m, n) = x (m, k) · Wᵀ, on `isa` (which must be supported: `Isa::supported`), the
@@ -188,38 +308,53 @@ pub fn matmul_quantized(
     isa: Isa,
     threads: ThreadCount,
 ) {
+    thread_local! {
+        static ZERO_OFFSETS: RefCell<Vec<i32>> = const { RefCell::new(Vec::new()) };
+    }
     assert!(isa.supported() && x.blocks == w.blocks && out.len() == x.rows * w.n);
-    let (m, n, mr) = (x.rows, w.n, max_rows(isa));
-    let out = SharedMut::new(out.as_mut_ptr());
-    let pairs = m > mr && pair_fn(isa, 1, w.bits, x.split()).is_some();
-    // Threads take whole pairs of tiles when the GEMM kernel pairs them.
-    let unit = if pairs { 2 } else { 1 };
-    split(threads, w.tiles.div_ceil(unit), |units| {
-        let tiles = units.start * unit..(units.end * unit).min(w.tiles);
-        for panel in (0..m).step_by(PANEL_ROWS) {
-            let panel_end = (panel + PANEL_ROWS).min(m);
-            for tile in tiles.clone().step_by(unit) {
-                let paired = pairs && tile + 1 < tiles.end; // else a last, lone tile
-                let step = if paired { PAIR_ROWS } else { mr };
-                for m0 in (panel..panel_end).step_by(step) {
-                    let rows = step.min(panel_end - m0);
-                    let kernel = match paired {
-                        true => pair_fn(isa, rows, w.bits, x.split()).expect("checked above"),
-                        false => tile_fn(isa, rows, w.bits, x.split()),
-                    };
-                    // SAFETY: `isa` is supported; the kernel writes rows m0..m0+rows of columns
-                    // tile*16.. (< n; a pair only where tile + 1 exists) of `out`, a part no
-                    // other thread writes.
-                    unsafe { kernel(w, tile, x, m0, out.get(), n) };
+    ZERO_OFFSETS.with_borrow_mut(|offsets| {
+        offsets.clear();
+        if let Some(z) = w.uniform_zero {
+            offsets.extend(x.sums.iter().map(|s| -z * s));
+        }
+        let op = Operands {
+            w,
+            x,
+            zero_offsets: offsets,
+            out: SharedMut::new(out.as_mut_ptr()),
+            n: w.n,
+        };
+        run(&op, isa, threads);
+    })
+}
+
+fn run(op: &Operands, isa: Isa, threads: ThreadCount) {
+    let (w, m) = (op.w, op.x.rows);
+    let plan = Blocking::new(isa, m, w, threads);
+    let panels = m.div_ceil(plan.panel);
+    split(threads, panels * w.tiles, |units| {
+        for unit in units {
+            let (panel, tile) = (unit / w.tiles, unit % w.tiles);
+            let rows = panel * plan.panel..((panel + 1) * plan.panel).min(m);
+            for k0 in (0..w.blocks).step_by(plan.chunk) {
+                let chunk = k0..(k0 + plan.chunk).min(w.blocks);
+                for m0 in rows.clone().step_by(plan.rows) {
+                    let mr = plan.rows.min(rows.end - m0);
+                    let uniform = w.uniform_zero.is_some();
+                    let f = kernel(isa, mr, w.bits, op.x.split(), uniform);
+                    // SAFETY: `isa` is supported; the kernel writes rows m0..m0+mr of tile
+                    // `tile`'s columns (< n) of `out`, a part no other unit writes; chunks of K
+                    // end inside a group only when there is one group (`Segment`).
+                    unsafe { f(op, tile, m0, chunk.clone()) };
                 }
             }
         }
     });
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::quantize::RESIDUAL_STEPS;
 
     /// A small deterministic generator (xorshift), so the tests need no crate.
     struct Rng(u64);
@@ -360,6 +495,85 @@ mod tests {
                             &mut rng,
                             None,
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn chunks_of_k_panels_and_partial_tiles() {
+        // K long enough to be cut in chunks: one group per row (a chunk ends inside it), and
+        // groups of 128 and 64 (chunks of whole groups); M past the panel and the kernel's rows;
+        // N not a multiple of the tile; K not a multiple of the block where there is one group.
+        let mut rng = Rng(21);
+        let cases = [(8u8, 1100, 1), (8, 1152, 9), (4, 2240, 35), (4, 2100, 1)];
+        for (bits, k, groups) in cases {
+            for (m, n) in [(9, 40), (203, 17)] {
+                let symmetric = groups == 1;
+                let case = Case {
+                    n,
+                    k,
+                    bits,
+                    groups,
+                    symmetric,
+                };
+                check(case, m, &mut rng, None);
+            }
+        }
+    }
+
+    #[test]
+    fn blocking_keeps_groups_whole_and_every_thread_busy() {
+        let q = |n: usize, k: usize| vec![0u8; n * k];
+        let pack = |n: usize, k: usize, groups: usize, bits: u8| {
+            let s = vec![1.0; n * groups];
+            PackedWeights::pack(&q(n, k), &s, &vec![0.0; n * groups], n, k, bits).unwrap()
+        };
+        let two = ThreadCount::new(2);
+        // One group: balanced chunks of at most 16 KiB of a tile (32 blocks at 8 bits).
+        let w = pack(768, 2048, 1, 8);
+        let plan = Blocking::new(Isa::Scalar, 128, &w, two);
+        assert_eq!((plan.rows, plan.chunk, plan.panel), (8, 32, 128));
+        // Groups of 4 blocks: chunks hold whole groups.
+        let w = pack(64, 1152, 9, 8);
+        assert_eq!(Blocking::new(Isa::Scalar, 64, &w, two).chunk, 20);
+        let w = pack(64, 4864, 38, 4);
+        assert_eq!(Blocking::new(Isa::Scalar, 64, &w, two).chunk % 4, 0);
+        // One tile: M is cut in two units for each thread; the GEMV reads K whole.
+        let w = pack(16, 256, 1, 4);
+        assert_eq!(Blocking::new(Isa::Scalar, 64, &w, two).panel, 16);
+        let gemv = Blocking::new(Isa::Scalar, 8, &w, two);
+        assert_eq!((gemv.chunk, gemv.panel), (w.blocks, 8));
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_batch() {
+        // The GEMM (chunks of K, panels) and the GEMV (whole K) add the same terms in the same
+        // order: a prompt's rows and a decode step's give the same bits.
+        let mut rng = Rng(5);
+        for (bits, k, groups, symmetric) in [(8u8, 1100, 1, true), (4, 2240, 35, false)] {
+            let case = Case {
+                n: 20,
+                k,
+                bits,
+                groups,
+                symmetric,
+            };
+            let w = weights(&case, &mut rng);
+            let packed = PackedWeights::pack(&w.q, &w.s, &w.z, case.n, k, bits).unwrap();
+            let m = 30;
+            let x: Vec<f32> = (0..m * k).map(|_| rng.normal()).collect();
+            for activations in [Activations::Int8, Activations::Int8x2] {
+                for isa in Isa::supported_paths() {
+                    let t = ThreadCount::new(2);
+                    let mut all = vec![0f32; m * case.n];
+                    int8_matmul(&x, m, &packed, &mut all, activations, isa, t).unwrap();
+                    for (row, want) in all.chunks(case.n).enumerate() {
+                        let mut one = vec![0f32; case.n];
+                        let xr = &x[row * k..(row + 1) * k];
+                        int8_matmul(xr, 1, &packed, &mut one, activations, isa, t).unwrap();
+                        assert_eq!(one, want, "{isa} {activations:?} bits={bits} row {row}");
                     }
                 }
             }

@@ -37,6 +37,9 @@ pub struct PackedWeights {
     pub data: Vec<u8>,
     /// (tiles, groups, 2, 16): s, then z.
     pub scales: Vec<f32>,
+    /// Some(z) when every zero point is the same integer z (symmetric weights): the kernels
+    /// then take z·Σxq off the int32 sums, exactly and with no float work.
+    pub uniform_zero: Option<i32>,
 }
 
 impl PackedWeights {
@@ -151,7 +154,14 @@ impl PackedWeights {
                 packed_scales[at + TILE + r] = z;
             }
         }
+        let levels = (1u32 << bits) as f32;
+        let uniform_zero = zeros
+            .first()
+            .filter(|&&z| z.fract() == 0.0 && (0.0..levels).contains(&z))
+            .filter(|&&z| zeros.iter().all(|&v| v == z))
+            .map(|&z| z as i32);
         Ok(PackedWeights {
+            uniform_zero,
             n,
             k,
             bits,
@@ -230,6 +240,11 @@ mod tests {
             assert_eq!(p.tile_scales(1, 0)[4], 0.5); // row 20
             assert_eq!(p.tile_scales(1, 0)[TILE + 4], 3.0);
             assert_eq!(p.tile_scales(1, 0)[5], 0.0); // row 21 is padding
+            assert_eq!(p.uniform_zero, Some(3));
+            let mixed = PackedWeights::pack(&q, &s, &[&[3.0; 20][..], &[4.0]].concat(), n, k, bits);
+            assert_eq!(mixed.unwrap().uniform_zero, None);
+            let fraction = PackedWeights::pack(&q, &s, &[2.5; 21], n, k, bits);
+            assert_eq!(fraction.unwrap().uniform_zero, None);
         }
     }
 

@@ -15,8 +15,9 @@ use super::KernelError;
 
 /// Values per activation block (and per weight block of the packed layout).
 pub const BLOCK: usize = 32;
-/// Blocks to quantize below which one thread does them all.
-const PARALLEL_BLOCKS: usize = 4096;
+/// Blocks to quantize below which one thread does them all: about 25 µs of AVX-512 work, more
+/// than a decode step's 8 rows hold and less than a 128-token prompt's.
+const PARALLEL_BLOCKS: usize = 2048;
 /// The second term's steps per step of the first: |x/d − xq| ≤ 1/2 maps onto ±127.
 pub const RESIDUAL_STEPS: f32 = 254.0;
 
@@ -40,21 +41,18 @@ pub struct QuantizedRows {
     pub residuals: Vec<i8>,
     /// (rows, blocks) scales d.
     pub scales: Vec<f32>,
-    /// (rows, blocks) Σ xq (+ Σ xr / 254 with the second terms), as float.
-    pub sums: Vec<f32>,
+    /// Int8x2: (rows, blocks) d / 254, the second terms' scales; empty otherwise.
+    pub residual_scales: Vec<f32>,
+    /// (rows, blocks) d · Σ xq (+ d · Σ xr / 254 with the second terms): what the weights'
+    /// zero points multiply.
+    pub scaled_sums: Vec<f32>,
+    /// (rows, blocks, terms) Σ xq, then Σ xr with the second terms (terms = 2).
+    pub sums: Vec<i32>,
 }
 
 impl QuantizedRows {
     pub fn split(&self) -> bool {
         !self.residuals.is_empty()
-    }
-
-    pub fn value_ptr(&self, row: usize, block: usize) -> *const i8 {
-        self.values[(row * self.blocks + block) * BLOCK..].as_ptr()
-    }
-
-    pub fn residual_ptr(&self, row: usize, block: usize) -> *const i8 {
-        self.residuals[(row * self.blocks + block) * BLOCK..].as_ptr()
     }
 }
 
@@ -63,14 +61,23 @@ struct RowOut<'a> {
     values: &'a mut [i8],
     residuals: Option<&'a mut [i8]>,
     scales: &'a mut [f32],
-    sums: &'a mut [f32],
+    residual_scales: Option<&'a mut [f32]>,
+    scaled_sums: &'a mut [f32],
+    sums: &'a mut [i32],
 }
 
-/// Quantizes one block; returns (d, Σ). `residuals`: the second terms, when wanted. Inlined
-/// into the AVX2 copy of the row loop, where rounding is one instruction (not a call to libm's
-/// `rintf`, which took a sixth of a 128-token prefill).
+/// A block's scale d and the sums of its int8 terms (Σ xr = 0 without the second terms).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct BlockSums {
+    scale: f32,
+    sum: i32,
+    residual_sum: i32,
+}
+
+/// Quantizes one block. `residuals`: the second terms, when wanted. Inlined into the
+/// AVX2 copy of the row loop (no call per value where it is compiled for the baseline).
 #[inline(always)]
-fn quantize_block(x: &[f32], out: &mut [i8], residuals: Option<&mut [i8]>) -> (f32, f32) {
+fn quantize_block(x: &[f32], out: &mut [i8], residuals: Option<&mut [i8]>) -> BlockSums {
     // f32::max skips NaN: a block holding a NaN or an infinity gets a NaN scale, and its row
     // is then reported as not finite.
     let finite = x.iter().fold(true, |f, v| f & v.is_finite());
@@ -83,8 +90,13 @@ fn quantize_block(x: &[f32], out: &mut [i8], residuals: Option<&mut [i8]>) -> (f
         *o = q;
     }
     out[x.len()..].fill(0);
+    let scale = amax / 127.0;
     let Some(residuals) = residuals else {
-        return (amax / 127.0, sum as f32);
+        return BlockSums {
+            scale,
+            sum,
+            residual_sum: 0,
+        };
     };
     let mut residual_sum = 0i32;
     for ((r, v), &q) in residuals.iter_mut().zip(x).zip(out.iter()) {
@@ -94,38 +106,166 @@ fn quantize_block(x: &[f32], out: &mut [i8], residuals: Option<&mut [i8]>) -> (f
         *r = q;
     }
     residuals[x.len()..].fill(0);
-    (
-        amax / 127.0,
-        sum as f32 + residual_sum as f32 / RESIDUAL_STEPS,
-    )
+    BlockSums {
+        scale,
+        sum,
+        residual_sum,
+    }
 }
 
-/// Returns false when the row holds a NaN or an infinity.
+/// Returns false when the row holds a NaN or an infinity. `block` quantizes one block as
+/// `quantize_block` does.
 #[inline(always)]
-fn quantize_row(x: &[f32], out: RowOut<'_>) -> bool {
+fn quantize_row(
+    x: &[f32],
+    out: RowOut<'_>,
+    block: impl Fn(&[f32], &mut [i8], Option<&mut [i8]>) -> BlockSums,
+) -> bool {
     let RowOut {
         values,
         mut residuals,
         scales,
+        mut residual_scales,
+        scaled_sums,
         sums,
     } = out;
+    let terms = if residuals.is_some() { 2 } else { 1 };
     let mut finite = true;
     for (b, chunk) in x.chunks(BLOCK).enumerate() {
-        let block = b * BLOCK..(b + 1) * BLOCK;
-        let rest = residuals.as_deref_mut().map(|r| &mut r[block.clone()]);
-        let (scale, sum) = quantize_block(chunk, &mut values[block], rest);
+        let at = b * BLOCK..(b + 1) * BLOCK;
+        let rest = residuals.as_deref_mut().map(|r| &mut r[at.clone()]);
+        let BlockSums {
+            scale,
+            sum,
+            residual_sum,
+        } = block(chunk, &mut values[at], rest);
         finite &= scale.is_finite();
         scales[b] = scale;
-        sums[b] = sum;
+        sums[b * terms] = sum;
+        if let Some(r) = residual_scales.as_deref_mut() {
+            r[b] = scale / RESIDUAL_STEPS;
+            sums[b * terms + 1] = residual_sum;
+            scaled_sums[b] = scale * (sum as f32 + residual_sum as f32 / RESIDUAL_STEPS);
+        } else {
+            scaled_sums[b] = scale * sum as f32;
+        }
     }
     finite
 }
 
-/// The same loop compiled for AVX2 (rounding and the max vectorise there).
+/// The instructions a row is quantized with: every path gives the same bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RowPath {
+    Portable,
+    /// The portable loop compiled for AVX2 (rounding and the max vectorise there).
+    Avx2,
+    /// `x86::quantize_block_avx512`: a block is two registers.
+    Avx512,
+}
+
+impl RowPath {
+    fn best() -> RowPath {
+        if super::Isa::Avx512Vnni.supported() {
+            RowPath::Avx512
+        } else if super::Isa::Avx2.supported() {
+            RowPath::Avx2
+        } else {
+            RowPath::Portable
+        }
+    }
+
+    fn quantize(self, x: &[f32], out: RowOut<'_>) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `best` found AVX-512 F and BW (AVX-512 VNNI implies them).
+            RowPath::Avx512 => unsafe { x86::quantize_row_avx512(x, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `best` found AVX2 and FMA.
+            RowPath::Avx2 => unsafe { x86::quantize_row_avx2(x, out) },
+            _ => quantize_row(x, out, quantize_block),
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn quantize_row_avx2(x: &[f32], out: RowOut<'_>) -> bool {
-    quantize_row(x, out)
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{quantize_block, quantize_row, BlockSums, RowOut, RESIDUAL_STEPS};
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn quantize_row_avx2(x: &[f32], out: RowOut<'_>) -> bool {
+        quantize_row(x, out, quantize_block)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) fn quantize_row_avx512(x: &[f32], out: RowOut<'_>) -> bool {
+        // SAFETY: this function has the block's features.
+        quantize_row(x, out, |x, o, r| unsafe { quantize_block_avx512(x, o, r) })
+    }
+
+    /// `quantize_block` with the same operations in the same order, 16 lanes at a time; a
+    /// block holding a NaN or an infinity goes to `quantize_block` itself.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn quantize_block_avx512(
+        x: &[f32],
+        out: &mut [i8],
+        residuals: Option<&mut [i8]>,
+    ) -> BlockSums {
+        let lanes = |from: usize| match x.len().saturating_sub(from) {
+            0 => 0u16,
+            n if n >= 16 => u16::MAX,
+            n => (1u16 << n) - 1,
+        };
+        let v = [
+            _mm512_maskz_loadu_ps(lanes(0), x.as_ptr()),
+            _mm512_maskz_loadu_ps(lanes(16), x.as_ptr().wrapping_add(16)),
+        ];
+        let magnitude = [_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])];
+        // Ordered compares: false for a NaN, which `max` would drop.
+        let infinity = _mm512_set1_ps(f32::INFINITY);
+        let finite = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(magnitude[0], infinity)
+            & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(magnitude[1], infinity);
+        if finite != u16::MAX {
+            return quantize_block(x, out, residuals);
+        }
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(magnitude[0], magnitude[1]));
+        let inverse = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+        let (low, high) = (_mm512_set1_epi32(-127), _mm512_set1_epi32(127));
+        let round = |v: __m512| {
+            let q =
+                _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+            _mm512_max_epi32(_mm512_min_epi32(q, high), low)
+        };
+        let scaled = [_mm512_mul_ps(v[0], inverse), _mm512_mul_ps(v[1], inverse)];
+        let q = [round(scaled[0]), round(scaled[1])];
+        let out = out[..32].as_mut_ptr() as *mut __m128i;
+        _mm_storeu_si128(out, _mm512_cvtepi32_epi8(q[0]));
+        _mm_storeu_si128(out.add(1), _mm512_cvtepi32_epi8(q[1]));
+        let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+        let scale = amax / 127.0;
+        let Some(residuals) = residuals else {
+            return BlockSums {
+                scale,
+                sum,
+                residual_sum: 0,
+            };
+        };
+        let steps = _mm512_set1_ps(RESIDUAL_STEPS);
+        let rest = [0, 1].map(|i| {
+            let lost = _mm512_sub_ps(scaled[i], _mm512_cvtepi32_ps(q[i]));
+            round(_mm512_mul_ps(lost, steps))
+        });
+        let residuals = residuals[..32].as_mut_ptr() as *mut __m128i;
+        _mm_storeu_si128(residuals, _mm512_cvtepi32_epi8(rest[0]));
+        _mm_storeu_si128(residuals.add(1), _mm512_cvtepi32_epi8(rest[1]));
+        let residual_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(rest[0], rest[1]));
+        BlockSums {
+            scale,
+            sum,
+            residual_sum,
+        }
+    }
 }
 
 fn check_finite(x: &[f32], k: usize) -> Result<(), KernelError> {
@@ -163,11 +303,17 @@ pub fn quantize_rows(
     out.residuals
         .resize(if split_terms { m * blocks * BLOCK } else { 0 }, 0);
     out.scales.resize(m * blocks, 0.0);
-    out.sums.resize(m * blocks, 0.0);
-    let avx2 = super::Isa::Avx2.supported();
+    out.residual_scales
+        .resize(if split_terms { m * blocks } else { 0 }, 0.0);
+    out.scaled_sums.resize(m * blocks, 0.0);
+    let terms = if split_terms { 2 } else { 1 };
+    out.sums.resize(m * blocks * terms, 0);
+    let path = RowPath::best();
     let values = SharedMut::new(out.values.as_mut_ptr());
     let residuals = SharedMut::new(out.residuals.as_mut_ptr());
     let scales = SharedMut::new(out.scales.as_mut_ptr());
+    let residual_scales = SharedMut::new(out.residual_scales.as_mut_ptr());
+    let scaled_sums = SharedMut::new(out.scaled_sums.as_mut_ptr());
     let sums = SharedMut::new(out.sums.as_mut_ptr());
     let finite = AtomicBool::new(true);
     // A few rows take microseconds: not worth waking the pool (and yielding a core) for.
@@ -187,23 +333,23 @@ pub fn quantize_rows(
                         std::slice::from_raw_parts_mut(residuals.get().add(r * per_row), per_row)
                     }),
                     scales: std::slice::from_raw_parts_mut(scales.get().add(r * blocks), blocks),
-                    sums: std::slice::from_raw_parts_mut(sums.get().add(r * blocks), blocks),
+                    residual_scales: split_terms.then(|| {
+                        std::slice::from_raw_parts_mut(
+                            residual_scales.get().add(r * blocks),
+                            blocks,
+                        )
+                    }),
+                    scaled_sums: std::slice::from_raw_parts_mut(
+                        scaled_sums.get().add(r * blocks),
+                        blocks,
+                    ),
+                    sums: std::slice::from_raw_parts_mut(
+                        sums.get().add(r * blocks * terms),
+                        blocks * terms,
+                    ),
                 }
             };
-            let row = &x[r * k..(r + 1) * k];
-            #[cfg(target_arch = "x86_64")]
-            let ok = if avx2 {
-                // SAFETY: AVX2 and FMA were detected.
-                unsafe { quantize_row_avx2(row, row_out) }
-            } else {
-                quantize_row(row, row_out)
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            let ok = {
-                let _ = avx2;
-                quantize_row(row, row_out)
-            };
-            if !ok {
+            if !path.quantize(&x[r * k..(r + 1) * k], row_out) {
                 finite.store(false, Ordering::Relaxed);
             }
         }
@@ -280,7 +426,16 @@ mod tests {
                         .get(at)
                         .map_or(0, |r| r.iter().map(|&v| v as i32).sum());
                     let want = sum as f32 + rest as f32 / RESIDUAL_STEPS;
-                    assert!((want - q.sums[r * 3 + b]).abs() < 1e-3);
+                    let d = q.scales[r * 3 + b];
+                    assert!((want * d - q.scaled_sums[r * 3 + b]).abs() < 1e-3 * d);
+                    let terms = if q.split() { 2 } else { 1 };
+                    assert_eq!(q.sums[(r * 3 + b) * terms], sum);
+                    if q.split() {
+                        assert_eq!(q.sums[(r * 3 + b) * 2 + 1], rest);
+                    }
+                    if q.split() {
+                        assert_eq!(q.residual_scales[r * 3 + b], d / RESIDUAL_STEPS);
+                    }
                 }
             }
             // The padding past K is zero.
@@ -298,7 +453,7 @@ mod tests {
         assert_eq!(&q.values[..3], &[-127, 127, -127]);
         assert!(q.values.iter().chain(&q.residuals).all(|&v| v >= -127));
         assert_eq!(q.scales[1], 0.0);
-        assert_eq!(q.sums[1], 0.0);
+        assert_eq!(q.scaled_sums[1], 0.0);
         assert!(q.residuals[32..].iter().all(|&v| v == 0));
     }
 
@@ -318,5 +473,56 @@ mod tests {
     #[test]
     fn wrong_length_is_refused() {
         assert!(quantize(&[0.0; 5], 2, 3, Activations::Int8).is_err());
+    }
+
+    /// One row through `path`: its bytes, and the bits of its scales, second scales and sums.
+    fn row_with(path: RowPath, x: &[f32], split: bool) -> (Vec<i8>, Vec<i8>, Vec<Vec<u32>>) {
+        let blocks = x.len().div_ceil(BLOCK);
+        let (mut values, mut residuals) = (vec![1i8; blocks * BLOCK], vec![1i8; blocks * BLOCK]);
+        let mut floats = [vec![0f32; blocks], vec![0f32; blocks], vec![0f32; blocks]];
+        let [scales, residual_scales, scaled_sums] = &mut floats;
+        let mut sums = vec![0i32; 2 * blocks];
+        let out = RowOut {
+            values: &mut values,
+            residuals: split.then_some(&mut residuals[..]),
+            scales,
+            residual_scales: split.then_some(&mut residual_scales[..]),
+            scaled_sums,
+            sums: &mut sums,
+        };
+        assert!(path.quantize(x, out));
+        let mut bits: Vec<Vec<u32>> = floats
+            .map(|v| v.into_iter().map(f32::to_bits).collect())
+            .to_vec();
+        bits.push(sums.into_iter().map(|v| v as u32).collect());
+        (values, residuals, bits)
+    }
+
+    #[test]
+    fn every_row_path_gives_the_same_bytes() {
+        let k = 3 * BLOCK + 11; // a partial last block
+        let mut x: Vec<f32> = (0..k)
+            .map(|i| ((i * 7919 % 1009) as f32 - 504.0) * 0.0137)
+            .collect();
+        x[BLOCK..2 * BLOCK].fill(0.0);
+        // Ties: amax 127 makes the scale 1, so these sit half-way between two steps.
+        let ties = [127.0, 2.5, -3.5, 0.5, -0.5, 126.5, -126.5, 1.5];
+        x[2 * BLOCK..2 * BLOCK + ties.len()].copy_from_slice(&ties);
+        x[7] = 3.0e30;
+        let mut paths = vec![RowPath::Portable];
+        if crate::kernels::Isa::Avx2.supported() {
+            paths.push(RowPath::Avx2);
+        }
+        if crate::kernels::Isa::Avx512Vnni.supported() {
+            paths.push(RowPath::Avx512);
+        }
+        for split in [false, true] {
+            for len in [k, 5, BLOCK, 17] {
+                let want = row_with(RowPath::Portable, &x[..len], split);
+                for &path in &paths {
+                    assert_eq!(row_with(path, &x[..len], split), want, "{path:?} {len}");
+                }
+            }
+        }
     }
 }
