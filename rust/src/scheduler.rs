@@ -459,7 +459,7 @@ impl EngineCore {
         entries: &mut Vec<Scheduled>,
         budget: &mut usize,
     ) -> bool {
-        let mut preempted = false;
+        let preemptions = self.num_preemptions;
         let drafted = self.num_drafted > 0;
         // Decoding requests behind the current one, counted the first time a row reads it
         // (a chunk or a draft reserves their budget; a step of plain decodes never does).
@@ -467,18 +467,41 @@ impl EngineCore {
         let mut i = 0;
         'requests: while i < self.running.len() {
             let slot = self.running[i];
-            let remaining = self.remaining(slot);
+            let r = self.req(slot);
+            let remaining = r.tokens.len() - r.num_computed;
             let decoding = remaining == 1;
             if decoding {
                 behind = behind.map(|d| d - 1);
             }
-            let decodes_left = match (decoding, drafted) {
-                (true, false) => 0,
-                _ => *behind.get_or_insert_with(|| self.decodes_after(i)),
-            };
-            let n = if decoding && !drafted {
-                1.min(*budget)
-            } else if decoding {
+            if decoding && !drafted {
+                // The common row, one decode token: the request is read once.
+                if *budget == 0 {
+                    i += 1;
+                    continue;
+                }
+                let (start, arrival) = (r.num_computed, r.arrival);
+                let held = r.reported_blocks * self.config.block_size;
+                let table_id = r.table.as_ref().expect("running request has blocks").id();
+                if start + 1 > held
+                    && !self.reserve_preempting(pool, slot, table_id, start + 1, &mut behind)
+                {
+                    break 'requests;
+                }
+                entries.push(Scheduled {
+                    slot,
+                    arrival,
+                    start,
+                    num_new: 1,
+                    num_draft: 0,
+                    samples: true,
+                });
+                *budget -= 1;
+                i += 1;
+                continue;
+            }
+            // A chunk, or a decode with drafts possible.
+            let decodes_left = *behind.get_or_insert_with(|| self.decodes_after(i));
+            let n = if decoding {
                 let drafts = self
                     .num_drafts(slot)
                     .min(budget.saturating_sub(1 + decodes_left));
@@ -503,16 +526,10 @@ impl EngineCore {
             };
             // Blocks already reported are held: when they suffice the pool is not asked.
             let held = reported * self.config.block_size;
-            while start + n > held && pool.reserve(table_id, start + n).is_err() {
-                let victim = *self.running.last().expect("running is not empty");
-                if self.remaining(victim) == 1 && victim != slot {
-                    behind = behind.map(|d| d - 1);
-                }
-                self.preempt(pool, victim);
-                preempted = true;
-                if victim == slot {
-                    break 'requests;
-                }
+            if start + n > held
+                && !self.reserve_preempting(pool, slot, table_id, start + n, &mut behind)
+            {
+                break 'requests;
             }
             let num_draft = if decoding { n - 1 } else { 0 };
             if !decoding {
@@ -522,7 +539,31 @@ impl EngineCore {
             *budget -= n;
             i += 1;
         }
-        preempted
+        self.num_preemptions != preemptions
+    }
+
+    /// Reserves blocks for the first `len` tokens of running request `slot`, preempting
+    /// from the back of `running` until they fit; false when `slot` itself was preempted.
+    /// `behind` (decoding requests after `slot`, when counted) loses each one preempted.
+    fn reserve_preempting(
+        &mut self,
+        pool: &mut PoolInner,
+        slot: u32,
+        table_id: u32,
+        len: usize,
+        behind: &mut Option<usize>,
+    ) -> bool {
+        while pool.reserve(table_id, len).is_err() {
+            let victim = *self.running.last().expect("running is not empty");
+            if self.remaining(victim) == 1 && victim != slot {
+                *behind = behind.map(|d| d - 1);
+            }
+            self.preempt(pool, victim);
+            if victim == slot {
+                return false;
+            }
+        }
+        true
     }
 
     /// Decoding requests after the `i`-th running one.
