@@ -919,6 +919,7 @@ impl EngineCore {
         let mut rest = sampled;
         let tokenizer = self.tokenizer.clone();
         let (drafted, grammars) = (self.num_drafted > 0, self.num_grammars > 0);
+        let plain = tokenizer.is_none() && !grammars;
         let mut undrafted = 0;
         let bs = self.block_size;
         let pool = self.pool.clone();
@@ -951,6 +952,19 @@ impl EngineCore {
             if drafted && !r.draft.is_empty() {
                 r.draft.clear();
                 undrafted += 1;
+            }
+            if let (true, &[token]) = (plain, tokens) {
+                // The common row: one token, no text to detokenize, no grammar.
+                let token = token as u32;
+                r.tokens.push(token);
+                out.rows[appended] = row as u32;
+                out.slots[appended] = e.slot;
+                out.token_ids[appended] = token;
+                appended += 1;
+                if let Some(stop) = r.check_stop() {
+                    finished_slots.push((e.slot, stop));
+                }
+                tokens = &[];
             }
             for &token in tokens {
                 let token = token as u32;
