@@ -122,6 +122,16 @@ struct Scheduled {
     /// Of `num_new`, the draft tokens at the end (each position samples).
     num_draft: usize,
     samples: bool,
+    /// A plain decode row read whole when scheduled (its token, the block holding its
+    /// position, every block reported, min_tokens out): the plan needs nothing more.
+    plain: Option<PlainRow>,
+}
+
+/// What the plan needs of a plain decode row, read when it is scheduled.
+#[derive(Debug, Clone, Copy)]
+struct PlainRow {
+    token: u32,
+    block: u32,
 }
 
 /// The scheduler and the block pool it allocates from.
@@ -480,13 +490,21 @@ impl EngineCore {
                     continue;
                 }
                 let (start, arrival) = (r.num_computed, r.arrival);
-                let held = r.reported_blocks * self.config.block_size;
+                let reported = r.reported_blocks;
+                let held = reported * self.config.block_size;
                 let table_id = r.table.as_ref().expect("running request has blocks").id();
-                if start + 1 > held
-                    && !self.reserve_preempting(pool, slot, table_id, start + 1, &mut behind)
-                {
+                let plain = if start < held {
+                    // Its block is held and reported: the plan reads neither it nor the pool.
+                    let blocks = &pool.table(table_id).blocks;
+                    (blocks.len() == reported && r.may_stop()).then(|| PlainRow {
+                        token: r.tokens[start],
+                        block: blocks[self.block_size.split(start).0],
+                    })
+                } else if !self.reserve_preempting(pool, slot, table_id, start + 1, &mut behind) {
                     break 'requests;
-                }
+                } else {
+                    None
+                };
                 entries.push(Scheduled {
                     slot,
                     arrival,
@@ -494,6 +512,7 @@ impl EngineCore {
                     num_new: 1,
                     num_draft: 0,
                     samples: true,
+                    plain,
                 });
                 *budget -= 1;
                 i += 1;
@@ -583,6 +602,7 @@ impl EngineCore {
             num_new,
             num_draft,
             samples: r.num_computed + num_new - num_draft == r.tokens.len(),
+            plain: None,
         }
     }
 
@@ -805,6 +825,18 @@ impl EngineCore {
         };
         let (mut first, mut sample) = (0, 0);
         for (row, e) in entries.iter().enumerate() {
+            if let Some(p) = e.plain {
+                // One token, one sample, nothing banned, no block to report.
+                plan.input_ids[first] = p.token as i32;
+                plan.positions[first] = e.start as i32;
+                plan.slot_mapping[first] =
+                    (p.block as usize * bs.get() + bs.offset(e.start)) as i32;
+                plan.logits_indices[sample] = first as i32;
+                plan.sample_request_rows[sample] = row as i32;
+                first += 1;
+                sample += 1;
+                continue;
+            }
             let r = self.requests[e.slot as usize].as_mut().expect("live slot");
             let blocks = &pool.table(r.table.as_ref().expect("scheduled").id()).blocks;
             let (start, end) = (e.start, e.start + e.num_new);
