@@ -122,6 +122,16 @@ struct Scheduled {
     /// Of `num_new`, the draft tokens at the end (each position samples).
     num_draft: usize,
     samples: bool,
+    /// A plain decode row read whole when scheduled (its token, the block holding its
+    /// position, every block reported, min_tokens out): the plan needs nothing more.
+    plain: Option<PlainRow>,
+}
+
+/// What the plan needs of a plain decode row, read when it is scheduled.
+#[derive(Debug, Clone, Copy)]
+struct PlainRow {
+    token: u32,
+    block: u32,
 }
 
 /// The scheduler and the block pool it allocates from.
@@ -459,7 +469,7 @@ impl EngineCore {
         entries: &mut Vec<Scheduled>,
         budget: &mut usize,
     ) -> bool {
-        let mut preempted = false;
+        let preemptions = self.num_preemptions;
         let drafted = self.num_drafted > 0;
         // Decoding requests behind the current one, counted the first time a row reads it
         // (a chunk or a draft reserves their budget; a step of plain decodes never does).
@@ -467,18 +477,50 @@ impl EngineCore {
         let mut i = 0;
         'requests: while i < self.running.len() {
             let slot = self.running[i];
-            let remaining = self.remaining(slot);
+            let r = self.req(slot);
+            let remaining = r.tokens.len() - r.num_computed;
             let decoding = remaining == 1;
             if decoding {
                 behind = behind.map(|d| d - 1);
             }
-            let decodes_left = match (decoding, drafted) {
-                (true, false) => 0,
-                _ => *behind.get_or_insert_with(|| self.decodes_after(i)),
-            };
-            let n = if decoding && !drafted {
-                1.min(*budget)
-            } else if decoding {
+            if decoding && !drafted {
+                // The common row, one decode token: the request is read once.
+                if *budget == 0 {
+                    i += 1;
+                    continue;
+                }
+                let (start, arrival) = (r.num_computed, r.arrival);
+                let reported = r.reported_blocks;
+                let held = reported * self.config.block_size;
+                let table_id = r.table.as_ref().expect("running request has blocks").id();
+                let plain = if start < held {
+                    // Its block is held and reported: the plan reads neither it nor the pool.
+                    let blocks = &pool.table(table_id).blocks;
+                    (blocks.len() == reported && r.may_stop()).then(|| PlainRow {
+                        token: r.tokens[start],
+                        block: blocks[self.block_size.split(start).0],
+                    })
+                } else if !self.reserve_preempting(pool, slot, table_id, start + 1, &mut behind) {
+                    break 'requests;
+                } else {
+                    None
+                };
+                entries.push(Scheduled {
+                    slot,
+                    arrival,
+                    start,
+                    num_new: 1,
+                    num_draft: 0,
+                    samples: true,
+                    plain,
+                });
+                *budget -= 1;
+                i += 1;
+                continue;
+            }
+            // A chunk, or a decode with drafts possible.
+            let decodes_left = *behind.get_or_insert_with(|| self.decodes_after(i));
+            let n = if decoding {
                 let drafts = self
                     .num_drafts(slot)
                     .min(budget.saturating_sub(1 + decodes_left));
@@ -503,16 +545,10 @@ impl EngineCore {
             };
             // Blocks already reported are held: when they suffice the pool is not asked.
             let held = reported * self.config.block_size;
-            while start + n > held && pool.reserve(table_id, start + n).is_err() {
-                let victim = *self.running.last().expect("running is not empty");
-                if self.remaining(victim) == 1 && victim != slot {
-                    behind = behind.map(|d| d - 1);
-                }
-                self.preempt(pool, victim);
-                preempted = true;
-                if victim == slot {
-                    break 'requests;
-                }
+            if start + n > held
+                && !self.reserve_preempting(pool, slot, table_id, start + n, &mut behind)
+            {
+                break 'requests;
             }
             let num_draft = if decoding { n - 1 } else { 0 };
             if !decoding {
@@ -522,7 +558,31 @@ impl EngineCore {
             *budget -= n;
             i += 1;
         }
-        preempted
+        self.num_preemptions != preemptions
+    }
+
+    /// Reserves blocks for the first `len` tokens of running request `slot`, preempting
+    /// from the back of `running` until they fit; false when `slot` itself was preempted.
+    /// `behind` (decoding requests after `slot`, when counted) loses each one preempted.
+    fn reserve_preempting(
+        &mut self,
+        pool: &mut PoolInner,
+        slot: u32,
+        table_id: u32,
+        len: usize,
+        behind: &mut Option<usize>,
+    ) -> bool {
+        while pool.reserve(table_id, len).is_err() {
+            let victim = *self.running.last().expect("running is not empty");
+            if self.remaining(victim) == 1 && victim != slot {
+                *behind = behind.map(|d| d - 1);
+            }
+            self.preempt(pool, victim);
+            if victim == slot {
+                return false;
+            }
+        }
+        true
     }
 
     /// Decoding requests after the `i`-th running one.
@@ -542,6 +602,7 @@ impl EngineCore {
             num_new,
             num_draft,
             samples: r.num_computed + num_new - num_draft == r.tokens.len(),
+            plain: None,
         }
     }
 
@@ -764,6 +825,18 @@ impl EngineCore {
         };
         let (mut first, mut sample) = (0, 0);
         for (row, e) in entries.iter().enumerate() {
+            if let Some(p) = e.plain {
+                // One token, one sample, nothing banned, no block to report.
+                plan.input_ids[first] = p.token as i32;
+                plan.positions[first] = e.start as i32;
+                plan.slot_mapping[first] =
+                    (p.block as usize * bs.get() + bs.offset(e.start)) as i32;
+                plan.logits_indices[sample] = first as i32;
+                plan.sample_request_rows[sample] = row as i32;
+                first += 1;
+                sample += 1;
+                continue;
+            }
             let r = self.requests[e.slot as usize].as_mut().expect("live slot");
             let blocks = &pool.table(r.table.as_ref().expect("scheduled").id()).blocks;
             let (start, end) = (e.start, e.start + e.num_new);
@@ -878,6 +951,7 @@ impl EngineCore {
         let mut rest = sampled;
         let tokenizer = self.tokenizer.clone();
         let (drafted, grammars) = (self.num_drafted > 0, self.num_grammars > 0);
+        let plain = tokenizer.is_none() && !grammars;
         let mut undrafted = 0;
         let bs = self.block_size;
         let pool = self.pool.clone();
@@ -910,6 +984,19 @@ impl EngineCore {
             if drafted && !r.draft.is_empty() {
                 r.draft.clear();
                 undrafted += 1;
+            }
+            if let (true, &[token]) = (plain, tokens) {
+                // The common row: one token, no text to detokenize, no grammar.
+                let token = token as u32;
+                r.tokens.push(token);
+                out.rows[appended] = row as u32;
+                out.slots[appended] = e.slot;
+                out.token_ids[appended] = token;
+                appended += 1;
+                if let Some(stop) = r.check_stop() {
+                    finished_slots.push((e.slot, stop));
+                }
+                tokens = &[];
             }
             for &token in tokens {
                 let token = token as u32;

@@ -969,3 +969,63 @@ fn a_recycled_plan_is_refilled_exactly_like_a_fresh_one() {
         assert!(steps > 20, "the workload ran {steps} steps");
     }
 }
+
+/// Every row of every plan names the request's own tokens, positions and cache slots, and
+/// samples its last token: decode rows planned from what they carried when scheduled (a
+/// block held and reported, min_tokens out) and rows planned from the request (a block
+/// boundary, bans, chunks, readmission after preemption) alike.
+#[test]
+fn every_planned_token_is_the_requests_own_in_its_own_block() {
+    for block_size in [3, 4] {
+        // 48 tokens of cache: six requests running outgrow it, and some are preempted.
+        let mut cfg = config(48 / block_size, block_size, 16);
+        cfg.max_num_seqs = 6;
+        let mut core = EngineCore::new(cfg).unwrap();
+        for i in 0..12u32 {
+            let params = RequestParams {
+                max_tokens: 3 + (i as usize * 7) % 13,
+                min_tokens: (i as usize) % 4,
+                eos_token_ids: vec![7],
+                ..RequestParams::default()
+            };
+            core.add_request(
+                &format!("r{i}"),
+                &prompt(i, 2 + (i as usize * 5) % 17),
+                params,
+            )
+            .unwrap();
+        }
+        let sample_tokens = sample;
+        let mut steps = 0;
+        while core.has_unfinished() {
+            let plan = core.schedule().unwrap();
+            let mut sample = 0;
+            for (row, id) in ids(&core, &plan).iter().enumerate() {
+                let blocks = core.block_ids(id).unwrap();
+                let (tokens, _) = core.request_tokens(id).unwrap();
+                let (first, end) = (
+                    plan.query_start_loc[row] as usize,
+                    plan.query_start_loc[row + 1] as usize,
+                );
+                for t in first..end {
+                    let pos = plan.positions[t] as usize;
+                    assert_eq!(pos, plan.num_computed_tokens[row] as usize + t - first);
+                    assert_eq!(plan.input_ids[t], tokens[pos] as i32, "{id} at {pos}");
+                    let slot = blocks[pos / block_size] as usize * block_size + pos % block_size;
+                    assert_eq!(plan.slot_mapping[t], slot as i32, "{id} at {pos}");
+                }
+                if plan.seq_lens[row] as usize == tokens.len() {
+                    assert_eq!(plan.logits_indices[sample], end as i32 - 1, "{id}");
+                    assert_eq!(plan.sample_request_rows[sample], row as i32);
+                    sample += 1;
+                }
+            }
+            assert_eq!(sample, plan.logits_indices.len(), "step {steps}");
+            let sampled = sample_tokens(&core, &plan);
+            core.update(&sampled).unwrap();
+            steps += 1;
+        }
+        assert!(core.stats().num_preemptions > 0, "block size {block_size}");
+        assert!(steps > 20, "the workload ran {steps} steps");
+    }
+}
