@@ -9,10 +9,10 @@ behind 256 prefills. Here the engine is kept just full enough to fill its next s
 embeddings share equally when both wait, then the clients within each kind, in prompt tokens.
 A flow (kind, address, key) with nothing in the engine and nothing waiting puts its request
 in at once, past the bounds: the gate's room is shared too, so a light client never waits for
-a heavy client's requests to start (on a CPU, with steps of a second, that wait was a step or
-two of its first token); the engine's own fair share then gives it its part of the next step.
-The bounds are passed by at most one request per flow, and the flows are bounded by the
-admission queue. Priority classes still apply on top, in the engine's scheduler.
+a heavy client's requests to start (that wait was a step or two of its first token); the
+engine's own fair share then gives it its part of the next step. The bounds are passed by at
+most one request per flow, and the flows are bounded by the admission queue. Priority classes
+still apply on top, in the engine's scheduler.
 """
 
 from __future__ import annotations
