@@ -32,7 +32,8 @@ from aieng.server.admission import ServerState
 from aieng.server.clients import client_of, fair_share_key
 from aieng.server.context import ServerContext, arrival_of, request_id_of
 from aieng.server.errors import ApiError, internal_error
-from aieng.server.request_log import RequestRecord, log_request
+from aieng.server.request_log import RequestRecord, debug_stages, log_request
+from aieng.server.stages import mark, stage_times
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class Generation:
 
     def start(self) -> None:
         """Admits the request (or raises 400/429/503) and hands its prompts to the engine."""
+        mark(self.http.scope, "prepared")  # parsed, templated and tokenized
         self._check_satisfiable()
         admission, metrics = self.ctx.admission, self.ctx.metrics
         refusal = admission.refusal([len(p) for p in self.prompts], self.client)
@@ -160,6 +162,7 @@ class Generation:
                 await asyncio.wait_for(entering, wait)
             except TimeoutError:
                 raise self._aborted_error() from None
+            mark(self.http.scope, "gate")
             stream = self.engine.generate(
                 engine_id, prompt, params, deadline=deadline, client=fair_share_key(self.client)
             )
@@ -241,6 +244,7 @@ class Generation:
         self.ctx.admission.started(self.engine_ids[index])
         if self.first_output is None:
             self.first_output = now
+            mark(self.http.scope, "engine", now)
             if out.metrics is not None:
                 self.queue_time = out.metrics.queue_time
         if any(c.token_ids for c in out.outputs):
@@ -389,6 +393,7 @@ class Generation:
                 e2e=time.monotonic() - self.arrival,
                 finish_reason=",".join(reasons) or None,
                 error=self.error,
+                stages=stage_times(self.http.scope.get("state", {})) if debug_stages() else None,
                 **self._cost(),
             )
         )

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aieng.server.errors import error_bytes
+from aieng.server.stages import mark
 
 REQUEST_ID_HEADER = b"x-request-id"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -150,6 +151,7 @@ class BodyLimitMiddleware:
                 del self.reading_by_client[client]
         if body is None:
             return
+        mark(scope, "body_read")
         replayed = False
 
         async def replay() -> Message:

@@ -21,6 +21,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 from aieng.server.clients import client_of
+from aieng.server.stages import mark
 
 OFF_LOOP_BYTES = 64 * 1024
 
@@ -40,6 +41,7 @@ class OffLoopBodyRoute(APIRoute):
                 parsed = await pool.run(client_of(request), len(body), _parse, model, body)
                 if parsed is not None:
                     request._json = parsed  # what FastAPI's request.json() returns
+                mark(request.scope, "parsed")
             return await handler(request)
 
         return handle

@@ -26,6 +26,7 @@ class RequestRecord:
     error: str | None = None
     engine_s: float | None = None  # its share of the engine's step time
     cost_usd: float | None = None  # engine_s at --cost-per-hour
+    stages: str | None = None  # at debug level: seconds in each stage (see server.stages)
 
 
 class _JsonFormatter(logging.Formatter):
@@ -54,6 +55,11 @@ def configure_logging(log_format: str, level: str = "info") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+def debug_stages() -> bool:
+    """Whether request lines carry their stage times (the log is at debug level)."""
+    return logger.isEnabledFor(logging.DEBUG)
 
 
 def log_request(record: RequestRecord) -> None:

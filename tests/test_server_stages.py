@@ -1,0 +1,69 @@
+"""Where a request's time to first token went: at debug level the request log names each stage
+(body read, parsed and tokenized, fair gate, engine) with its seconds; at info it does not."""
+
+import logging
+
+import httpx
+import pytest
+from server_fixtures import ThreadServer, make_model_dir
+
+from aieng.server.stages import mark, stage_times
+
+REQUESTS = logging.getLogger("aieng.server.requests")
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.fields: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.fields.append(record.fields)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ThreadServer(make_model_dir(tmp_path_factory.mktemp("model"))) as s:
+        yield s
+        s.wait_idle()
+
+
+@pytest.fixture
+def records():
+    handler, level = _Records(), REQUESTS.level
+    REQUESTS.addHandler(handler)
+    yield handler
+    REQUESTS.removeHandler(handler)
+    REQUESTS.setLevel(level)
+
+
+def test_stage_times_are_each_from_the_stage_before():
+    scope: dict = {"state": {"arrival": 10.0}}
+    assert stage_times(scope["state"]) is None
+    scope["state"]["stages"] = {"gate": 10.5, "body_read": 10.125, "engine": 12.0}
+    mark(scope, "gate")  # the first mark of a stage stands
+    assert scope["state"]["stages"]["gate"] == 10.5
+    assert stage_times(scope["state"]) == "body_read:0.125000,gate:0.375000,engine:1.500000"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_debug_request_log_names_each_stage(server, records, stream):
+    REQUESTS.setLevel(logging.DEBUG)
+    body = {"prompt": "The", "max_tokens": 2, "temperature": 0, "stream": stream}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    server.wait_idle()
+    (fields,) = [f for f in records.fields if f["endpoint"] == "/v1/completions"]
+    stages = dict(part.split(":") for part in fields["stages"].split(","))
+    assert list(stages) == ["body_read", "prepared", "gate", "engine"]
+    assert all(float(seconds) >= 0 for seconds in stages.values())
+    assert sum(map(float, stages.values())) == pytest.approx(fields["ttft"], abs=1e-5)
+
+
+def test_the_info_request_log_has_no_stages(server, records):
+    REQUESTS.setLevel(logging.INFO)
+    body = {"prompt": "The", "max_tokens": 2, "temperature": 0}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    server.wait_idle()
+    (fields,) = [f for f in records.fields if f["endpoint"] == "/v1/completions"]
+    assert fields["stages"] is None and fields["ttft"] is not None
