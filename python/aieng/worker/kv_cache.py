@@ -3,13 +3,13 @@
 The runner sizes the pool from `block_bytes` and the backend decides the layout of one layer's
 cache (`AttentionBackend.kv_cache_shape`). With `kv_cache_dtype="auto"` the elements are in the
 model's dtype (once `resolve_kv_cache_dtype` has decided "auto": bfloat16 where the native CPU
-decoder serves a float32 model) and a layer's cache is a (K, V) tuple. With `"int8"` they are int8 and every token
-of every KV head also carries one scale for K and one for V, in the model's dtype (a float32 scale
-on a float16 model would cost head_dim 64 a further 2 bytes in 66, and buy nothing: values are
-quantized with the stored scale, so its rounding never adds error); a layer's cache is then a
-`QuantizedKVCache`. With `"float32"` or `"bfloat16"` they are in that dtype whatever the model's
-(a dtype other than the model's is the native CPU decoder's: the torch attention backends take the
-model's dtype only).
+decoder serves a float32 model) and a layer's cache is a (K, V) tuple. With `"float32"` or
+`"bfloat16"` they are in that dtype whatever the model's (a dtype other than the model's is the
+native CPU decoder's: the torch attention backends take the model's dtype only). With `"int8"`
+they are int8 and every token of every KV head also carries one scale for K and one for V, in the
+model's dtype (a float32 scale on a float16 model would cost head_dim 64 a further 2 bytes in 66,
+and buy nothing: values are quantized with the stored scale, so its rounding never adds error); a
+layer's cache is then a `QuantizedKVCache`.
 `token_bytes` and `block_bytes` count the scales, so a fixed budget holds
 D * s / (D + s') times the blocks, s and s' the bytes of a model element and of a scale: for
 head_dim 64, 128 / 66 = 1.94x those of float16 and 256 / 68 = 3.76x those of float32.
