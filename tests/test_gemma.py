@@ -200,7 +200,12 @@ def test_gemma_int4_checkpoint_matches_hf_on_the_dequantized_weights(tmp_path, m
     monkeypatch.setattr(linear_method, "int4_kernel_available", lambda: False)
     runner = ModelRunner(
         create_engine_config(
-            EngineArgs(model=str(tmp_path / "int4"), block_size=4, kv_cache_memory=1 << 22)
+            EngineArgs(
+                model=str(tmp_path / "int4"),
+                block_size=4,
+                kv_cache_memory=1 << 22,
+                kv_cache_dtype="float32",
+            )
         )
     )
     hf = load_hf(folder)
