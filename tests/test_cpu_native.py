@@ -320,7 +320,11 @@ def test_a_bad_step_is_a_typed_error(tmp_path):
 def test_a_draft_model_runs_native_and_the_target_as_its_own_draft_is_always_accepted(llama_dir):
     spec = {"model": str(llama_dir), "num_speculative_tokens": 3, "disable_by_batch_size": 0}
     llm = LLM(str(llama_dir), block_size=4, kv_cache_memory=1 << 22, speculative_config=spec)
-    assert llm.engine.runner.native is not None and llm.engine.runner.draft.native is not None
+    target, draft = llm.engine.runner, llm.engine.runner.draft
+    assert target.native is not None and draft.native is not None
+    # Each resolves `auto` the same way: both caches bfloat16, the budget counting both.
+    assert target.kv_spec.cache_dtype == draft.kv_spec.cache_dtype == "bfloat16"
+    assert target.block_bytes == target.kv_spec.block_bytes + draft.kv_spec.block_bytes
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(PROMPTS[:4], greedy, use_tqdm=False)
     plain, _ = _generate(llama_dir, PROMPTS[:4], greedy, kv_cache_memory=1 << 22)
