@@ -413,3 +413,16 @@ def test_metrics_report_the_cache_dtype_and_blocks(tmp_path):
     config = ModelConfig.from_pretrained(tmp_path)
     per_block = 2 * config.num_hidden_layers * 4 * config.num_key_value_heads
     assert blocks == (1 << 22) // (per_block * (config.head_dim + 4))
+
+
+def test_metrics_name_the_dtype_auto_resolved_to(tmp_path):
+    """`auto` under the native CPU decoder and float32 weights: /metrics says bfloat16."""
+    with ThreadServer(make_model_dir(tmp_path)) as server:
+        metrics = server.metrics()
+        blocks = server.in_engine(lambda engine: engine.runner.num_blocks)
+    assert metrics[
+        f"aieng_cache_config_info{{block_size=4,cache_dtype=bfloat16,num_blocks={blocks}}}"
+    ]
+    config = ModelConfig.from_pretrained(tmp_path)
+    per_block = 2 * config.num_hidden_layers * 4 * config.num_key_value_heads * config.head_dim
+    assert blocks == (1 << 22) // (per_block * 2)  # two bytes an element
