@@ -46,12 +46,14 @@ def one_stream(folder: Path, trials: int, **options) -> tuple[float, float]:
     from aieng import LLM, SamplingParams
 
     llm = LLM(str(folder), kv_cache_memory=64 << 20, max_num_seqs=1, **options)
-    prompts, _ = workload(1, 32000, max_len=512, seed=1)
-    prompt = (prompts[0] * 8)[:128]
+    # A prompt of its own for every run: a repeated prompt would be a prefix-cache hit, and its
+    # first token would time one token's prefill, not 128.
+    prompts, _ = workload(trials + 1, 32000, max_len=512, seed=1)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    llm.generate([prompt], params, use_tqdm=False)  # warm-up
+    llm.generate([(prompts[0] * 8)[:128]], params, use_tqdm=False)  # warm-up
     decode, first = [], []
-    for _ in range(trials):
+    for prompt in prompts[1:]:
+        prompt = (prompt * 8)[:128]
         start = time.monotonic()
         (out,) = llm.generate([prompt], params, use_tqdm=False)
         m = out.metrics

@@ -152,15 +152,29 @@ def quantized_layer(choice, bits=4, group=32, symmetric=False, n=48, k=256):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("choice", ["auto", "int8"])
+@pytest.mark.parametrize("choice", ["auto", "int8", "int8x2"])
 def test_the_int8_method_takes_the_layer_and_dequantize_reads_it_back(bits, symmetric, choice):
     layer, method, w = quantized_layer(choice, bits=bits, symmetric=symmetric)
-    assert method.kernel == ("int8x2" if choice == "auto" else "int8")
+    assert method.kernel == ("int8" if choice == "auto" else choice)  # auto: W4A8, the fastest
     assert layer.qvalues.numel() == 0  # the kernel's layout is the only copy
     torch.testing.assert_close(dequantize(layer), w, atol=1e-6, rtol=1e-6)
     x = torch.randn(5, 256)
     error = float((layer(x) - x @ w.t()).norm() / (x @ w.t()).norm())
-    assert error < (1e-4 if choice == "auto" else method_module.INT8_TOLERANCE)
+    assert error < (1e-4 if choice == "int8x2" else method_module.INT8_TOLERANCE)
+
+
+def test_auto_takes_int8x2_where_w4a8_fails_its_check(monkeypatch):
+    """A layer whose W4A8 result disagrees with the reference gets the accurate second term."""
+    real = method_module.passes_check
+    monkeypatch.setattr(
+        method_module,
+        "passes_check",
+        lambda name, *args: not name.startswith("int8 ") and real(name, *args),
+    )
+    layer, method, w = quantized_layer("auto")
+    assert method.kernel == "int8x2"
+    x = torch.randn(5, 256)
+    assert float((layer(x) - x @ w.t()).norm() / (x @ w.t()).norm()) < 1e-4
 
 
 def test_each_choice_gives_its_kernel():
@@ -195,12 +209,13 @@ def quantized(request, tmp_path_factory):
     return Quantized(arch, fmt, tmp_path_factory.mktemp(f"{arch}-{fmt}"))
 
 
-def test_the_auto_kernel_follows_transformers(quantized, caplog):
-    """`auto` on the CPU is int8x2: the closeness rule the INT4 kernel's tokens follow
+def test_the_int8x2_kernel_follows_transformers(quantized, caplog):
+    """int8x2 on the CPU follows the closeness rule the INT4 kernel's tokens follow
     (test_quantized_checkpoints): identical up to the first difference with logprobs within
-    0.05; at it, transformers' token in our top 2 within 0.1. (It does better: ~3e-4.)"""
+    0.05; at it, transformers' token in our top 2 within 0.1. (It does better: ~3e-4.) `auto`
+    (W4A8) is held to its perplexity contract instead (test_auto_takes_w4a8_...)."""
     with caplog.at_level(logging.INFO, logger="aieng.models.loader"):
-        outputs = quantized.run()
+        outputs = quantized.run(cpu_quant_kernel="int8x2")
     loaded = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded"))
     assert f"int8x2 ({_core.cpu_isa()})" in loaded and "dequant" not in loaded, loaded
     differences = 0
@@ -343,3 +358,42 @@ def test_the_int8_head_quantization():
     back = ((q.float() - 128).view(40, 3, 32) * s[..., None]).view(40, 96)
     assert bool(((back - w).abs() <= s.repeat_interleave(32, 1) / 2 + 1e-7).all())
     assert bool((q[3] == 128).all())
+
+
+W4A8_PERPLEXITY_CONTRACT = 1.005  # issue 24: W4A8 at most +0.5% over the accurate activations
+HELD_OUT = (
+    "And it came to pass, when men began to multiply on the face of the earth, and daughters "
+    "were born unto them, That the sons of God saw the daughters of men that they were fair; "
+    "and they took them wives of all which they chose. And the LORD said, My spirit shall not "
+    "always strive with man, for that he also is flesh: yet his days shall be an hundred and "
+    "twenty years. There were giants in the earth in those days; and also after that, when the "
+    "sons of God came in unto the daughters of men, and they bare children to them, the same "
+    "became mighty men which were of old, men of renown."
+)
+
+
+@pytest.mark.skipif(_core.cpu_isa() == "scalar", reason="the int8 kernels need AVX2 or AVX-512")
+def test_auto_takes_w4a8_within_its_perplexity_contract(tmp_path):
+    """`auto` picks W4A8 (int8: one int8 per activation) for its speed; on the bundled model
+    quantized to INT4 its held-out perplexity stays within +0.5% of int8x2's, whose activations
+    keep bfloat16's accuracy."""
+    from aieng.benchmarks.evaluate import perplexity
+    from aieng.config.default_model import default_model_path
+    from aieng.config.model_config import ModelConfig
+    from aieng.quantizer.compressed_tensors_writer import QuantScheme
+    from aieng.quantizer.quantize import QuantizeOptions, largest_group_size, quantize_checkpoint
+
+    source = default_model_path()
+    group = largest_group_size(ModelConfig.from_pretrained(source))
+    options = QuantizeOptions(method="rtn", scheme=QuantScheme(4, group, symmetric=False))
+    quantize_checkpoint(source, tmp_path / "int4", options, progress=None)
+    text = tmp_path / "heldout.txt"
+    text.write_text(HELD_OUT, encoding="utf-8")
+    scores = {
+        kernel: perplexity(tmp_path / "int4", text, window=64, stride=32, cpu_quant_kernel=kernel)
+        for kernel in ("auto", "int8", "int8x2")
+    }
+    assert scores["auto"].perplexity == scores["int8"].perplexity  # auto is W4A8
+    assert scores["int8"].tokens == scores["int8x2"].tokens > 100
+    ratio = scores["int8"].perplexity / scores["int8x2"].perplexity
+    assert ratio <= W4A8_PERPLEXITY_CONTRACT, scores

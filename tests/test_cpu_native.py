@@ -195,11 +195,13 @@ def quantized(request, tmp_path_factory):
 
 
 def test_quantized_weights_follow_transformers(quantized):
-    """int8x2 (auto) layers through the native decoder, against transformers on the same
-    weights dequantized; W4A8 (int8) against the torch runner on the same kernel. A float32
-    cache, so the difference measured is the weights'."""
+    """int8x2 layers through the native decoder, against transformers on the same weights
+    dequantized; W4A8 (int8, what auto picks) against the torch runner on the same kernel (its
+    accuracy contract is perplexity: test_cpu_kernels.py). A float32 cache, so the difference
+    measured is the weights'."""
     args = dict(block_size=4, kv_cache_memory=1 << 22, kv_cache_dtype="float32")
-    native = ModelRunner(create_engine_config(EngineArgs(model=str(quantized.folder), **args)))
+    accurate = EngineArgs(model=str(quantized.folder), cpu_quant_kernel="int8x2", **args)
+    native = ModelRunner(create_engine_config(accurate))
     assert native.native is not None
     outputs = _run(native, quantized.prompts)
     assert_close_by_the_int4_rule(outputs, _expected(quantized.expected))
@@ -333,3 +335,47 @@ def test_a_draft_model_runs_native_and_the_target_as_its_own_draft_is_always_acc
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     llm.engine.check_pool_whole()
+
+
+def test_torch_runs_single_threaded_while_the_native_step_runs(llama_dir, monkeypatch):
+    """torch's OpenMP threads would spin on the pool's cores after every torch op of the step
+    (sampling): within a native step torch has one thread, the decoder gets the user's count,
+    and the user's count is back once the step ends (kernels/threads.py)."""
+    from aieng.worker import cpu_native
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(str(llama_dir), block_size=4, kv_cache_memory=1 << 22)
+        seen: list[tuple[int, int]] = []
+        forward = cpu_native.NativeDecoder.forward
+
+        def spy(self, *args, **kwargs):
+            seen.append((torch.get_num_threads(), cpu_native.kernel_threads()))
+            return forward(self, *args, **kwargs)
+
+        monkeypatch.setattr(cpu_native.NativeDecoder, "forward", spy)
+        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        llm.generate(PROMPTS[:2], greedy, use_tqdm=False)
+        assert seen and set(seen) == {(1, 2)}, seen
+        assert torch.get_num_threads() == 2  # the user's count, between and after steps
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_thread_scope_nests_and_restores_on_error():
+    from aieng.kernels.threads import kernel_threads, pool_owns_the_cores
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pool_owns_the_cores() as outer:
+            assert (outer, torch.get_num_threads(), kernel_threads()) == (2, 1, 2)
+            with pool_owns_the_cores() as inner:  # a draft model's step inside the target's
+                assert (inner, torch.get_num_threads()) == (2, 1)
+            assert torch.get_num_threads() == 1
+        with pytest.raises(RuntimeError), pool_owns_the_cores():
+            raise RuntimeError("the step failed")
+        assert (torch.get_num_threads(), kernel_threads()) == (2, 2)
+    finally:
+        torch.set_num_threads(before)

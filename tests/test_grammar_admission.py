@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -121,6 +122,45 @@ def test_the_schema_true_is_any_json(llm):
             json.loads(completion.text)
 
 
+def one_token(llm_or_engine, text: str) -> int:
+    [token] = llm_or_engine.tokenizer.encode(text, add_special_tokens=False)
+    return token
+
+
+def digits(allowed: list[int], min_tokens: int = 0) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=4,
+        min_tokens=min_tokens,
+        allowed_token_ids=allowed,
+        structured_outputs=StructuredOutputsParams(regex="[0-9]+"),
+    )
+
+
+def test_allowed_ids_that_cannot_start_the_grammar_are_refused_at_add_time(llm):
+    letter, digit = one_token(llm.engine, "a"), one_token(llm.engine, "7")
+    eos = sorted(llm.engine.eos_token_ids)
+    with pytest.raises(InvalidArgumentError) as caught:
+        llm.generate(["And God said"], digits([letter, *eos]))
+    assert caught.value.field == "allowed_token_ids"
+    assert "structured_outputs" in str(caught.value) and "can start" in str(caught.value)
+    assert not llm.engine.requests
+    [out] = llm.generate(["And God said"], digits([letter, digit]))
+    assert out.outputs[0].token_ids[0] == digit
+
+
+def test_an_ending_id_counts_where_the_grammar_may_end_at_once(llm):
+    letter = one_token(llm.engine, "a")
+    eos = sorted(llm.engine.eos_token_ids)
+    maybe_empty = StructuredOutputsParams(regex="[0-9]*")
+    params = SamplingParams(max_tokens=4, allowed_token_ids=[letter, *eos])
+    [out] = llm.generate(["And God"], replace(params, structured_outputs=maybe_empty))
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == ""
+    with pytest.raises(InvalidArgumentError) as caught:  # min_tokens masks the ending ids
+        llm.generate(["And God"], replace(params, structured_outputs=maybe_empty, min_tokens=1))
+    assert caught.value.field in ("allowed_token_ids", "min_tokens")
+
+
 def test_json_false_is_a_given_schema_and_json_object_false_is_not():
     assert StructuredOutputsParams(json=False).kind == "json"
     assert StructuredOutputsParams(json=False).source() == "false"
@@ -180,6 +220,21 @@ def test_a_tool_whose_parameters_match_nothing_is_400_naming_tools(server):
     error = reply.json()["error"]
     assert error["param"] == "tools", error
     assert "matches nothing" in error["message"] or "never be completed" in error["message"]
+
+
+@pytest.mark.parametrize("field", ["structured_outputs", "response_format"])
+def test_allowed_ids_the_grammar_cannot_start_with_are_400_naming_the_fields(server, field):
+    letter = server.in_engine(lambda engine: one_token(engine, "a"))
+    constraint = (
+        {"regex": "[0-9]+"}
+        if field == "structured_outputs"
+        else {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}
+    )
+    reply = completion(server, {field: constraint, "allowed_token_ids": [letter]})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "allowed_token_ids", error
+    assert "structured_outputs or response_format" in error["message"], error
 
 
 def test_the_server_compiles_in_the_grammar_pool(server, monkeypatch):

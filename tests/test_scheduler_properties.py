@@ -72,6 +72,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             block_size,
             max_model_len,
         )
+        self.budget = max_num_seqs + extra_budget
         self.live: dict[str, Tracked] = {}
         self.next_id = 0
         self.tables: dict[int, list[int]] = {}  # a runner's block table per slot
@@ -83,8 +84,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         min_tokens=st.integers(0, 4),
         ignore_eos=st.booleans(),
         priority=st.integers(0, 2),
+        client=st.sampled_from([None, "a", "b"]),  # several clients: shared step budgets
     )
-    def add(self, prompt, shared, max_tokens, min_tokens, ignore_eos, priority):
+    def add(self, prompt, shared, max_tokens, min_tokens, ignore_eos, priority, client):
         if shared:
             prompt = [3, 4, 5, 6, 3, 4, 5, 6][: len(prompt)] + prompt
         min_tokens = min(min_tokens, max_tokens)
@@ -104,6 +106,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 eos_token_ids=[EOS],
                 stop_token_ids=[STOP],
                 priority=priority,
+                client=client,
             )
         except aieng.InvalidArgumentError:
             assert not fits
@@ -119,7 +122,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def step(self, data, abort_in_flight, several):
         plan = self.core.schedule()
-        assert plan.num_tokens <= self.core.stats()["num_running"] + 1000
+        assert plan.num_tokens <= self.budget
         self.check_new_blocks(plan)
         n = len(plan.logits_indices)
         counts = data.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n)) if several else []

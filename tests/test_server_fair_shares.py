@@ -310,3 +310,25 @@ def test_a_full_queue_refuses_the_client_that_fills_it_not_a_newcomer(model):
         assert "its share" in more.json()["error"]["message"]
         assert other.status_code == 200, other.text
         server.wait_idle()
+
+
+def test_the_requests_waiting_at_the_gate_are_a_metric(fair_server):
+    admission = fair_server.ctx.admission
+    inputs = [f"{i} {WORDS}" for i in range(HEAVY_INPUTS)]
+
+    async def scenario() -> tuple[float, int, float]:
+        async with httpx.AsyncClient(base_url=fair_server.url, timeout=120) as client:
+            body = {"input": inputs, "pooling": "mean"}
+            heavy = asyncio.create_task(client.post("/v1/embeddings", json=body))
+            end = time.monotonic() + 30
+            while fair_server.in_loop(lambda: admission.num_at_gates) < HEAVY_INPUTS // 2:
+                assert time.monotonic() < end, "the heavy inputs never waited at the gate"
+                await asyncio.sleep(0.01)
+            before = fair_server.in_loop(lambda: admission.num_at_gates)
+            waiting = (await asyncio.to_thread(fair_server.metrics))["aieng_admission_waiting"]
+            assert (await heavy).status_code == 200
+        return waiting, before, fair_server.metrics()["aieng_admission_waiting"]
+
+    waiting, before, after = asyncio.run(scenario())
+    assert HEAVY_INPUTS // 4 <= waiting <= before, (waiting, before)
+    assert after == 0

@@ -153,15 +153,18 @@ def test_allowed_tokens_that_are_all_bad_words_are_a_400(server):
 
 
 def test_no_valid_token_at_run_time_is_a_400_of_its_own_code(server):
-    """A grammar that allows only "a" and allowed_token_ids without it: known only when the
-    masks meet, in the step; the answer is a 4xx with its own code, not a 500."""
-    a_ids = server.in_engine(lambda engine: engine.tokenizer.encode("a", False))
-    allowed = [t for t in range(3, 40) if t not in a_ids][:3]
+    """A grammar that needs "ab", and allowed_token_ids with "a" but without "b": the first
+    step passes the door's check (its mask allows "a"); the second is known only when the masks
+    meet, in the step; the answer is a 4xx with its own code, not a 500."""
+    [a_id], b_ids = server.in_engine(
+        lambda engine: [engine.tokenizer.encode(t, False) for t in ("a", "b")]
+    )
+    allowed = [a_id, *[t for t in range(3, 40) if t not in (a_id, *b_ids)][:2]]
     body = {
         "prompt": "0",
         "max_tokens": 3,
         "allowed_token_ids": allowed,
-        "structured_outputs": {"regex": "a+"},
+        "structured_outputs": {"regex": "ab"},
     }
     for stream in (False, True):
         response = _post(server, "/v1/completions", {**body, "stream": stream})

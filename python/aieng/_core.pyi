@@ -233,12 +233,14 @@ class EngineCore:
         skip_special_tokens: bool = True,
         grammar: Grammar | None = None,
         skip_prefix_cache: bool = False,
+        client: str | None = None,
     ) -> int:
         """Queues a request and returns its slot. With `grammar`, the request gets a matcher of
         its own: its sampling rows get masks, every token advances it, and a complete grammar
         ends the request (finish reason "stop"). With `skip_prefix_cache`, the request reads no
         cached prefix (it computes every prompt token, e.g. to score them); its own blocks are
-        still cached for others."""
+        still cached for others. `client` names who sent it: while several clients have
+        requests, each step's prefill budget is split fairly between them (None: one client)."""
     def abort(self, request_id: str) -> FinishedRequest: ...
     def schedule(self) -> StepPlan: ...
     def update(self, sampled: _Tokens, num_sampled: _Tokens | None = None) -> StepOutputs:
@@ -286,6 +288,9 @@ class Grammar:
 
     @property
     def kind(self) -> str: ...
+    def allowed_first(self, token_ids: _Tokens, stop_ids: _Tokens) -> list[int]:
+        """Of `token_ids`, those the grammar allows as a request's first output token;
+        `stop_ids` (its EOS and stop ids) are allowed if the grammar may end at its start."""
 
 _U8 = npt.NDArray[np.uint8]
 _F32 = npt.NDArray[np.float32]

@@ -11,9 +11,13 @@ import math
 import struct
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aieng.errors import invalid_field
 from aieng.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from aieng._core import Grammar
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 FLOAT32_MAX = 3.4028234663852886e38
@@ -161,12 +165,16 @@ class SamplingParams:
                     raise invalid_field(name, f"{name}: {message}")
 
     def check_satisfiable(
-        self, eos_token_ids: Collection[int], banned_ids: Collection[int] = ()
+        self,
+        eos_token_ids: Collection[int],
+        banned_ids: Collection[int] = (),
+        grammar: Grammar | None = None,
     ) -> None:
         """Refuses a request that could never draw a token, knowable before it runs: every id
         of allowed_token_ids is banned (`banned_ids`: the one-token bad words), or, before
         min_tokens, ends the request (an EOS id unless ignore_eos, a stop id), which min_tokens
-        masks. Raises InvalidArgumentError (a ValueError) naming the field."""
+        masks, or is refused by the first step of `grammar` (the compiled structured_outputs).
+        Raises InvalidArgumentError (a ValueError) naming the field."""
         if self.allowed_token_ids is None:
             return
         allowed, banned = set(self.allowed_token_ids), set(banned_ids)
@@ -176,11 +184,21 @@ class SamplingParams:
                 "allowed_token_ids: every allowed token is a one-token bad word (bad_words), so "
                 "no token can ever be drawn",
             )
-        if self.min_tokens == 0:
-            return
         ending = set(self.stop_token_ids or ())
         if not self.ignore_eos:
             ending |= set(eos_token_ids)
+        if grammar is not None:
+            # Where the grammar may end, the ending ids are allowed: once min_tokens are out.
+            ends = sorted(ending) if self.min_tokens == 0 else []
+            if not grammar.allowed_first(sorted(allowed - banned), ends):
+                raise invalid_field(
+                    "allowed_token_ids",
+                    f"allowed_token_ids: none of {sorted(allowed - banned)[:8]} can start the "
+                    "output that the structured output constraint (structured_outputs or "
+                    "response_format) requires, so no token can ever be drawn",
+                )
+        if self.min_tokens == 0:
+            return
         if allowed <= banned | ending:
             raise invalid_field(
                 "min_tokens",

@@ -278,10 +278,6 @@ impl Drop for TableLease {
 }
 
 impl PoolInner {
-    pub(crate) fn block_size(&self) -> usize {
-        self.block_size
-    }
-
     pub(crate) fn table(&self, id: u32) -> &TableState {
         self.tables[id as usize].as_ref().expect("live table")
     }

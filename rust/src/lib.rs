@@ -5,8 +5,10 @@
 //! bindings live in `py` behind the `python` cargo feature.
 
 pub mod block_pool;
+mod block_size;
 pub mod cpu_decoder;
 pub mod error;
+pub mod fair_share;
 mod free_list;
 pub mod kernels;
 mod prefix_hash;

@@ -392,15 +392,16 @@ struct PyStepPlan {
     #[pyo3(get)]
     banned_ids: Py<PyArray1<i32>>,
     /// Each slot's request id as the core held them when it planned the step (shared,
-    /// not copied), and each row's slot: the `request_ids` list is built from them.
+    /// not copied): the `request_ids` list is built from them and `slots`.
     slot_ids: SlotIds,
-    row_slots: Vec<i32>,
     id_list: PyOnceLock<Py<PyList>>,
     grammar_masks: Option<PendingMasks>,
 }
 
 impl PyStepPlan {
-    fn new(py: Python<'_>, plan: StepPlan) -> Self {
+    /// The arrays of `plan`, copied; its ids and masks are taken, its buffers left for
+    /// the core to reuse.
+    fn new(py: Python<'_>, plan: &mut StepPlan) -> Self {
         PyStepPlan {
             num_requests: plan.seq_lens.len(),
             num_tokens: plan.input_ids.len(),
@@ -418,10 +419,9 @@ impl PyStepPlan {
             new_block_ids: array(py, &plan.new_block_ids),
             banned_rows: array(py, &plan.banned_rows),
             banned_ids: array(py, &plan.banned_ids),
-            slot_ids: plan.request_ids,
-            row_slots: plan.slots,
+            slot_ids: std::mem::take(&mut plan.request_ids),
             id_list: PyOnceLock::new(),
-            grammar_masks: plan.grammar_masks,
+            grammar_masks: plan.grammar_masks.take(),
         }
     }
 }
@@ -431,9 +431,10 @@ impl PyStepPlan {
     #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         once(py, &self.id_list, || {
+            let slots = self.slots.bind(py).readonly();
             PyList::new(
                 py,
-                self.row_slots.iter().map(|&slot| {
+                slots.as_slice()?.iter().map(|&slot| {
                     self.slot_ids
                         .get(slot as u32)
                         .expect("a planned slot is named")
@@ -642,7 +643,7 @@ impl PyEngineCore {
         request_id, prompt_token_ids, *, max_tokens = 16, min_tokens = 0, ignore_eos = false,
         eos_token_ids = None, stop_token_ids = None, priority = 0, stop = None,
         include_stop_str_in_output = false, skip_special_tokens = true, grammar = None,
-        skip_prefix_cache = false,
+        skip_prefix_cache = false, client = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -660,6 +661,7 @@ impl PyEngineCore {
         skip_special_tokens: bool,
         grammar: Option<PyRef<'_, PyGrammar>>,
         skip_prefix_cache: bool,
+        client: Option<String>,
     ) -> PyResult<u32> {
         let count = |name: &str, v: i64| {
             usize::try_from(v).map_err(|_| {
@@ -683,6 +685,7 @@ impl PyEngineCore {
             include_stop_str_in_output,
             skip_special_tokens,
             skip_prefix_cache,
+            client,
         };
         let prompt = u32_tokens(prompt_token_ids, "prompt_token_ids")?;
         let grammar = grammar.as_ref().map(|g| g.inner.as_ref());
@@ -700,8 +703,10 @@ impl PyEngineCore {
     /// Plans the next step.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
         let core = &mut self.core;
-        let plan = py.detach(|| core.schedule())?;
-        Ok(PyStepPlan::new(py, plan))
+        let mut plan = py.detach(|| core.schedule())?;
+        let step = PyStepPlan::new(py, &mut plan);
+        self.core.recycle(plan);
+        Ok(step)
     }
 
     /// Applies the tokens sampled for the last plan: one per sampling row, or
@@ -1032,6 +1037,18 @@ impl PyGrammar {
     #[getter]
     fn kind(&self) -> &'static str {
         self.inner.spec().kind()
+    }
+
+    /// Of `token_ids`, those the grammar allows as the first output token; `stop_ids` are
+    /// allowed if it may end at its start.
+    fn allowed_first(
+        &self,
+        token_ids: &Bound<'_, PyAny>,
+        stop_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u32>> {
+        let tokens = u32_tokens(token_ids, "token_ids")?;
+        let stops = u32_tokens(stop_ids, "stop_ids")?;
+        Ok(self.inner.allowed_first(&tokens, &stops))
     }
 
     fn __repr__(&self) -> String {

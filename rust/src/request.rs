@@ -23,6 +23,8 @@ pub struct RequestParams {
     /// Never read the prefix cache (the request computes every prompt token, e.g. to score
     /// them); its own blocks are still cached for others.
     pub skip_prefix_cache: bool,
+    /// Who sent it, for fair shares of the prefill budget (None: the one anonymous client).
+    pub client: Option<String>,
 }
 
 impl Default for RequestParams {
@@ -38,6 +40,7 @@ impl Default for RequestParams {
             include_stop_str_in_output: false,
             skip_special_tokens: true,
             skip_prefix_cache: false,
+            client: None,
         }
     }
 }
@@ -127,6 +130,8 @@ pub(crate) struct Request {
     /// Speculative tokens proposed to follow `tokens`, verified by the next step that
     /// decodes it (then cleared); never set for a request with a grammar.
     pub(crate) draft: Vec<u32>,
+    /// Its client's id in the core's `FairShare`.
+    pub(crate) client: crate::fair_share::ClientId,
 }
 
 /// The id of the request in each slot, as a plan names its rows' requests. A plan holds
@@ -249,6 +254,7 @@ impl Request {
             text,
             grammar: None,
             draft: Vec::new(),
+            client: crate::fair_share::ANONYMOUS,
         }
     }
 
@@ -273,13 +279,16 @@ impl Request {
 
     /// Checks the stop conditions after a token was appended: the stop ids, then
     /// the lengths.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn check_stop(&self) -> Option<(FinishReason, Option<StopReason>)> {
-        let token = *self.tokens.last().expect("a generated token");
-        if self.may_stop() && self.stops.ids.contains(&token) {
-            return Some((FinishReason::Stop, Some(StopReason::Token(token))));
+        let len = self.tokens.len();
+        if !self.stops.ids.is_empty() && len >= self.stops.min_len {
+            let token = self.tokens[len - 1];
+            if self.stops.ids.contains(&token) {
+                return Some((FinishReason::Stop, Some(StopReason::Token(token))));
+            }
         }
-        (self.tokens.len() >= self.stops.max_len).then_some((FinishReason::Length, None))
+        (len >= self.stops.max_len).then_some((FinishReason::Length, None))
     }
 }
 

@@ -8,6 +8,9 @@
 //! running request is preempted by recompute: it frees its blocks and waits again
 //! with its generated tokens kept.
 //!
+//! With requests of several clients, each step's prefill budget is split between the
+//! clients (`fair_share`); with one, nothing changes.
+//!
 //! An update may append several tokens to a row; those past the first are
 //! scheduled in the next step like the rest of a prefill.
 //!
@@ -22,7 +25,9 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use crate::block_pool::{BlockPool, PoolInner, PoolStats};
+use crate::block_size::BlockSize;
 use crate::error::{CoreError, Result};
+use crate::fair_share::FairShare;
 use crate::request::{
     FinishReason, Request, RequestParams, SlotIds, Status, StopReason, TextState,
 };
@@ -122,6 +127,7 @@ struct Scheduled {
 /// The scheduler and the block pool it allocates from.
 pub struct EngineCore {
     config: SchedulerConfig,
+    block_size: BlockSize,
     pool: BlockPool,
     requests: Vec<Option<Request>>,
     free_slots: Vec<u32>,
@@ -137,11 +143,17 @@ pub struct EngineCore {
     running: Vec<u32>,
     next_arrival: u64,
     in_flight: Option<Vec<Scheduled>>,
+    /// The last applied step's entries and the last plan handed back (`recycle`), kept
+    /// for their buffers: a step in the steady state allocates none of them.
+    spare_entries: Vec<Scheduled>,
+    spare_plan: StepPlan,
     /// The in-flight step's masks: update() waits for them before advancing matchers.
     in_flight_masks: Option<PendingMasks>,
     num_preemptions: u64,
     num_steps: u64,
     tokenizer: Option<Arc<Tokenizer>>,
+    /// The clients' shares of each step's prefill budget (idle with one client).
+    fair: FairShare,
 }
 
 impl EngineCore {
@@ -161,6 +173,7 @@ impl EngineCore {
             config.enable_prefix_caching,
         )?;
         Ok(EngineCore {
+            block_size: BlockSize::new(config.block_size),
             config,
             pool,
             requests: Vec::new(),
@@ -173,10 +186,13 @@ impl EngineCore {
             running: Vec::new(),
             next_arrival: 0,
             in_flight: None,
+            spare_entries: Vec::new(),
+            spare_plan: StepPlan::default(),
             in_flight_masks: None,
             num_preemptions: 0,
             num_steps: 0,
             tokenizer,
+            fair: FairShare::default(),
         })
     }
 
@@ -285,7 +301,9 @@ impl EngineCore {
         self.next_arrival += 1;
         self.waiting.insert((params.priority, arrival, slot));
         let id: Arc<str> = Arc::from(id);
+        let client = self.fair.join(params.client.as_deref());
         let mut request = Request::new(Arc::clone(&id), arrival, prompt, params, max_len, text);
+        request.client = client;
         if let Some(grammar) = grammar {
             request.grammar = Some(grammar.matcher(request.stop_ids().to_vec()).shared());
             self.num_grammars += 1;
@@ -326,6 +344,7 @@ impl EngineCore {
         self.free_slots.push(slot);
         self.num_grammars -= usize::from(r.grammar.is_some());
         self.num_drafted -= usize::from(!r.draft.is_empty());
+        self.fair.leave(r.client);
         let finished = FinishedRequest {
             num_output_tokens: r.num_output_tokens(),
             request_id: r.id.to_string(),
@@ -375,13 +394,16 @@ impl EngineCore {
         }
         let pool = self.pool.clone();
         let mut guard = pool.lock();
-        let mut entries = Vec::with_capacity(self.running.len() + 8);
+        let mut entries = std::mem::take(&mut self.spare_entries);
         let mut budget = self.config.max_num_batched_tokens;
+        self.begin_fair_step(budget);
         let preempted = self.schedule_running(&mut guard, &mut entries, &mut budget);
         if !preempted {
             self.schedule_waiting(&mut guard, &mut entries, &mut budget);
+            self.top_up_prefills(&mut guard, &mut entries, &mut budget);
         }
-        let mut plan = self.build_plan(&guard, &entries);
+        let mut plan = std::mem::take(&mut self.spare_plan);
+        self.build_plan(&guard, &entries, &mut plan);
         drop(guard);
         plan.request_ids = self.slot_ids.clone();
         if self.num_grammars > 0 {
@@ -391,6 +413,13 @@ impl EngineCore {
         self.in_flight = Some(entries);
         self.debug_check();
         Ok(plan)
+    }
+
+    /// Takes back a plan its caller is done with: the next schedule() refills its
+    /// buffers instead of allocating new ones.
+    pub fn recycle(&mut self, mut plan: StepPlan) {
+        plan.clear();
+        self.spare_plan = plan;
     }
 
     /// Starts the masks of the sampling rows whose requests have a grammar.
@@ -432,19 +461,21 @@ impl EngineCore {
     ) -> bool {
         let mut preempted = false;
         let drafted = self.num_drafted > 0;
-        let mut decodes_left = self
-            .running
-            .iter()
-            .filter(|&&s| self.remaining(s) == 1)
-            .count();
+        // Decoding requests behind the current one, counted the first time a row reads it
+        // (a chunk or a draft reserves their budget; a step of plain decodes never does).
+        let mut behind: Option<usize> = None;
         let mut i = 0;
         'requests: while i < self.running.len() {
             let slot = self.running[i];
             let remaining = self.remaining(slot);
             let decoding = remaining == 1;
             if decoding {
-                decodes_left -= 1;
+                behind = behind.map(|d| d - 1);
             }
+            let decodes_left = match (decoding, drafted) {
+                (true, false) => 0,
+                _ => *behind.get_or_insert_with(|| self.decodes_after(i)),
+            };
             let n = if decoding && !drafted {
                 1.min(*budget)
             } else if decoding {
@@ -456,6 +487,7 @@ impl EngineCore {
                 remaining
                     .min(budget.saturating_sub(decodes_left))
                     .min(self.chunk_cap())
+                    .min(self.fair.allowance(self.req(slot).client))
             };
             if n == 0 {
                 i += 1;
@@ -474,7 +506,7 @@ impl EngineCore {
             while start + n > held && pool.reserve(table_id, start + n).is_err() {
                 let victim = *self.running.last().expect("running is not empty");
                 if self.remaining(victim) == 1 && victim != slot {
-                    decodes_left -= 1;
+                    behind = behind.map(|d| d - 1);
                 }
                 self.preempt(pool, victim);
                 preempted = true;
@@ -483,11 +515,22 @@ impl EngineCore {
                 }
             }
             let num_draft = if decoding { n - 1 } else { 0 };
+            if !decoding {
+                self.fair.spend(self.req(slot).client, n);
+            }
             entries.push(self.scheduled(slot, n, num_draft));
             *budget -= n;
             i += 1;
         }
         preempted
+    }
+
+    /// Decoding requests after the `i`-th running one.
+    fn decodes_after(&self, i: usize) -> usize {
+        self.running[i + 1..]
+            .iter()
+            .filter(|&&s| self.remaining(s) == 1)
+            .count()
     }
 
     fn scheduled(&self, slot: u32, num_new: usize, num_draft: usize) -> Scheduled {
@@ -544,7 +587,7 @@ impl EngineCore {
         budget: &mut usize,
     ) {
         while *budget > 0 {
-            let Some(&(priority, arrival, slot)) = self.waiting.first() else {
+            let Some(((priority, arrival, slot), allowance)) = self.next_waiting() else {
                 break;
             };
             if self.running.len() >= self.config.max_num_seqs
@@ -553,7 +596,11 @@ impl EngineCore {
                 break;
             }
             self.open_table(pool, slot);
-            let n = self.remaining(slot).min(*budget).min(self.chunk_cap());
+            let n = self
+                .remaining(slot)
+                .min(*budget)
+                .min(self.chunk_cap())
+                .min(allowance);
             let (table_id, start) = {
                 let r = self.req(slot);
                 (r.table.as_ref().expect("opened").id(), r.num_computed)
@@ -577,9 +624,61 @@ impl EngineCore {
                 .running
                 .partition_point(|&s| self.req(s).order_key() < key);
             self.running.insert(at, slot);
+            self.fair.spend(self.req(slot).client, n);
             entries.push(self.scheduled(slot, n, 0));
             *budget -= n;
         }
+    }
+
+    /// With several clients live, splits the step's prefill budget between them (see
+    /// `fair_share`); with one, nothing is read.
+    fn begin_fair_step(&mut self, budget: usize) {
+        let requests = &self.requests;
+        let work = self.running.iter().chain(self.waiting.iter().map(|k| &k.2));
+        let work = work.map(|&slot| {
+            let r = requests[slot as usize].as_ref().expect("live slot");
+            let tokens = r.tokens.len() - r.num_computed;
+            let decodes = r.status == Status::Running && tokens == 1;
+            (r.client, r.params.priority, tokens, decodes)
+        });
+        self.fair.begin_step(budget, self.chunk_cap(), work);
+    }
+
+    /// Hands what the clients' shares left unspent (a waiting client that got no free slot,
+    /// a prompt found in the prefix cache) to the prefill chunks the shares capped, in plan
+    /// order, so a split step wastes no budget.
+    fn top_up_prefills(
+        &mut self,
+        pool: &mut PoolInner,
+        entries: &mut [Scheduled],
+        budget: &mut usize,
+    ) {
+        if !self.fair.splitting() {
+            return;
+        }
+        for e in entries.iter_mut().filter(|e| e.num_draft == 0) {
+            let wanted = self.remaining(e.slot).min(self.chunk_cap());
+            let more = wanted.saturating_sub(e.num_new).min(*budget);
+            let table_id = self.req(e.slot).table.as_ref().expect("scheduled").id();
+            if more > 0 && pool.reserve(table_id, e.start + e.num_new + more).is_ok() {
+                *e = self.scheduled(e.slot, e.num_new + more, 0);
+                *budget -= more;
+            }
+        }
+    }
+
+    /// The next waiting request to admit and the most tokens it may take: the first in
+    /// (priority, arrival) order, or, while the step splits its budget, the fair pick
+    /// within the best priority class waiting.
+    fn next_waiting(&self) -> Option<((i32, u64, u32), usize)> {
+        let first = *self.waiting.first()?;
+        let requests = &self.requests;
+        let class = self.waiting.iter().take_while(|k| k.0 == first.0);
+        let fair = self.fair.pick(class.map(|&k| {
+            let r = requests[k.2 as usize].as_ref().expect("live slot");
+            (k, r.client)
+        }));
+        Some(fair.unwrap_or((first, usize::MAX)))
     }
 
     fn open_table(&mut self, pool: &mut PoolInner, slot: u32) {
@@ -633,85 +732,102 @@ impl EngineCore {
         self.waiting.insert(key);
     }
 
-    /// The plan of `entries`; marks every block of theirs as reported.
-    fn build_plan(&mut self, pool: &PoolInner, entries: &[Scheduled]) -> StepPlan {
-        let bs = pool.block_size();
-        let rows = entries.len();
-        let num_tokens = entries.iter().map(|e| e.num_new).sum();
-        let mut plan = StepPlan {
-            input_ids: Vec::with_capacity(num_tokens),
-            positions: Vec::with_capacity(num_tokens),
-            slot_mapping: Vec::with_capacity(num_tokens),
-            query_start_loc: Vec::with_capacity(rows + 1),
-            num_computed_tokens: Vec::with_capacity(rows),
-            seq_lens: Vec::with_capacity(rows),
-            logits_indices: Vec::with_capacity(rows),
-            sample_request_rows: Vec::with_capacity(rows),
-            slots: Vec::with_capacity(rows),
-            new_block_slots: Vec::new(),
-            new_block_indices: Vec::new(),
-            new_block_ids: Vec::new(),
-            banned_rows: Vec::new(),
-            banned_ids: Vec::new(),
-            request_ids: SlotIds::default(),
-            grammar_masks: None,
-        };
+    /// Fills `plan` (cleared) with the step of `entries`; marks every block of theirs as
+    /// reported. The row columns are built in one pass each; the token and sample columns
+    /// are sized once and written in place, a row of one token (a decode) without the
+    /// loops a chunk needs.
+    fn build_plan(&mut self, pool: &PoolInner, entries: &[Scheduled], plan: &mut StepPlan) {
+        let bs = self.block_size;
+        plan.slots.extend(entries.iter().map(|e| e.slot as i32));
+        plan.num_computed_tokens
+            .extend(entries.iter().map(|e| e.start as i32));
+        plan.seq_lens
+            .extend(entries.iter().map(|e| (e.start + e.num_new) as i32));
+        let mut num_tokens = 0;
         plan.query_start_loc.push(0);
+        plan.query_start_loc.extend(entries.iter().map(|e| {
+            num_tokens += e.num_new;
+            num_tokens as i32
+        }));
+        plan.input_ids.resize(num_tokens, 0);
+        plan.positions.resize(num_tokens, 0);
+        plan.slot_mapping.resize(num_tokens, 0);
+        let num_samples = entries
+            .iter()
+            .map(|e| if e.samples { 1 + e.num_draft } else { 0 })
+            .sum();
+        plan.logits_indices.resize(num_samples, 0);
+        plan.sample_request_rows.resize(num_samples, 0);
+        let slot_of = |blocks: &[u32], pos: usize| {
+            let (block, offset) = bs.split(pos);
+            (blocks[block] as usize * bs.get() + offset) as i32
+        };
+        let (mut first, mut sample) = (0, 0);
         for (row, e) in entries.iter().enumerate() {
             let r = self.requests[e.slot as usize].as_mut().expect("live slot");
             let blocks = &pool.table(r.table.as_ref().expect("scheduled").id()).blocks;
             let (start, end) = (e.start, e.start + e.num_new);
-            let own_end = end - e.num_draft;
-            plan.input_ids
-                .extend(r.tokens[start..own_end].iter().map(|&t| t as i32));
-            if e.num_draft > 0 {
-                plan.input_ids
-                    .extend(r.draft[..e.num_draft].iter().map(|&t| t as i32));
+            if e.num_new == 1 && e.num_draft == 0 {
+                plan.input_ids[first] = r.tokens[start] as i32;
+                plan.positions[first] = start as i32;
+                plan.slot_mapping[first] = slot_of(blocks, start);
+            } else {
+                let own_end = end - e.num_draft;
+                let ids = r.tokens[start..own_end]
+                    .iter()
+                    .chain(&r.draft[..e.num_draft]);
+                for (out, &t) in plan.input_ids[first..first + e.num_new].iter_mut().zip(ids) {
+                    *out = t as i32;
+                }
+                let positions = &mut plan.positions[first..first + e.num_new];
+                for (out, p) in positions.iter_mut().zip(start..end) {
+                    *out = p as i32;
+                }
+                let (mut pos, mut at) = (start, first);
+                while pos < end {
+                    let base = slot_of(blocks, pos);
+                    let run = (bs.get() - bs.offset(pos)).min(end - pos);
+                    for (out, k) in plan.slot_mapping[at..at + run].iter_mut().zip(0..) {
+                        *out = base + k;
+                    }
+                    pos += run;
+                    at += run;
+                }
             }
-            plan.positions.extend((start..end).map(|p| p as i32));
-            let mut pos = start;
-            while pos < end {
-                let first = blocks[pos / bs] as usize * bs + pos % bs;
-                let run = (bs - pos % bs).min(end - pos);
-                plan.slot_mapping
-                    .extend((first..first + run).map(|s| s as i32));
-                pos += run;
-            }
-            plan.query_start_loc.push(plan.input_ids.len() as i32);
-            plan.num_computed_tokens.push(start as i32);
-            plan.seq_lens.push(end as i32);
+            first += e.num_new;
             if e.samples {
                 // Position j (0: the row's own next token, then one per draft) samples the
                 // output token that follows j more; it may not end the request while
                 // min_tokens are not out.
-                let last = plan.input_ids.len() - e.num_draft - 1;
+                let last = first - e.num_draft - 1;
                 if e.num_draft == 0 && r.may_stop() {
                     // The common row: one sample, nothing banned.
-                    plan.logits_indices.push(last as i32);
-                    plan.sample_request_rows.push(row as i32);
+                    plan.logits_indices[sample] = last as i32;
+                    plan.sample_request_rows[sample] = row as i32;
+                    sample += 1;
                 } else {
                     for j in 0..=e.num_draft {
                         if r.tokens.len() + j < r.stops.min_len {
-                            let sample = plan.logits_indices.len() as i32;
                             for &id in r.stop_ids() {
-                                plan.banned_rows.push(sample);
+                                plan.banned_rows.push(sample as i32);
                                 plan.banned_ids.push(id as i32);
                             }
                         }
-                        plan.logits_indices.push((last + j) as i32);
-                        plan.sample_request_rows.push(row as i32);
+                        plan.logits_indices[sample] = (last + j) as i32;
+                        plan.sample_request_rows[sample] = row as i32;
+                        sample += 1;
                     }
                 }
             }
-            plan.slots.push(e.slot as i32);
-            for (index, &block) in blocks.iter().enumerate().skip(r.reported_blocks) {
-                plan.new_block_slots.push(e.slot as i32);
-                plan.new_block_indices.push(index as i32);
-                plan.new_block_ids.push(block as i32);
+            if r.reported_blocks < blocks.len() {
+                for (index, &block) in blocks.iter().enumerate().skip(r.reported_blocks) {
+                    plan.new_block_slots.push(e.slot as i32);
+                    plan.new_block_indices.push(index as i32);
+                    plan.new_block_ids.push(block as i32);
+                }
+                r.reported_blocks = blocks.len();
             }
-            r.reported_blocks = blocks.len();
         }
-        plan
     }
 
     /// Applies the step in flight: `sampled[i]` is the token of the i-th sampling
@@ -744,13 +860,16 @@ impl EngineCore {
             self.in_flight = Some(entries);
             return Err(CoreError::InvalidArgument(message));
         }
+        // At most every sampled token is appended: the columns are sized once, written in
+        // place and cut to the tokens appended.
         let mut out = StepUpdate {
-            rows: Vec::with_capacity(sampled.len()),
-            slots: Vec::with_capacity(sampled.len()),
-            token_ids: Vec::with_capacity(sampled.len()),
+            rows: vec![0; sampled.len()],
+            slots: vec![0; sampled.len()],
+            token_ids: vec![0; sampled.len()],
             texts: Vec::new(),
             finished: Vec::new(),
         };
+        let mut appended = 0;
         if let Some(masks) = self.in_flight_masks.take() {
             masks.wait(); // its worker must not read a matcher this update advances
         }
@@ -760,7 +879,7 @@ impl EngineCore {
         let tokenizer = self.tokenizer.clone();
         let (drafted, grammars) = (self.num_drafted > 0, self.num_grammars > 0);
         let mut undrafted = 0;
-        let bs = self.config.block_size;
+        let bs = self.block_size;
         let pool = self.pool.clone();
         let mut guard = pool.lock();
         for (row, e) in entries.iter().enumerate() {
@@ -771,12 +890,12 @@ impl EngineCore {
                     .map_or(1, |c| *c.next().expect("counted") as usize);
                 (tokens, rest) = rest.split_at(k);
             }
-            let alive =
-                matches!(&self.requests[e.slot as usize], Some(r) if r.arrival == e.arrival);
-            if !alive {
-                continue;
-            }
-            let r = self.req_mut(e.slot);
+            let Some(r) = self.requests[e.slot as usize]
+                .as_mut()
+                .filter(|r| r.arrival == e.arrival)
+            else {
+                continue; // aborted while in flight
+            };
             // Drafts count as computed as far as the tokens taken confirm them.
             let confirmed = match e.num_draft {
                 0 => 0,
@@ -792,13 +911,13 @@ impl EngineCore {
                 r.draft.clear();
                 undrafted += 1;
             }
-            let table_id = r.table.as_ref().expect("scheduled").id();
             for &token in tokens {
                 let token = token as u32;
                 r.tokens.push(token);
-                out.rows.push(row as u32);
-                out.slots.push(e.slot);
-                out.token_ids.push(token);
+                out.rows[appended] = row as u32;
+                out.slots[appended] = e.slot;
+                out.token_ids[appended] = token;
+                appended += 1;
                 let mut stop = match tokenizer.as_deref() {
                     Some(tok) => {
                         let (text, stop) = Self::append_text(r, tok, token);
@@ -815,18 +934,23 @@ impl EngineCore {
                     break;
                 }
             }
-            if e.start % bs + e.num_new >= bs {
+            if bs.offset(e.start) + e.num_new >= bs.get() {
                 // A block filled up: it becomes findable by later requests.
+                let table_id = r.table.as_ref().expect("scheduled").id();
                 guard.commit(table_id, &r.tokens, r.num_computed);
             }
             if confirmed < e.num_draft {
                 // Blocks that held only rejected positions go back to the pool.
+                let table_id = r.table.as_ref().expect("scheduled").id();
                 guard.release_tail(table_id, r.tokens.len());
                 let held = guard.table(table_id).blocks.len();
                 r.reported_blocks = r.reported_blocks.min(held);
             }
         }
         self.num_drafted -= undrafted;
+        out.rows.truncate(appended);
+        out.slots.truncate(appended);
+        out.token_ids.truncate(appended);
         for (slot, (reason, stop_reason)) in finished_slots {
             self.running.retain(|&s| s != slot);
             let r = self.req_mut(slot);
@@ -837,6 +961,8 @@ impl EngineCore {
             out.finished.push(self.retire(slot, reason, stop_reason));
         }
         drop(guard);
+        self.spare_entries = entries;
+        self.spare_entries.clear();
         self.num_steps += 1;
         self.debug_check();
         Ok(out)
@@ -1014,3 +1140,7 @@ mod tests;
 #[cfg(test)]
 #[path = "scheduler_spec_tests.rs"]
 mod spec_tests;
+
+#[cfg(test)]
+#[path = "scheduler_fair_tests.rs"]
+mod fair_tests;

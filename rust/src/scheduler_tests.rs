@@ -925,3 +925,47 @@ fn min_tokens_bans_eos_and_stop_ids_in_the_plan() {
     };
     assert_eq!(bans, vec![step(true), step(true), Vec::new()]);
 }
+
+/// A core that gets each plan back (`recycle`, as the bindings do) plans exactly what a
+/// core that allocates every plan afresh plans: chunks, preemption, bans, a block size
+/// that is a power of two and one that is not.
+#[test]
+fn a_recycled_plan_is_refilled_exactly_like_a_fresh_one() {
+    for block_size in [3, 4] {
+        let mut cfg = config(30, block_size, 16);
+        cfg.max_num_seqs = 5;
+        let (mut fresh, mut recycling) = (
+            EngineCore::new(cfg.clone()).unwrap(),
+            EngineCore::new(cfg).unwrap(),
+        );
+        for core in [&mut fresh, &mut recycling] {
+            for i in 0..20u32 {
+                let params = RequestParams {
+                    max_tokens: 2 + (i as usize * 5) % 11,
+                    min_tokens: (i as usize) % 3,
+                    eos_token_ids: vec![7],
+                    stop_token_ids: vec![11, 13],
+                    ..RequestParams::default()
+                };
+                let id = format!("r{i}");
+                core.add_request(&id, &prompt(i % 3, 2 + (i as usize * 3) % 19), params)
+                    .unwrap();
+            }
+        }
+        let mut steps = 0;
+        while fresh.has_unfinished() {
+            let plan = fresh.schedule().unwrap();
+            let again = recycling.schedule().unwrap();
+            assert_eq!(plan, again, "step {steps}, block size {block_size}");
+            let tokens = sample(&fresh, &plan);
+            assert_eq!(
+                fresh.update(&tokens).unwrap(),
+                recycling.update(&tokens).unwrap()
+            );
+            recycling.recycle(again);
+            steps += 1;
+        }
+        assert!(!recycling.has_unfinished());
+        assert!(steps > 20, "the workload ran {steps} steps");
+    }
+}

@@ -59,6 +59,30 @@ pub struct StepPlan {
 }
 
 impl StepPlan {
+    /// Empties every array, keeping their buffers.
+    pub fn clear(&mut self) {
+        for column in [
+            &mut self.input_ids,
+            &mut self.positions,
+            &mut self.slot_mapping,
+            &mut self.query_start_loc,
+            &mut self.num_computed_tokens,
+            &mut self.seq_lens,
+            &mut self.logits_indices,
+            &mut self.sample_request_rows,
+            &mut self.slots,
+            &mut self.new_block_slots,
+            &mut self.new_block_indices,
+            &mut self.new_block_ids,
+            &mut self.banned_rows,
+            &mut self.banned_ids,
+        ] {
+            column.clear();
+        }
+        self.request_ids = SlotIds::default();
+        self.grammar_masks = None;
+    }
+
     pub fn num_requests(&self) -> usize {
         self.seq_lens.len()
     }

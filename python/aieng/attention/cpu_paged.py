@@ -32,6 +32,7 @@ from aieng.config.model_config import ModelConfig
 from aieng.distributed.parallel_state import heads_per_rank, kv_heads_per_rank
 from aieng.kernels.fused_dispatch import fused_kv_write
 from aieng.kernels.reference import write_kv_cache, write_quantized_kv_cache
+from aieng.kernels.threads import kernel_threads
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class CpuPagedAttention(AttentionBackend):
             layer.scale,
             layer.sliding_window or 0,
             layer.logit_softcap or 0.0,
-            torch.get_num_threads(),
+            kernel_threads(),
             **scales,
         )
         return out.to(q.dtype)

@@ -238,7 +238,8 @@ class EngineArgs:
         "int8x2: the same with a second int8 term per activation (about 15 bits: bfloat16's "
         "accuracy or better, two dot products per weight); int4pack: torch's INT4 kernel with "
         "bfloat16 activations (W4A16, 4-bit layers); dequant: the float32 reference; auto: the "
-        "first of int8x2, int4pack that passes its check at load",
+        "first of int8, int8x2, int4pack that passes its check at load (int8 is the fastest, "
+        "and within +0.5% of int8x2's perplexity)",
         choices=CPU_QUANT_KERNELS,
     )
     cpu_lm_head: str = option(

@@ -47,6 +47,7 @@ class _Add:
     prompt: Sequence[int]
     params: SamplingParams | PoolingParams
     priority: int
+    client: str | None
 
 
 @dataclass
@@ -134,6 +135,7 @@ class AsyncLLMEngine:
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         deadline: float | None = None,
+        client: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's deltas up to its finished one. Past `deadline` (monotonic) the
         request is aborted and the last delta has finish_reason "abort". Leaving the loop early
@@ -144,7 +146,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._send(_Add(request_id, prompt, params, priority))
+        self._send(_Add(request_id, prompt, params, priority, client))
         finished = False
         try:
             while not finished:
@@ -252,6 +254,7 @@ class AsyncLLMEngine:
                         command.params,
                         priority=command.priority,
                         stream=True,
+                        client=command.client,
                     )
                 except Exception as error:  # bad input: that request fails, the loop goes on
                     items.append((command.request_id, error))

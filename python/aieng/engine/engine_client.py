@@ -104,9 +104,11 @@ class EngineClient(Protocol):
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         deadline: float | None = None,
+        client: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's deltas up to its finished one (PoolingParams: one output, finished,
-        with its `embedding`)."""
+        with its `embedding`). `client` names who sent it, for fair shares of the engine's
+        prefill budget (None: one anonymous client)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

@@ -103,6 +103,7 @@ class _Request:
     stream: bool = False
     num_cached_tokens: int = 0
     priority: int = 0
+    client: str | None = None  # who sent it: clients share each step's prefill budget fairly
     grammar: Grammar | None = None  # each sequence gets its own matcher of it
     # With params.prompt_logprobs: per prompt position, filled as the prefill computes it.
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -264,9 +265,12 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         stream: bool = False,
+        client: str | None = None,
     ) -> None:
         """Queues a request; with `stream`, every step that changes it returns its delta.
-        With PoolingParams it embeds: its finished output carries `embedding`."""
+        With PoolingParams it embeds: its finished output carries `embedding`. `client` names
+        who sent it: while several clients have requests, each step's prefill budget is split
+        fairly between them (None: the library's one client)."""
         self._check_alive()
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:
@@ -282,12 +286,13 @@ class LLMEngine:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         params.verify(self.vocab_size, self.engine_config.max_logprobs)
         one_token_bad_words = [w[0] for w in self._bad_words_ids(params) if len(w) == 1]
-        params.check_satisfiable(self.eos_token_ids, one_token_bad_words)
         grammar = self.compile_grammar(params)
+        params.check_satisfiable(self.eos_token_ids, one_token_bad_words, grammar)
         text, ids = self.tokenize(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         request = _Request(request_id, text, ids, [], metrics, stream=stream, grammar=grammar)
         request.pooling = pooling
+        request.client = client
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(ids)
         for index in range(params.n):
@@ -333,6 +338,7 @@ class LLMEngine:
             skip_special_tokens=params.skip_special_tokens,
             grammar=request.grammar,
             skip_prefix_cache=score_prompt is not None or request.pooling is not None,
+            client=request.client,
         )
         self._added.append(
             NewSamplingRow(

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from aieng import _core
 from aieng.kernels.self_check import passes_check
+from aieng.kernels.threads import kernel_threads
 
 DENSE_MAX_M = 8
 DENSE_DTYPES = (torch.float32, torch.bfloat16)
@@ -45,7 +46,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, isa: str | None = None) ->
     if flat.dtype != torch.float32 or not flat.is_contiguous():
         flat = flat.to(torch.float32).contiguous()
     y = torch.empty(flat.shape[0], n, dtype=torch.float32)
-    _core.dense_gemv(flat.numpy(), _weight_array(weight), y.numpy(), torch.get_num_threads(), isa)
+    _core.dense_gemv(flat.numpy(), _weight_array(weight), y.numpy(), kernel_threads(), isa)
     y = y.view(*x.shape[:-1], n)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 

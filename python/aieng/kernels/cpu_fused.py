@@ -16,6 +16,7 @@ import torch
 from aieng import _core
 from aieng.kernels.reference import apply_rotary, rms_norm, silu_and_mul_torch, write_kv_cache
 from aieng.kernels.self_check import passes_check
+from aieng.kernels.threads import kernel_threads
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def add_rms_norm(
         weight.detach().numpy(),
         eps,
         out.view(-1, hidden).numpy(),
-        torch.get_num_threads(),
+        kernel_threads(),
         None if branch is None else branch.view(-1, hidden).numpy(),
     )
     return out
@@ -51,16 +52,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x (..., 2I) contiguous float32 = [gate | up] -> silu(gate) * up (..., I)."""
     width = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], width)
-    _core.silu_and_mul(
-        x.view(-1, 2 * width).numpy(), out.view(-1, width).numpy(), torch.get_num_threads()
-    )
+    _core.silu_and_mul(x.view(-1, 2 * width).numpy(), out.view(-1, width).numpy(), kernel_threads())
     return out
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (T, H, D) float32 (each head contiguous), cos and sin (T, D/2) -> RoPE'd x, contiguous."""
     out = torch.empty(x.shape, dtype=torch.float32)
-    _core.rotary(x.numpy(), cos.numpy(), sin.numpy(), out.numpy(), torch.get_num_threads())
+    _core.rotary(x.numpy(), cos.numpy(), sin.numpy(), out.numpy(), kernel_threads())
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from aieng import _core
+from aieng.kernels.threads import kernel_threads
 
 GEMV_MAX_M = 8  # rows of x the kernel multiplies in one pass over the weights
 
@@ -57,6 +58,6 @@ def int8_matmul(
     if flat.dtype != torch.float32 or not flat.is_contiguous():
         flat = flat.to(torch.float32).contiguous()
     y = torch.empty(flat.shape[0], n, dtype=torch.float32) if out is None else out
-    weights.matmul(flat.numpy(), y.numpy(), torch.get_num_threads(), isa, split)
+    weights.matmul(flat.numpy(), y.numpy(), kernel_threads(), isa, split)
     y = y.view(*x.shape[:-1], n)
     return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -112,6 +112,7 @@ class ReplicaPoolClient:
         params: SamplingParams,
         priority: int = 0,
         deadline: float | None = None,
+        client: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self._running:
             raise EngineDeadError(self.not_running())
@@ -127,6 +128,7 @@ class ReplicaPoolClient:
                 params=params,
                 priority=priority,
                 timeout_s=timeout_s,
+                client=client,
             )
             self._streams[request_id] = stream
             streamed = finished = False

@@ -69,6 +69,7 @@ class EngineReplica:
         params: SamplingParams,
         priority: int = 0,
         timeout_s: float | None = None,
+        client: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's deltas; `timeout_s` from now it is aborted (a deadline in seconds
         rather than a time: the replica's clock is not the ingress's)."""
@@ -76,7 +77,8 @@ class EngineReplica:
         await self._admitting.wait()  # while reloading: held, then served by the new version
         self._in_flight += 1
         try:
-            async for out in self.engine.generate(request_id, prompt, params, priority, deadline):
+            stream = self.engine.generate(request_id, prompt, params, priority, deadline, client)
+            async for out in stream:
                 yield out
         finally:
             self._in_flight -= 1

@@ -21,3 +21,11 @@ def client_of(request: HTTPConnection) -> tuple[str, str]:
     if scheme.lower() == "bearer" and token:
         key = hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()[:16]
     return address, key
+
+
+def fair_share_key(client: tuple[str, str]) -> str:
+    """The engine's name of a client, for its share of each step's prefill budget: its API key
+    (hashed), else its address. The gate has already given each address its share of
+    admission; in the engine, tenants behind one proxy still count apart."""
+    address, key = client
+    return f"key:{key}" if key else f"address:{address}"

@@ -42,6 +42,7 @@ class ServerContext:
             engine_dead=lambda: self.engine_failed,
             cost_per_hour=config.cost_per_hour,
             load_phases=self.load_phases,
+            admission_waiting=lambda: self.admission.num_at_gates,
         )
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}

@@ -1,8 +1,9 @@
 """The door between admitted requests and an engine: they go in by fair shares, not by arrival.
 
-The engine's own queue is first come, first served, so whatever reaches it first runs first:
-two embedding requests of 128 inputs each would hold a chat turn from another client behind
-256 prefills. Here the engine is kept just full enough to fill its next steps — at most
+The engine shares each step's prefill budget between the clients of the requests it holds,
+but it can hold only so many (`max_num_seqs` running): two embedding requests of 128 inputs
+each, all handed over at once, would fill its slots and hold a chat turn from another client
+behind 256 prefills. Here the engine is kept just full enough to fill its next steps — at most
 `max_requests` of its requests, or `max_tokens` prompt tokens, not yet started (no output yet)
 — and the others wait at this gate in a `FairQueue` by (kind, address, key): generation and
 embeddings share equally when both wait, then the clients within each kind, in prompt tokens.

@@ -29,7 +29,7 @@ from aieng.outputs import RequestOutput
 from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 from aieng.server.admission import ServerState
-from aieng.server.clients import client_of
+from aieng.server.clients import client_of, fair_share_key
 from aieng.server.context import ServerContext, arrival_of, request_id_of
 from aieng.server.errors import ApiError, internal_error
 from aieng.server.request_log import RequestRecord, log_request
@@ -160,7 +160,9 @@ class Generation:
                 await asyncio.wait_for(entering, wait)
             except TimeoutError:
                 raise self._aborted_error() from None
-            stream = self.engine.generate(engine_id, prompt, params, deadline=deadline)
+            stream = self.engine.generate(
+                engine_id, prompt, params, deadline=deadline, client=fair_share_key(self.client)
+            )
             async for out in stream:
                 self._events.put_nowait((index, out))
         except Exception as error:

@@ -122,7 +122,8 @@ class GpuMemoryCollector(Collector):
 
 
 class ServiceCollector(Collector):
-    """The server's own state: whether its engine is dead (an alert's input), its uptime, and —
+    """The server's own state: whether its engine is dead (an alert's input), its uptime, the
+    requests waiting at the fair gate for their turn to go to the engine, and —
     given the machine's price (`--cost-per-hour`) — what it has cost and what a thousand output
     tokens cost over its life so far. The cost is the machine's: idle time is paid for too."""
 
@@ -133,8 +134,10 @@ class ServiceCollector(Collector):
         generated_tokens: Callable[[], float],
         cost_per_hour: float | None,
         load_phases: Callable[[], dict[str, float] | None] = lambda: None,
+        admission_waiting: Callable[[], int] = lambda: 0,
     ):
         self.model_name, self.engine_dead, self.load_phases = model_name, engine_dead, load_phases
+        self.admission_waiting = admission_waiting
         self.generated_tokens, self.cost_per_hour = generated_tokens, cost_per_hour
         self.started = time.monotonic()
 
@@ -153,6 +156,14 @@ class ServiceCollector(Collector):
         )
         up.add_metric([self.model_name], uptime)
         yield up
+        waiting = GaugeMetricFamily(
+            "aieng_admission_waiting",
+            "Requests (one per prompt) admitted and waiting at the fair gate for their turn to "
+            "go to the engine.",
+            labels=labels,
+        )
+        waiting.add_metric([self.model_name], float(self.admission_waiting()))
+        yield waiting
         phases = self.load_phases()
         if phases is not None:
             load = GaugeMetricFamily(
@@ -193,6 +204,7 @@ class ServerMetrics:
         engine_dead: Callable[[], bool] = lambda: False,
         cost_per_hour: float | None = None,
         load_phases: Callable[[], dict[str, float] | None] = lambda: None,
+        admission_waiting: Callable[[], int] = lambda: 0,
     ):
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -201,7 +213,12 @@ class ServerMetrics:
         self.registry.register(GpuMemoryCollector(gpu_memory, model_name))
         self.registry.register(
             ServiceCollector(
-                model_name, engine_dead, self._generated_tokens, cost_per_hour, load_phases
+                model_name,
+                engine_dead,
+                self._generated_tokens,
+                cost_per_hour,
+                load_phases,
+                admission_waiting,
             )
         )
         model = ["model_name"]

@@ -7,7 +7,7 @@ naming the field and the problem."""
 from __future__ import annotations
 
 from aieng.engine.engine_client import EngineClient
-from aieng.errors import InvalidArgumentError
+from aieng.errors import InvalidArgumentError, error_field
 from aieng.sampling import SamplingParams
 from aieng.server.errors import invalid
 from aieng.server.grammar_pool import grammar_pool
@@ -32,11 +32,16 @@ def constraint_of(req: SamplingFields) -> StructuredOutputsParams | None:
 async def compile_constraint(
     engine: EngineClient, params: SamplingParams, req: SamplingFields
 ) -> None:
-    """Compiles the request's constraint into the engine's cache; refuses an invalid one."""
+    """Compiles the request's constraint into the engine's cache; refuses an invalid one, and
+    one whose first step allows none of the request's allowed_token_ids."""
     if params.structured_outputs is None:
         return
     field = constraint_field(req)
     try:
-        await grammar_pool().run(field, lambda: engine.compile_grammar(params))
+        grammar = await grammar_pool().run(field, lambda: engine.compile_grammar(params))
     except InvalidArgumentError as error:
         raise invalid(f"{field}: {error}", field) from error
+    try:
+        params.check_satisfiable(engine.model_info.eos_token_ids, grammar=grammar)
+    except InvalidArgumentError as error:
+        raise invalid(str(error), error_field(error)) from error

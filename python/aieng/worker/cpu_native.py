@@ -29,6 +29,7 @@ from aieng import _core
 from aieng.attention.backend import KVCache, QuantizedKVCache
 from aieng.config.model_config import ModelConfig
 from aieng.distributed.parallel_state import get_tp_world_size
+from aieng.kernels.threads import kernel_threads
 from aieng.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from aieng.layers.linear import DenseLinearMethod, Linear
 from aieng.layers.norm import RMSNorm
@@ -271,7 +272,7 @@ class NativeDecoder:
             self._caches_for(kv_caches),
             hidden.numpy(),
             logits.numpy(),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         return (hidden if self.dtype == torch.float32 else hidden.to(self.dtype)), logits
 

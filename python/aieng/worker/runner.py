@@ -25,6 +25,7 @@ from aieng.attention import AttentionInputs, ForwardContext, KVCache, select_att
 from aieng.config.engine_config import EngineConfig
 from aieng.errors import is_fatal
 from aieng.kernels.cpu_int8 import cpu_isa
+from aieng.kernels.threads import pool_owns_the_cores
 from aieng.models.loader import LoadTimes, load_model
 from aieng.quantization.methods import describe_linear_kernels
 from aieng.worker.cpu_native import NativeDecoder, native_decoder
@@ -217,6 +218,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: RunnerStep) -> ModelRunnerOutput:
+        """Runs one step. With the native decoder the step's torch work (sampling) runs on
+        one thread, so torch's OpenMP threads never spin on the cores the decoder's pool needs
+        (kernels/threads.py)."""
+        if self.native is None:
+            return self._execute(step)
+        with pool_owns_the_cores():
+            return self._execute(step)
+
+    def _execute(self, step: RunnerStep) -> ModelRunnerOutput:
         for slot in step.finished_slots:
             self.sampling.remove_request(slot)
             self.prompt_scorer.remove(slot)

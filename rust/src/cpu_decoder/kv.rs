@@ -255,7 +255,7 @@ unsafe fn write_int8(x: Heads, slots: &[i64], values: &mut [i8], scales: ScalePt
                 }
             };
             for (q, &v) in values[row * d..][..d].iter_mut().zip(src) {
-                *q = (v / stored).round_ties_even().clamp(-127.0, 127.0) as i8;
+                *q = crate::kernels::round_small(v / stored).clamp(-127.0, 127.0) as i8;
             }
         }
     }

@@ -101,7 +101,7 @@ fn sum_of_squares(x: &[f32]) -> f32 {
 pub(crate) fn exp(x: f32) -> f32 {
     #[allow(clippy::manual_clamp)] // clamp keeps NaN; max and min turn it into −87
     let x = x.max(-87.0).min(88.0);
-    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let n = super::round_small(x * std::f32::consts::LOG2_E);
     let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
     let p = 1.0
         + r * (1.0

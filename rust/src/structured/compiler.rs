@@ -9,6 +9,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use llguidance::api::{ParserLimits, StopReason};
+use llguidance::toktrie::SimpleVob;
 use llguidance::{Matcher, ParserFactory, TokenParser};
 use parking_lot::Mutex;
 
@@ -37,6 +38,8 @@ pub struct GrammarCompiler {
 pub struct Grammar {
     spec: GrammarSpec,
     initial: Mutex<Matcher>,
+    /// The tokens allowed at the start, with the end token when it may end there.
+    first: SimpleVob,
     vocab: Arc<GrammarVocab>,
     /// Estimated memory, for the cache's byte budget.
     bytes: usize,
@@ -99,12 +102,13 @@ impl GrammarCompiler {
             Err(_) => return Err(invalid(engine_reason("panic"))),
         };
         let size = admit(&parser, self.factory.limits()).map_err(invalid)?;
-        check_first_step(&mut parser).map_err(invalid)?;
-        let bytes = estimated_bytes(spec, size, &parser);
+        let first = first_step(&mut parser).map_err(invalid)?;
+        let bytes = estimated_bytes(spec, size, &parser) + first.len() / 8;
         let initial = Matcher::new(Ok(parser));
         Ok(Grammar {
             spec: spec.clone(),
             initial: Mutex::new(initial),
+            first,
             vocab: Arc::clone(&self.vocab),
             bytes,
         })
@@ -156,15 +160,15 @@ fn rule_phrase(rule: &str) -> String {
     }
 }
 
-/// The first token mask: the grammar engine's per-step limits hold there, and some token (or
-/// the end) is allowed, so the language is not empty.
-fn check_first_step(parser: &mut TokenParser) -> std::result::Result<(), String> {
+/// The first token mask, once it is known that the grammar engine's per-step limits hold
+/// there, and that some token (or the end) is allowed, so the language is not empty.
+fn first_step(parser: &mut TokenParser) -> std::result::Result<SimpleVob, String> {
     let computed = catch_unwind(AssertUnwindSafe(|| {
         parser.start_without_prompt();
         parser.compute_mask()
     }));
     match computed {
-        Ok(Ok(_)) => Ok(()),
+        Ok(Ok(mask)) => Ok(mask),
         Ok(Err(_)) if parser.stop_reason() == StopReason::NoExtensionBias => {
             Err("matches nothing: no token is allowed at its start".into())
         }
@@ -208,6 +212,22 @@ impl Grammar {
     #[cfg(test)]
     pub fn estimated_bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Of `token_ids`, those the grammar allows as a request's first output token; `stop_ids`
+    /// (the request's EOS and stop token ids) are allowed if it may end at its start (as a
+    /// matcher's first mask does).
+    pub fn allowed_first(&self, token_ids: &[u32], stop_ids: &[u32]) -> Vec<u32> {
+        let maskable = self.vocab.num_maskable();
+        let may_end = self.first.is_allowed(self.vocab.end_token());
+        token_ids
+            .iter()
+            .copied()
+            .filter(|&t| {
+                ((t as usize) < maskable && self.first.is_allowed(t))
+                    || (may_end && stop_ids.contains(&t))
+            })
+            .collect()
     }
 
     /// A matcher at the start of the grammar; `stop_ids` (the request's EOS and stop token

@@ -196,6 +196,27 @@ fn stop_ids_are_allowed_only_where_the_grammar_may_end() {
 }
 
 #[test]
+fn the_first_step_tells_which_tokens_may_start_the_output() {
+    let c = compiler(700);
+    let tok = Tokenizer::new(byte_level_bpe(), TokenizerConfig::default());
+    let [seven, a] = ["7", "a"].map(|t| tok.encode(t, false).unwrap()[0]);
+    let digits = c.compile(&GrammarSpec::Regex("[0-9]+".into())).unwrap();
+    let every: Vec<u32> = (0..700).collect();
+    let mut m = digits.matcher(vec![EOS]);
+    assert_eq!(digits.allowed_first(&every, &[EOS]), mask_of(&mut m));
+    assert_eq!(
+        digits.allowed_first(&[a, EOS, 900], &[EOS]),
+        Vec::<u32>::new()
+    );
+    assert_eq!(digits.allowed_first(&[a, seven], &[]), vec![seven]);
+    // A grammar that may end at once allows the stop ids first, and only those given.
+    let maybe = c.compile(&GrammarSpec::Regex("[0-9]*".into())).unwrap();
+    assert_eq!(maybe.allowed_first(&[a, EOS, 5], &[EOS]), vec![EOS]);
+    let mut m = maybe.matcher(vec![EOS]);
+    assert_eq!(maybe.allowed_first(&every, &[EOS]), mask_of(&mut m));
+}
+
+#[test]
 fn masks_have_the_models_width() {
     let wide = compiler(1000);
     let grammar = wide.compile(&GrammarSpec::JsonObject).unwrap();
