@@ -1,4 +1,4 @@
-"""The INT8 KV cache: how many sequences a fixed KV budget holds, and decode speed, per cache dtype.
+"""KV cache dtypes (float32, bfloat16, INT8): sequences a budget holds, decode speed, perplexity.
 
 1. Capacity: for a fixed budget (64 MiB on the default model, 1 GiB on base), the KV blocks
    and the 1,024-token sequences that fit, per cache dtype, on the bundled default model (6
@@ -6,18 +6,22 @@
    config of bench_offline.py (12 layers, 12 KV heads, head_dim 64; counted from its
    KVCacheSpec, no weights needed). An INT8 cache's bytes include its scales (one per token per
    KV head for K and for V, in the model's dtype).
-2. Speed: the default model (float32) with a float32 and an INT8 cache on the same greedy
-   workloads (all requests at once, a budget that holds them all in both, so neither preempts):
+2. Speed: the default model (float32) with a float32, a bfloat16 (the CPU's default under the
+   native decoder) and an INT8 cache on the same greedy workloads (all requests at once, a
+   budget that holds them all in each, so none preempts):
    output tokens/s end to end, and decode tokens/s = (output tokens - one per request) / (the
    run's wall time - the wall time of the same prompts with max_tokens=1); best of --reps,
    the dtypes alternating.
 3. Quality: held-out perplexity of the default model (`aieng.benchmarks.evaluate`, window 512,
    stride 256) with each cache, on the first --ppl-tokens tokens of the KJV held-out books
-   (written with Debian's bible-kjv when it is installed; skipped otherwise).
+   (written with Debian's bible-kjv when it is installed; skipped otherwise), against the
+   accuracy contract: each cache within +0.5% of the float32 cache's perplexity.
 
     .venv/bin/python benches/bench_kv_cache_int8.py [--budget-mib 64] [--base-budget-mib 1024]
-        [--reps 2] [--threads 1]
-        [--ppl-tokens 4096] [--out benches/results]
+        [--reps 2] [--threads 1] [--ppl-tokens 4096] [--only capacity|speed|quality] (repeatable)
+        [--out benches/results]
+
+The perplexity rows alone, quickest: `--only quality --ppl-tokens 1024`.
 """
 
 from __future__ import annotations
@@ -46,12 +50,16 @@ BLOCK_SIZE = 16
 BASE = SimpleNamespace(num_hidden_layers=12, num_key_value_heads=12, head_dim=768 // 12)
 # (cache dtype shown, the model's dtype, EngineArgs.kv_cache_dtype)
 CACHES = [
-    ("float32", torch.float32, "auto"),
-    ("bfloat16", torch.bfloat16, "auto"),
+    ("float32", torch.float32, "float32"),
+    ("bfloat16 (float32 model, native decoder: the CPU default)", torch.float32, "bfloat16"),
+    ("bfloat16 (bfloat16 model)", torch.bfloat16, "auto"),
     ("float16", torch.float16, "auto"),
     ("int8 (float32 scales, float32 model)", torch.float32, "int8"),
     ("int8 (float16 scales, float16 model)", torch.float16, "int8"),
 ]
+# The caches held against each other: EngineArgs.kv_cache_dtype values, float32 the reference.
+SPEED_CACHES = ("float32", "bfloat16", "int8")
+PPL_LIMIT = 0.005  # the accuracy contract: perplexity within +0.5% of the float32 cache's
 WORKLOADS = {
     # name: (requests, prompt tokens, output tokens)
     "short prompts, long outputs": (16, 32, 256),
@@ -111,10 +119,10 @@ def speed(reps: int) -> list[dict]:
             max_num_seqs=16,
             enable_prefix_caching=False,
         )
-        for name in ("auto", "int8")
+        for name in SPEED_CACHES
     }
     rng = np.random.default_rng(0)
-    vocab = engines["auto"].engine.vocab_size
+    vocab = engines["float32"].engine.vocab_size
     rows = []
     for workload, (n, prompt_len, output_len) in WORKLOADS.items():
         prompts = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(n)]
@@ -137,13 +145,13 @@ def speed(reps: int) -> list[dict]:
                     "requests": n,
                     "prompt_tokens": prompt_len,
                     "output_tokens": output_len,
-                    "cache": "float32" if name == "auto" else "int8",
+                    "cache": engines[name].engine.model_info.kv_cache_dtype,
                     "wall_s": row["wall_s"],
                     "output_tokens_per_s": out_tokens / row["wall_s"],
                     "decode_tokens_per_s": (out_tokens - n) / decode_s,
                     "greedy_identical_to_float32": sum(
                         a == b
-                        for a, b in zip(row["token_ids"], best["auto"]["token_ids"], strict=True)
+                        for a, b in zip(row["token_ids"], best["float32"]["token_ids"], strict=True)
                     ),
                 }
             )
@@ -160,7 +168,7 @@ def quality(max_tokens: int) -> list[dict]:
         print(f"perplexity skipped: {error}", file=sys.stderr)
         return []
     rows = []
-    for name in ("auto", "int8"):
+    for name in SPEED_CACHES:
         r = perplexity(
             default_model_path(),
             heldout,
@@ -170,37 +178,14 @@ def quality(max_tokens: int) -> list[dict]:
             kv_cache_dtype=name,
         )
         rows.append(
-            {"cache": "float32" if name == "auto" else "int8", "tokens": r.tokens,
-             "perplexity": r.perplexity, "nll": r.nll, "seconds": r.seconds}
+            {"cache": name, "tokens": r.tokens, "perplexity": r.perplexity, "nll": r.nll,
+             "seconds": r.seconds}
         )  # fmt: skip
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget-mib", type=int, default=64, help="for the default model")
-    ap.add_argument("--base-budget-mib", type=int, default=1024, help="for the base config")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--ppl-tokens", type=int, default=4096, help="0: skip the perplexity")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    info = machine(args.threads)
-    cap = capacity({"default": args.budget_mib << 20, "base": args.base_budget_mib << 20})
-    print(f"capacity done ({time.perf_counter() - started:.0f} s)", flush=True)
-    fast = speed(args.reps)
-    print(f"speed done ({time.perf_counter() - started:.0f} s)", flush=True)
-    ppl = quality(args.ppl_tokens) if args.ppl_tokens else []
-    seconds = time.perf_counter() - started
-
+def capacity_lines(cap: list[dict]) -> list[str]:
     lines = [
-        "# bench_kv_cache_int8",
-        "",
-        f"Machine: {info['nproc']} CPUs ({info['cpu']}; {info['cpu_features']}; torch CPU "
-        f"capability {info['torch_cpu_capability']}), torch {info['torch']}, Python "
-        f"{info['python']}, torch.set_num_threads({args.threads}) (the other core was busy).",
         "",
         f"## Capacity: a fixed KV budget per model, blocks of {BLOCK_SIZE} tokens",
         "",
@@ -217,15 +202,21 @@ def main() -> None:
             f"{r['blocks']:,} | "
             f"{r['tokens']:,} | {r['sequences']} | {r['blocks_vs_float32']:.2f}x |"
         )
-    lines += [
+    return [
+        *lines,
         "",
         "default = the bundled model (6 layers, 4 KV heads, head_dim 64); base = bench_offline's "
         "~134M config (12 layers, 12 KV heads, head_dim 64).",
+    ]
+
+
+def speed_lines(fast: list[dict], reps: int) -> list[str]:
+    lines = [
         "",
-        "## Speed: the default model (float32 weights), float32 vs INT8 cache",
+        "## Speed: the default model (float32 weights), float32 vs bfloat16 vs INT8 cache",
         "",
         f"Greedy, ignore_eos, random prompt ids (seed 0), all requests at once, max_num_seqs 16, "
-        f"a 128 MiB budget (no preemption in either), prefix caching off; best of {args.reps}.",
+        f"a 128 MiB budget (no preemption in any), prefix caching off; best of {reps}.",
         "",
         "| workload | requests x (prompt + output) | KV cache | output tok/s | decode tok/s | "
         "wall s | greedy identical to float32 |",
@@ -238,24 +229,77 @@ def main() -> None:
             f"{r['decode_tokens_per_s']:.1f} | {r['wall_s']:.2f} | "
             f"{r['greedy_identical_to_float32']}/{r['requests']} |"
         )
+    return lines
+
+
+def quality_lines(ppl: list[dict], ppl_tokens: int) -> list[str]:
+    base = next(r["perplexity"] for r in ppl if r["cache"] == "float32")
+    lines = [
+        "",
+        "## Quality: held-out perplexity of the default model",
+        "",
+        f"KJV held-out books, first {ppl_tokens:,} tokens, window 512, stride 256 "
+        "(`aieng.benchmarks.evaluate.perplexity`, through the engine's forward and its cache "
+        f"dtype). The contract: within {PPL_LIMIT:+.1%} of the float32 cache.",
+        "",
+        "| KV cache | tokens scored | perplexity | relative to float32 | contract |",
+        "|---|---|---|---|---|",
+    ]
+    for r in ppl:
+        change = r["perplexity"] / base - 1
+        verdict = "reference" if r["cache"] == "float32" else (
+            "within" if change <= PPL_LIMIT else "OUTSIDE"
+        )  # fmt: skip
+        lines.append(
+            f"| {r['cache']} | {r['tokens']:,} | {r['perplexity']:.4f} | {change:+.4%} | "
+            f"{verdict} |"
+        )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-mib", type=int, default=64, help="for the default model")
+    ap.add_argument("--base-budget-mib", type=int, default=1024, help="for the base config")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ppl-tokens", type=int, default=4096, help="0: skip the perplexity")
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=("capacity", "speed", "quality"),
+        help="run only these parts (repeatable; default: all)",
+    )
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    info = machine(args.threads)
+    parts = set(args.only or ("capacity", "speed", "quality"))
+    cap, fast, ppl = [], [], []
+    if "capacity" in parts:
+        cap = capacity({"default": args.budget_mib << 20, "base": args.base_budget_mib << 20})
+        print(f"capacity done ({time.perf_counter() - started:.0f} s)", flush=True)
+    if "speed" in parts:
+        fast = speed(args.reps)
+        print(f"speed done ({time.perf_counter() - started:.0f} s)", flush=True)
+    if "quality" in parts and args.ppl_tokens:
+        ppl = quality(args.ppl_tokens)
+    seconds = time.perf_counter() - started
+
+    lines = [
+        "# bench_kv_cache_int8",
+        "",
+        f"Machine: {info['nproc']} CPUs ({info['cpu']}; {info['cpu_features']}; torch CPU "
+        f"capability {info['torch_cpu_capability']}), torch {info['torch']}, Python "
+        f"{info['python']}, torch.set_num_threads({args.threads}) (the other core was busy).",
+    ]
+    if cap:
+        lines += capacity_lines(cap)
+    if fast:
+        lines += speed_lines(fast, args.reps)
     if ppl:
-        base = ppl[0]["perplexity"]
-        lines += [
-            "",
-            "## Quality: held-out perplexity of the default model",
-            "",
-            f"KJV held-out books, first {args.ppl_tokens:,} tokens, window 512, stride 256 "
-            "(`aieng.benchmarks.evaluate.perplexity`, through the engine's forward and its cache "
-            "dtype).",
-            "",
-            "| KV cache | tokens scored | perplexity | relative to float32 |",
-            "|---|---|---|---|",
-        ]
-        for r in ppl:
-            lines.append(
-                f"| {r['cache']} | {r['tokens']:,} | {r['perplexity']:.4f} | "
-                f"{r['perplexity'] / base - 1:+.4%} |"
-            )
+        lines += quality_lines(ppl, args.ppl_tokens)
     lines += [
         "",
         f"Run time: {seconds:.0f} s. Command: `" + " ".join(["python", *sys.argv]) + "`",
@@ -265,10 +309,12 @@ def main() -> None:
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_kv_cache_int8.md").write_text(text)
+    # A partial run (--only) is written beside the full results, never over them.
+    name = "bench_kv_cache_int8" + "".join(f"_{p}" for p in sorted(args.only or ()))
+    (out / f"{name}.md").write_text(text)
     result = {"machine": info, "args": vars(args), "capacity": cap, "speed": fast,
               "perplexity": ppl, "seconds": seconds}  # fmt: skip
-    (out / "bench_kv_cache_int8.json").write_text(json.dumps(result, indent=2))
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

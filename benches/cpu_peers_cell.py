@@ -111,11 +111,12 @@ def aieng_cell(spec: dict) -> dict:
     decodes = [
         (output - 1) / (end - first) if output > 1 else None for first, end in run.first_request_s
     ]
-    return {**info, **stream_summary(firsts, decodes), **aieng_cache(spec, options)}
+    return {**info, **stream_summary(firsts, decodes), **aieng_cache(spec, options, run)}
 
 
-def aieng_cache(spec: dict, options: dict) -> dict:
-    """The KV cache aieng chose with these options: its dtype and bytes per token of context."""
+def aieng_cache(spec: dict, options: dict, run) -> dict:
+    """The KV cache aieng ran with these options (`run.kv_cache_dtype`, as its runner resolved
+    `auto`): its dtype and bytes per token of context."""
     from aieng.config.engine_args import EngineArgs
     from aieng.config.engine_config import create_engine_config
     from aieng.worker.kv_cache import KVCacheSpec
@@ -123,9 +124,9 @@ def aieng_cache(spec: dict, options: dict) -> dict:
     try:
         config = create_engine_config(EngineArgs(model=spec["model"], **options))
         cache = config.cache
-        kv = KVCacheSpec.for_model(
-            config.model, cache.block_size, config.torch_dtype, cache.kv_cache_dtype
-        )
+        model_dtype = str(config.torch_dtype).removeprefix("torch.")
+        resolved = "auto" if run.kv_cache_dtype == model_dtype else run.kv_cache_dtype
+        kv = KVCacheSpec.for_model(config.model, cache.block_size, config.torch_dtype, resolved)
         return {
             "kv_cache_dtype": kv.cache_dtype,
             "kv_bytes_per_token": kv.block_bytes // kv.block_size,

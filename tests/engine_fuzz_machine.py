@@ -32,9 +32,10 @@ from aieng.structured_outputs import StructuredOutputsParams
 
 MAX_MODEL_LEN = 40
 BLOCK_SIZE = 4
-# 2 layers x 2 KV heads x 16 dims x (K, V) x 4 bytes x 4 tokens = 2 KiB a block: 20 blocks hold
-# two full-length sequences, so a few requests with n > 1 preempt one another.
-BLOCK_BYTES = 2 * 2 * 16 * 2 * 4 * BLOCK_SIZE
+# 2 layers x 2 KV heads x 16 dims x (K, V) x 2 bytes (bfloat16: the CPU's default cache under the
+# native decoder) x 4 tokens = 1 KiB a block: 20 blocks hold two full-length sequences, so a few
+# requests with n > 1 preempt one another.
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 2 * BLOCK_SIZE
 ENGINE_ARGS = dict(
     max_model_len=MAX_MODEL_LEN,
     block_size=BLOCK_SIZE,

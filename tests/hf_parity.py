@@ -21,9 +21,12 @@ class HFReference:
     continuations of them."""
 
     def __init__(self, folder, lengths, seed: int, **options):
-        """options: further EngineArgs of the runner."""
+        """options: further EngineArgs of the runner. The cache is float32 unless they say
+        otherwise: `auto` is bfloat16 under the native CPU decoder, and these tests hold the
+        tokens and logprobs identical to transformers'."""
         self.folder = folder
         self.hf = load_hf(folder)
+        options = {"kv_cache_dtype": "float32", **options}
         args = EngineArgs(
             model=str(folder), block_size=BLOCK_SIZE, kv_cache_memory=1 << 22, **options
         )

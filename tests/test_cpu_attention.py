@@ -144,6 +144,7 @@ def test_selection_and_its_check(monkeypatch, caplog):
 
 
 def greedy_logprobs(folder, backend, **options):
+    options = {"kv_cache_dtype": "float32", **options}  # auto: bfloat16 under the native decoder
     args = EngineArgs(
         model=str(folder),
         block_size=4,

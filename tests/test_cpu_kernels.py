@@ -342,7 +342,13 @@ def test_the_cpu_lm_head_follows_transformers(tied_checkpoint, mode, caplog):
     from aieng.worker.runner import ModelRunner
 
     folder, prompts, expected = tied_checkpoint
-    args = EngineArgs(model=str(folder), block_size=4, kv_cache_memory=1 << 22, cpu_lm_head=mode)
+    args = EngineArgs(
+        model=str(folder),
+        block_size=4,
+        kv_cache_memory=1 << 22,
+        kv_cache_dtype="float32",
+        cpu_lm_head=mode,
+    )
     with caplog.at_level(logging.INFO, logger="aieng.models.loader"):
         scheduler = CoreDriver(ModelRunner(create_engine_config(args)))
     want = {"dense": "LM head: dense_gemv", "int8": "LM head: int8"}[mode]

@@ -1,10 +1,11 @@
 """The native CPU decoder (`aieng._core.CpuDecoder`, one Rust call per step) against transformers
 and against the torch runner, on the tiny checkpoints of every family test: it is chosen by
-default on the CPU, its greedy tokens are transformers' in float32 (batched, in chunks, after a
-prefix-cache hit), its hidden states are the torch runner's; bfloat16 and INT4/INT8 weights stay
-within the INT4 tests' closeness rule of the torch path; the engine's chunked prefill, prefix
-cache, preemption, n > 1 sampling and structured outputs run through it; what it does not cover
-(MoE, the INT8 KV cache, `cpu_native="off"`) runs on the torch runner with one log line."""
+default on the CPU, its greedy tokens are transformers' in float32 with a float32 cache (batched, in
+chunks, after a prefix-cache hit), its hidden states are the torch runner's; the bfloat16 cache it
+gets by default, bfloat16 and INT4/INT8 weights stay within the INT4 tests' closeness rule; the
+engine's chunked prefill, prefix cache, preemption, n > 1 sampling, structured outputs and draft
+model run through it on the default cache; what it does not cover (MoE, `cpu_native="off"`) runs
+on the torch runner with one log line."""
 
 import dataclasses
 import logging
@@ -160,21 +161,31 @@ def test_bfloat16_weights_follow_transformers(name, tmp_path):
     assert_close_by_the_int4_rule(_run(native, prompts), expected)
 
 
-def test_a_bfloat16_cache_under_float32_weights(tmp_path):
-    """kv_cache_dtype="bfloat16" halves the cache's bytes: the native decoder writes and reads
-    it (the closeness rule against transformers in float32); without the native decoder it is
-    refused by name."""
+def test_the_default_cache_is_bfloat16_and_follows_transformers(family):
+    """kv_cache_dtype="auto" under the native decoder and float32 weights is a bfloat16 cache:
+    half the float32 cache's bytes, so twice its blocks in the same budget; its tokens and
+    logprobs stay within the INT4 tests' closeness rule of transformers in float32 (the float32
+    cache is identical to them: the fixture's runner)."""
+    default = runner(family.folder)
+    assert default.native is not None and default.kv_spec.cache_dtype == "bfloat16"
+    assert default.kv_caches[0][0].dtype == torch.bfloat16
+    assert family.runner.kv_spec.cache_dtype == "float32"
+    assert 2 * default.kv_spec.block_bytes == family.runner.kv_spec.block_bytes
+    assert default.num_blocks == 2 * family.runner.num_blocks
+    assert_close_by_the_int4_rule(_run(default, family.prompts), _expected(family.expected))
+
+
+def test_the_torch_runner_keeps_the_models_dtype_and_refuses_another(tmp_path):
+    """Without the native decoder "auto" is the model's dtype (the torch path reads no other);
+    a float cache of another dtype is refused by name."""
     folder = build("qwen3", tmp_path)
-    native = runner(folder, kv_cache_dtype="bfloat16")
-    assert native.native is not None and native.kv_spec.dtype == torch.bfloat16
-    assert native.kv_caches[0][0].dtype == torch.bfloat16
-    generator = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in LENGTHS]
-    hf = load_hf(folder)
-    expected = _expected(hf_greedy(hf, p, CLOSE.max_tokens) for p in prompts)
-    assert_close_by_the_int4_rule(_run(native, prompts), expected)
-    with pytest.raises(ValueError, match="read by the native CPU decoder only"):
-        runner(folder, kv_cache_dtype="bfloat16", cpu_native="off")
+    assert runner(folder, cpu_native="off").kv_spec.cache_dtype == "float32"
+    assert runner(folder, dtype="bfloat16").kv_spec.cache_dtype == "bfloat16"
+    native_float32 = runner(folder, dtype="bfloat16", kv_cache_dtype="float32")
+    assert native_float32.native is not None and native_float32.kv_spec.dtype == torch.float32
+    for dtype, kv_cache_dtype in (("float32", "bfloat16"), ("bfloat16", "float32")):
+        with pytest.raises(ValueError, match="read by the native CPU decoder only"):
+            runner(folder, dtype=dtype, kv_cache_dtype=kv_cache_dtype, cpu_native="off")
 
 
 @pytest.fixture(scope="module", params=[("llama", "awq-g32"), ("qwen2", "gptq-8bit-channel-asym")])
@@ -186,8 +197,9 @@ def quantized(request, tmp_path_factory):
 def test_quantized_weights_follow_transformers(quantized):
     """int8x2 layers through the native decoder, against transformers on the same weights
     dequantized; W4A8 (int8, what auto picks) against the torch runner on the same kernel (its
-    accuracy contract is perplexity: test_cpu_kernels.py)."""
-    args = dict(block_size=4, kv_cache_memory=1 << 22)
+    accuracy contract is perplexity: test_cpu_kernels.py). A float32 cache, so the difference
+    measured is the weights'."""
+    args = dict(block_size=4, kv_cache_memory=1 << 22, kv_cache_dtype="float32")
     accurate = EngineArgs(model=str(quantized.folder), cpu_quant_kernel="int8x2", **args)
     native = ModelRunner(create_engine_config(accurate))
     assert native.native is not None
@@ -227,12 +239,17 @@ def _generate(folder, prompts, params, **options):
     ids=["chunked", "preempted"],
 )
 def test_the_engine_through_native_equals_the_torch_runner(llama_dir, options):
+    """On a float32 cache, the torch runner's tokens; on the default bfloat16 cache, its own
+    tokens without chunks or preemption."""
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    native, stats = _generate(llama_dir, PROMPTS, greedy, **options)
+    native, stats = _generate(llama_dir, PROMPTS, greedy, kv_cache_dtype="float32", **options)
     torch_path, _ = _generate(llama_dir, PROMPTS, greedy, cpu_native="off", **options)
     assert native == torch_path
+    bfloat16, bfloat16_stats = _generate(llama_dir, PROMPTS, greedy, **options)
+    whole, whole_stats = _generate(llama_dir, PROMPTS, greedy, kv_cache_memory=1 << 22)
+    assert bfloat16 == whole and whole_stats["num_preemptions"] == 0
     if "long_prefill_token_threshold" not in options:
-        assert stats["num_preemptions"] > 0
+        assert stats["num_preemptions"] > 0 and bfloat16_stats["num_preemptions"] > 0
 
 
 def test_prefix_hits_sampling_and_structured_outputs_through_native(llama_dir):
@@ -305,7 +322,11 @@ def test_a_bad_step_is_a_typed_error(tmp_path):
 def test_a_draft_model_runs_native_and_the_target_as_its_own_draft_is_always_accepted(llama_dir):
     spec = {"model": str(llama_dir), "num_speculative_tokens": 3, "disable_by_batch_size": 0}
     llm = LLM(str(llama_dir), block_size=4, kv_cache_memory=1 << 22, speculative_config=spec)
-    assert llm.engine.runner.native is not None and llm.engine.runner.draft.native is not None
+    target, draft = llm.engine.runner, llm.engine.runner.draft
+    assert target.native is not None and draft.native is not None
+    # Each resolves `auto` the same way: both caches bfloat16, the budget counting both.
+    assert target.kv_spec.cache_dtype == draft.kv_spec.cache_dtype == "bfloat16"
+    assert target.block_bytes == target.kv_spec.block_bytes + draft.kv_spec.block_bytes
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(PROMPTS[:4], greedy, use_tqdm=False)
     plain, _ = _generate(llama_dir, PROMPTS[:4], greedy, kv_cache_memory=1 << 22)

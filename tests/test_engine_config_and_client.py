@@ -214,7 +214,9 @@ def test_a_worker_owns_its_device_and_describes_itself():
     num_blocks = worker.num_blocks_for(memory)
     info = worker.initialize_cache(num_blocks)
     assert isinstance(info, WorkerInfo)
-    assert info.device == "cpu" and info.kv_cache_dtype == "float32"
+    # The native decoder serves the float32 model: `auto` is a bfloat16 cache.
+    assert worker.runner.native is not None
+    assert info.device == "cpu" and info.kv_cache_dtype == "bfloat16"
     assert num_blocks == memory // info.block_bytes
     assert set(info.load_phases) >= {"read", "kv_cache"} and "attention_backend" in info.kernels
     assert worker.runner.num_blocks == num_blocks

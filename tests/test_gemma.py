@@ -204,6 +204,7 @@ def test_gemma_int4_checkpoint_matches_hf_on_the_dequantized_weights(tmp_path, m
                 model=str(tmp_path / "int4"),
                 block_size=4,
                 kv_cache_memory=1 << 22,
+                kv_cache_dtype="float32",
                 cpu_quant_kernel="int8x2",  # bf16-accurate activations: greedy follows HF
             )
         )

@@ -255,8 +255,11 @@ def test_a_budget_holds_proportionally_more_int8_blocks(dtype, at_least):
 
 def test_the_engine_budget_and_startup_log_line(caplog):
     model = str(default_model_path())
+    """The budget counts the resolved cache's bytes: `auto` on this float32 model under the native
+    decoder is bfloat16, twice float32's blocks; INT8 about 3.8 times. The log line names it."""
     counts = {}
-    for cache_dtype in ("auto", "int8"):
+    names = {"float32": "float32", "auto": "bfloat16", "int8": "int8"}
+    for cache_dtype, name in names.items():
         with caplog.at_level(logging.INFO, logger="aieng.worker.runner"):
             caplog.clear()
             args = EngineArgs(model=model, kv_cache_memory=8 << 20, kv_cache_dtype=cache_dtype)
@@ -264,11 +267,12 @@ def test_the_engine_budget_and_startup_log_line(caplog):
         counts[cache_dtype] = runner.num_blocks
         assert runner.num_blocks == (8 << 20) // runner.kv_spec.block_bytes
         [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
-        name = "int8" if cache_dtype == "int8" else "float32"
         tokens = runner.num_blocks * runner.block_size
         assert line.startswith(f"KV cache: {name}, {runner.num_blocks} blocks of 16 tokens = ")
         assert f"= {tokens} tokens" in line
-    assert counts["int8"] >= 3.5 * counts["auto"]  # head_dim 64, float32 model
+    assert runner.native is not None
+    assert counts["auto"] in (2 * counts["float32"], 2 * counts["float32"] + 1)
+    assert counts["int8"] >= 3.5 * counts["float32"]  # head_dim 64, float32 model
 
 
 def test_a_backend_that_reads_no_int8_cache_is_refused(monkeypatch):
@@ -409,3 +413,16 @@ def test_metrics_report_the_cache_dtype_and_blocks(tmp_path):
     config = ModelConfig.from_pretrained(tmp_path)
     per_block = 2 * config.num_hidden_layers * 4 * config.num_key_value_heads
     assert blocks == (1 << 22) // (per_block * (config.head_dim + 4))
+
+
+def test_metrics_name_the_dtype_auto_resolved_to(tmp_path):
+    """`auto` under the native CPU decoder and float32 weights: /metrics says bfloat16."""
+    with ThreadServer(make_model_dir(tmp_path)) as server:
+        metrics = server.metrics()
+        blocks = server.in_engine(lambda engine: engine.runner.num_blocks)
+    assert metrics[
+        f"aieng_cache_config_info{{block_size=4,cache_dtype=bfloat16,num_blocks={blocks}}}"
+    ]
+    config = ModelConfig.from_pretrained(tmp_path)
+    per_block = 2 * config.num_hidden_layers * 4 * config.num_key_value_heads * config.head_dim
+    assert blocks == (1 << 22) // (per_block * 2)  # two bytes an element

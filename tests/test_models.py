@@ -17,7 +17,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
 
 
 def runner_args(folder, **options) -> EngineArgs:
-    return EngineArgs(model=str(folder), block_size=BLOCK_SIZE, **options)
+    """A float32 cache (`auto` is bfloat16 under the native CPU decoder): identical to HF."""
+    return EngineArgs(model=str(folder), block_size=BLOCK_SIZE, kv_cache_dtype="float32", **options)
 
 
 class Reference:

@@ -33,6 +33,7 @@ def llm(model_dir):
         max_num_seqs=4,
         max_num_batched_tokens=64,
         kv_cache_memory=1 << 22,
+        kv_cache_dtype="float32",
     )
 
 
@@ -81,6 +82,7 @@ def test_a_chunk_of_four_tokens_gives_the_same_scores(model_dir, hf):
         max_num_seqs=2,
         max_num_batched_tokens=4,
         kv_cache_memory=1 << 22,
+        kv_cache_dtype="float32",
     )
     prompt = prompts(1, seed=2)[0] + list(range(10, 30))
     out = chunked.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=K))

@@ -23,10 +23,10 @@ from test_hot_reload import version_folder
 from aieng.config.engine_args import EngineArgs
 from aieng.ray import RayServeOptions, build_app
 
-# 64 blocks of 4 tokens a replica (2 KiB each): its prefix cache holds 4 or 5 of the routing
-# test's 8 prefixes, so a replica that sees all 8 evicts what it will need next. Two requests
-# run at once on a replica, the others wait (not yet streaming).
-ENGINE = dict(kv_cache_memory=64 * 2048, block_size=4, max_model_len=256, max_num_seqs=2)
+# 64 blocks of 4 tokens a replica (1 KiB each in bfloat16, the CPU's default cache): its prefix
+# cache holds 4 or 5 of the routing test's 8 prefixes, so a replica that sees all 8 evicts what it
+# will need next. Two requests run at once on a replica, the others wait (not yet streaming).
+ENGINE = dict(kv_cache_memory=64 * 1024, block_size=4, max_model_len=256, max_num_seqs=2)
 GREEDY = dict(temperature=0, max_tokens=12)
 PROMPTS = ["The quick brown fox", "Once upon a time", "1, 2, 3,"]
 

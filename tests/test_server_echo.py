@@ -27,7 +27,9 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    with ThreadServer(model, engine={"max_num_batched_tokens": 48, "max_num_seqs": 8}) as running:
+    # A float32 cache: the logprobs are held to transformers' (auto is bfloat16 on the CPU).
+    engine = {"max_num_batched_tokens": 48, "max_num_seqs": 8, "kv_cache_dtype": "float32"}
+    with ThreadServer(model, engine=engine) as running:
         yield running
         running.wait_idle()
         running.in_engine(lambda engine: engine.check_pool_whole())
@@ -122,7 +124,7 @@ def test_rolling_perplexity_through_the_server_equals_aieng_eval(
         count += len(scored)
     text_file = tmp_path / "text.txt"
     text_file.write_text(TEXT, encoding="utf-8")
-    expected = perplexity(model, text_file, window=window, stride=stride)
+    expected = perplexity(model, text_file, window=window, stride=stride, kv_cache_dtype="float32")
     assert count == expected.tokens
     assert math.exp(total / count) == pytest.approx(expected.perplexity, rel=1e-3)
 

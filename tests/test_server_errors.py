@@ -203,8 +203,9 @@ def test_while_the_model_loads_everything_answers_503(model):
 
 
 def test_a_request_larger_than_the_kv_pool_gets_400(model):
-    # 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes x 4 tokens: 2 KiB a block; 40 blocks
-    with ThreadServer(model, engine={"kv_cache_memory": 40 * 2048}) as s:
+    # 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 2 bytes (bfloat16: the CPU's default cache)
+    # x 4 tokens: 1 KiB a block; 40 blocks
+    with ThreadServer(model, engine={"kv_cache_memory": 40 * 1024}) as s:
         body = {"prompt": "The quick brown fox", "max_tokens": 400}
         response = httpx.post(f"{s.url}/v1/completions", json=body)
         assert_error(response, 400, "prompt", "KV blocks", "40")

@@ -158,8 +158,9 @@ def test_ngram_proposes_after_the_longest_latest_match():
 def test_greedy_is_plain_decoding_with_chunks_prefix_hits_and_preemption(model):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     plain = engine(model).generate(PROMPTS, greedy, use_tqdm=False)
-    # 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes x 4 tokens = 2 KiB a block.
-    for options in ({}, {"long_prefill_token_threshold": 3}, {"kv_cache_memory": 20 * 2048}):
+    # 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 2 bytes (bfloat16: the CPU's default cache)
+    # x 4 tokens = 1 KiB a block.
+    for options in ({}, {"long_prefill_token_threshold": 3}, {"kv_cache_memory": 20 * 1024}):
         llm = engine(model, NGRAM, **options)
         for _ in range(1 if options else 2):  # the second time the prompts are cache hits
             spec = llm.generate(PROMPTS, greedy, use_tqdm=False)

@@ -67,9 +67,10 @@ def tokens_of(outputs) -> list[list[int]]:
 
 def test_greedy_with_a_draft_is_plain_decoding_with_chunks_prefix_hits_and_preemption(models):
     plain = tokens_of(engine(models["target"]).generate(PROMPTS, GREEDY, use_tqdm=False))
-    # 2 layers x 2 KV heads x 16 dims x 2 x 4 bytes x 4 tokens = 2 KiB a target block, and
-    # the 1-layer draft's 1 KiB beside it: 20 blocks' worth forces preemption.
-    for options in ({}, {"long_prefill_token_threshold": 3}, {"kv_cache_memory": 20 * 3072}):
+    # 2 layers x 2 KV heads x 16 dims x 2 x 2 bytes (bfloat16: the CPU's default cache) x 4
+    # tokens = 1 KiB a target block, and the 1-layer draft's 512 bytes beside it: 20 blocks'
+    # worth forces preemption.
+    for options in ({}, {"long_prefill_token_threshold": 3}, {"kv_cache_memory": 20 * 1536}):
         llm = engine(models["target"], models["draft"], **options)
         for _ in range(1 if options else 2):  # the second time the prompts are cache hits
             assert tokens_of(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain, options
@@ -88,7 +89,7 @@ def test_the_target_as_its_own_draft_is_accepted_every_time(models):
     plain = tokens_of(engine(models["target"]).generate(PROMPTS, GREEDY, use_tqdm=False))
     llm = engine(
         models["target"], models["target"], long_prefill_token_threshold=5,
-        kv_cache_memory=20 * 4096,
+        kv_cache_memory=20 * 2048,
     )  # fmt: skip
     assert tokens_of(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain
     stats = llm.get_stats()

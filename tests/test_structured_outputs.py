@@ -211,9 +211,9 @@ def test_stream_deltas_join_to_valid_json(llm):
 
 
 def test_preemption_keeps_the_grammars_consistent():
-    # 45 blocks of 4 tokens (12,288 bytes a token on the default model): one request of 150
-    # tokens fits, sixteen at once do not.
-    small = LLM(kv_cache_memory=45 * 4 * 12288, block_size=4, max_num_seqs=16)
+    # 45 blocks of 4 tokens (6,144 bytes a token on the default model's bfloat16 cache, the
+    # CPU's default): one request of 150 tokens fits, sixteen at once do not.
+    small = LLM(kv_cache_memory=45 * 4 * 6144, block_size=4, max_num_seqs=16)
     try:
         rng = random.Random(99)
         schemas = [PERSON if i % 2 else random_schema(rng) for i in range(16)]

@@ -80,7 +80,7 @@ def test_aieng_generates_exactly_as_hf(trained):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    llm = LLM(str(out), kv_cache_memory=4 << 20)
+    llm = LLM(str(out), kv_cache_memory=4 << 20, kv_cache_dtype="float32")
     tok = llm.get_tokenizer()
     prompts = ["The king", "A shepherd went up to", "Jerusalem", "The prophet blessed the"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -129,7 +129,12 @@ def test_training_forward_matches_serving_forward(trained):
     folder, _ = trained
     runner = ModelRunner(
         create_engine_config(
-            EngineArgs(model=str(folder / "model"), block_size=4, kv_cache_memory=1 << 22)
+            EngineArgs(
+                model=str(folder / "model"),
+                block_size=4,
+                kv_cache_memory=1 << 22,
+                kv_cache_dtype="float32",
+            )
         )
     )
     generator = torch.Generator().manual_seed(1)

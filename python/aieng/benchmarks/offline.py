@@ -37,6 +37,7 @@ class EngineRun:
     spec_decode: dict[str, int] = field(default_factory=dict)
     # Every rep's first request: (time to its first token, its end to end latency), aieng only.
     first_request_s: list[tuple[float, float]] = field(default_factory=list)
+    kv_cache_dtype: str = ""  # aieng only: the KV cache's dtype as its runner resolved it
 
     @property
     def tokens_per_s(self) -> float:
@@ -115,6 +116,7 @@ def run_aieng(
         ttft_s=ttft,
         spec_decode=spec_decode if engine.speculative_config is not None else {},
         first_request_s=first_request,
+        kv_cache_dtype=stats.kv_cache_dtype,
     )
 
 

@@ -36,7 +36,8 @@ DTYPES = {
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_BLOCK_SIZE = 1 << 16  # the Rust core's limit (BlockPool::new)
 ATTENTION_BACKENDS = ("auto", "torch", "cuda", "cpu")
-KV_CACHE_DTYPES = ("auto", "int8", "bfloat16")
+FLOAT_KV_CACHE_DTYPES = ("float32", "bfloat16")  # a cache in this dtype whatever the model's
+KV_CACHE_DTYPES = ("auto", "int8", *FLOAT_KV_CACHE_DTYPES)
 CPU_QUANT_KERNELS = ("auto", "int8", "int8x2", "int4pack", "dequant")
 CPU_LM_HEADS = ("dense", "int8")
 CPU_NATIVE_MODES = ("auto", "off")
@@ -175,11 +176,14 @@ class EngineArgs:
     )
     kv_cache_dtype: str = option(
         "auto",
-        "element type of the KV cache; auto: the model's dtype; int8: K and V quantized "
-        "symmetrically per token and KV head with a scale in the model's dtype, so a budget holds "
-        "about 1.9x the blocks of float16 or 3.8x of float32 (head_dim 64); bfloat16: K and V "
-        "in bfloat16 whatever the model's dtype (half a float32 cache's bytes read per step), "
-        "read by the native CPU decoder (cpu_native) only",
+        "element type of the KV cache; auto: bfloat16 where the native CPU decoder (cpu_native) "
+        "serves a float32 model (half a float32 cache's bytes, so twice the blocks per budget and "
+        "half the bytes read per decode step), else the model's dtype; float32, bfloat16: K and "
+        "V in that dtype whatever the model's (a dtype other than the model's is read by the "
+        "native CPU decoder only; float32 keeps a float32 model's greedy tokens those of "
+        "transformers); int8: K and V quantized symmetrically per token and KV head with a scale "
+        "in the model's dtype, so a budget holds about 1.9x the blocks of float16 or 3.8x of "
+        "float32 (head_dim 64)",
         choices=KV_CACHE_DTYPES,
     )
     kv_cache_memory: int | None = option(

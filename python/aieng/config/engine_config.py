@@ -32,7 +32,7 @@ class CacheConfig:
     """The paged KV cache: block size, element type, and its memory budget."""
 
     block_size: int
-    kv_cache_dtype: str  # "auto" (the model's dtype) or "int8"
+    kv_cache_dtype: str  # EngineArgs.kv_cache_dtype; the runner decides "auto" (kv_cache.py)
     kv_cache_memory: int | None  # bytes; None: sized by the runner (RAM or GPU profiling)
     gpu_memory_utilization: float
     enable_prefix_caching: bool

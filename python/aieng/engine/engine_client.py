@@ -30,7 +30,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     device: str  # "cpu", "cuda:0", ...
     dtype: str  # the weights' torch dtype name
-    kv_cache_dtype: str  # "int8" or the model's dtype
+    kv_cache_dtype: str  # the cache's dtype as the runner resolved it: "int8", "bfloat16", ...
     block_size: int
     num_blocks: int
     max_num_seqs: int
@@ -64,7 +64,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_requests: int = 0  # requests the engine holds (running, waiting or not yet in the core)
-    kv_cache_dtype: str = ""  # 'int8' or the model's dtype; '' before the engine is loaded
+    kv_cache_dtype: str = ""  # ModelInfo.kv_cache_dtype; '' before the engine is loaded
     block_size: int = 0
     max_num_seqs: int = 0  # the batch's capacity in requests; 0 before the engine is loaded
     kernels: Mapping[str, str] = field(default_factory=dict)  # ModelInfo.kernels

@@ -29,7 +29,7 @@ from aieng.attention import AttentionInputs, ForwardContext, KVCache, select_att
 from aieng.config.engine_config import EngineConfig
 from aieng.models.loader import load_model
 from aieng.worker.cpu_native import native_decoder
-from aieng.worker.kv_cache import KVCacheSpec
+from aieng.worker.kv_cache import KVCacheSpec, resolve_kv_cache_dtype
 from aieng.worker.sampler import SamplingTable
 from aieng.worker.step_plan import ForwardArrays
 
@@ -72,8 +72,7 @@ class DraftModel:
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.kv_spec = KVCacheSpec.for_model(self.model_config, block_size, dtype, kv_cache_dtype)
-        attention_cache = "auto" if kv_cache_dtype == "bfloat16" else kv_cache_dtype
+        attention_cache = "int8" if kv_cache_dtype == "int8" else "auto"
         self.attention = select_attention_backend(
             config.runner.attention_backend, self.model_config, device, dtype, attention_cache,
             block_size,
@@ -82,6 +81,8 @@ class DraftModel:
         self.native = native_decoder(
             config.runner.cpu_native, self.model, self.model_config, device, self.attention.name
         )
+        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, self.native is not None)
+        self.kv_spec = KVCacheSpec.for_model(self.model_config, block_size, dtype, kv_cache_dtype)
         if self.native is None and self.kv_spec.dtype not in (dtype, torch.int8):
             raise ValueError(
                 f"kv_cache_dtype {kv_cache_dtype!r}: the draft model's cache is read by the native "

@@ -2,12 +2,14 @@
 
 The runner sizes the pool from `block_bytes` and the backend decides the layout of one layer's
 cache (`AttentionBackend.kv_cache_shape`). With `kv_cache_dtype="auto"` the elements are in the
-model's dtype and a layer's cache is a (K, V) tuple. With `"int8"` they are int8 and every token
-of every KV head also carries one scale for K and one for V, in the model's dtype (a float32 scale
-on a float16 model would cost head_dim 64 a further 2 bytes in 66, and buy nothing: values are
-quantized with the stored scale, so its rounding never adds error); a layer's cache is then a
-`QuantizedKVCache`. With `"bfloat16"` they are bfloat16 whatever the model's dtype (the native
-CPU decoder writes and reads them; the torch attention backends take the model's dtype only).
+model's dtype (once `resolve_kv_cache_dtype` has decided "auto": bfloat16 where the native CPU
+decoder serves a float32 model) and a layer's cache is a (K, V) tuple. With `"float32"` or
+`"bfloat16"` they are in that dtype whatever the model's (a dtype other than the model's is the
+native CPU decoder's: the torch attention backends take the model's dtype only). With `"int8"`
+they are int8 and every token of every KV head also carries one scale for K and one for V, in the
+model's dtype (a float32 scale on a float16 model would cost head_dim 64 a further 2 bytes in 66,
+and buy nothing: values are quantized with the stored scale, so its rounding never adds error); a
+layer's cache is then a `QuantizedKVCache`.
 `token_bytes` and `block_bytes` count the scales, so a fixed budget holds
 D * s / (D + s') times the blocks, s and s' the bytes of a model element and of a scale: for
 head_dim 64, 128 / 66 = 1.94x those of float16 and 256 / 68 = 3.76x those of float32.
@@ -20,9 +22,18 @@ from dataclasses import dataclass
 import torch
 
 from aieng.attention.backend import AttentionBackend, KVCache, QuantizedKVCache
-from aieng.config.engine_args import KV_CACHE_DTYPES
+from aieng.config.engine_args import FLOAT_KV_CACHE_DTYPES, KV_CACHE_DTYPES
 from aieng.config.model_config import ModelConfig
 from aieng.distributed.parallel_state import kv_heads_per_rank
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, native: bool) -> str:
+    """EngineArgs.kv_cache_dtype with "auto" decided for a runner of a `dtype` model: bfloat16
+    where the native CPU decoder serves a float32 model (half the bytes every decode step reads;
+    the torch path reads only the model's dtype), the model's dtype ("auto") otherwise."""
+    if kv_cache_dtype == "auto" and native and dtype == torch.float32:
+        return "bfloat16"
+    return kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -50,8 +61,8 @@ class KVCacheSpec:
                 f"got {kv_cache_dtype!r}"
             )
         quantized = kv_cache_dtype == "int8"
-        if kv_cache_dtype == "bfloat16":  # a bfloat16 cache under any model (the native decoder)
-            dtype = torch.bfloat16
+        if kv_cache_dtype in FLOAT_KV_CACHE_DTYPES:  # this dtype under any model's
+            dtype = getattr(torch, kv_cache_dtype)
         return cls(
             0 if config.is_encoder else config.num_hidden_layers,  # an encoder caches nothing
             kv_heads_per_rank(config.num_key_value_heads),  # this tensor-parallel rank's

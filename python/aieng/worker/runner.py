@@ -36,7 +36,7 @@ from aieng.worker.gpu_memory import log_gpu_memory
 from aieng.worker.host_memory import available_ram
 from aieng.worker.input_buffers import InputBuffers
 from aieng.worker.isolated_sampling import RowRules
-from aieng.worker.kv_cache import KVCacheSpec
+from aieng.worker.kv_cache import KVCacheSpec, resolve_kv_cache_dtype
 from aieng.worker.prompt_logprobs import PromptScorer
 from aieng.worker.runner_io import ModelRunnerOutput, NewSamplingRow, RunnerStep, SampledLogprobs
 from aieng.worker.sampler import Sampler, SamplerOutput, SamplingTable
@@ -74,11 +74,9 @@ class ModelRunner:
         self.max_model_len = config.scheduler.max_model_len
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         kv_cache_dtype = config.cache.kv_cache_dtype
-        self.kv_spec = KVCacheSpec.for_model(
-            self.model_config, self.block_size, self.dtype, kv_cache_dtype
-        )
-        # A bfloat16 cache is the native decoder's: the backend is chosen as for the model's.
-        attention_cache = "auto" if kv_cache_dtype == "bfloat16" else kv_cache_dtype
+        # A float cache of another dtype is the native decoder's: the backend is chosen as for
+        # the model's.
+        attention_cache = "int8" if kv_cache_dtype == "int8" else "auto"
         self.attention = select_attention_backend(
             options.attention_backend, self.model_config, self.device, self.dtype, attention_cache,
             self.block_size,
@@ -111,6 +109,10 @@ class ModelRunner:
             self.model_config,
             self.device,
             self.attention.name,
+        )
+        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.native is not None)
+        self.kv_spec = KVCacheSpec.for_model(
+            self.model_config, self.block_size, self.dtype, kv_cache_dtype
         )
         if self.native is None and self.kv_spec.dtype not in (self.dtype, torch.int8):
             raise ValueError(
