@@ -104,6 +104,17 @@ pub struct StepUpdate {
     pub finished: Vec<FinishedRequest>,
 }
 
+impl StepUpdate {
+    /// Writes the `appended`-th token of the step (its columns are sized beforehand).
+    #[inline(always)]
+    fn put(&mut self, appended: &mut usize, row: usize, slot: u32, token: u32) {
+        self.rows[*appended] = row as u32;
+        self.slots[*appended] = slot;
+        self.token_ids[*appended] = token;
+        *appended += 1;
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedulerStats {
     pub num_running: usize,
@@ -989,10 +1000,7 @@ impl EngineCore {
                 // The common row: one token, no text to detokenize, no grammar.
                 let token = token as u32;
                 r.tokens.push(token);
-                out.rows[appended] = row as u32;
-                out.slots[appended] = e.slot;
-                out.token_ids[appended] = token;
-                appended += 1;
+                out.put(&mut appended, row, e.slot, token);
                 if let Some(stop) = r.check_stop() {
                     finished_slots.push((e.slot, stop));
                 }
@@ -1001,10 +1009,7 @@ impl EngineCore {
             for &token in tokens {
                 let token = token as u32;
                 r.tokens.push(token);
-                out.rows[appended] = row as u32;
-                out.slots[appended] = e.slot;
-                out.token_ids[appended] = token;
-                appended += 1;
+                out.put(&mut appended, row, e.slot, token);
                 let mut stop = match tokenizer.as_deref() {
                     Some(tok) => {
                         let (text, stop) = Self::append_text(r, tok, token);
