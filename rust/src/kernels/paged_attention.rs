@@ -6,9 +6,12 @@
 //! int8 (`KvCache`; an int8 cache has one scale per position and KV head, float32 or bfloat16,
 //! x = q · scale, the scale applied to each score and each weighted V row); position j of a
 //! request is block `table[j / block_size]`, offset `j % block_size`. Queries and outputs are
-//! float32, and so is all arithmetic. A work item is one query
-//! token and one KV head: the G = H / H_kv query heads that share it read each K/V row once
-//! (GQA). Scores go through an online softmax over chunks of 32 positions (a running max and
+//! float32, and so is all arithmetic. A work item is one KV head
+//! and a block of up to QB = 16 consecutive query tokens of one request (a decode row is a block
+//! of one): the block's tokens and the G = H / H_kv query heads that share the KV head read each
+//! K/V row once (GQA), and a prefill block scores a key for its QB queries with D multiply-adds
+//! over QB lanes (queries stored transposed), so prefill reads its context T / QB times, not T.
+//! Scores go through an online softmax over chunks of 32 positions (a running max and
 //! sum per head, the output rescaled when the max grows), so memory stays O(G·D) whatever the
 //! context length. Sliding windows keep the last `window` positions; soft-capping maps a score
 //! s to cap·tanh(s / cap) before the softmax (Gemma 2).
@@ -956,12 +959,98 @@ mod tests {
             block_tables: &tables,
             table_width: width,
         };
-        let cache = 20 * 4 * 2 * 40;
+        check_every_cache(
+            shape,
+            rows,
+            &[
+                Scoring {
+                    scale: 0.3,
+                    window: None,
+                    softcap: None,
+                },
+                Scoring {
+                    scale: 0.3,
+                    window: Some(7),
+                    softcap: None,
+                },
+                Scoring {
+                    scale: 0.9,
+                    window: Some(40),
+                    softcap: Some(2.0),
+                },
+            ],
+        );
+    }
+
+    #[test]
+    fn query_blocks_match_the_reference_at_every_edge() {
+        // GQA (4 heads per KV head); prefills of 37 (not a multiple of QB) and 16 tokens with
+        // nothing cached, a chunk of 21 after 50 cached positions, decodes between them.
+        let shape = PagedShape {
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 24,
+            block_size: 8,
+            num_blocks: 24,
+        };
+        let (qsl, lens) = ([0, 37, 38, 59, 75, 76], [37, 30, 71, 16, 9]);
+        let width = 9;
+        let mut tables = vec![0i32; 5 * width];
+        let ids: Vec<i32> = (0..24).map(|i| (i * 7) % 24).collect();
+        let mut next = 0;
+        for (r, &len) in lens.iter().enumerate() {
+            let blocks = (len as usize).div_ceil(8);
+            tables[r * width..r * width + blocks].copy_from_slice(&ids[next..next + blocks]);
+            next += blocks;
+        }
+        let rows = StepRows {
+            query_start_loc: &qsl,
+            seq_lens: &lens,
+            block_tables: &tables,
+            table_width: width,
+        };
+        let blocks = query_blocks(&token_rows(&rows, &shape, 76).unwrap());
+        let counts: Vec<u32> = blocks.iter().map(|b| b.count).collect();
+        assert_eq!(counts, [16, 16, 5, 1, 16, 5, 16, 1]);
+        check_every_cache(
+            shape,
+            rows,
+            &[
+                Scoring {
+                    scale: 0.4,
+                    window: None,
+                    softcap: None,
+                },
+                // A window shorter than a block: the lanes see partly disjoint keys.
+                Scoring {
+                    scale: 0.4,
+                    window: Some(5),
+                    softcap: None,
+                },
+                Scoring {
+                    scale: 0.8,
+                    window: Some(33),
+                    softcap: Some(1.5),
+                },
+                Scoring {
+                    scale: 1.1,
+                    window: None,
+                    softcap: Some(3.0),
+                },
+            ],
+        );
+    }
+
+    /// Every cache kind, instruction set and thread count against the f64 reference.
+    fn check_every_cache(shape: PagedShape, rows: StepRows, scorings: &[Scoring]) {
+        let (d, kvh) = (shape.head_dim, shape.kv_heads);
+        let cache = shape.num_blocks * shape.block_size * kvh * d;
+        let tokens = *rows.query_start_loc.last().unwrap() as usize;
         let (k, v) = (values(cache, 1), values(cache, 2));
-        let q = values(9 * 6 * 40, 3);
+        let q = values(tokens * shape.heads * d, 3);
         // The same values as bfloat16 (truncated to 16 bits) and as int8 with a scale per row.
         let (kb, vb) = (to_bf16(&k), to_bf16(&v));
-        let ((ki, ks), (vi, vs)) = (to_int8(&k, 40), to_int8(&v, 40));
+        let ((ki, ks), (vi, vs)) = (to_int8(&k, d), to_int8(&v, d));
         let (ksb, vsb) = (to_bf16(&ks), to_bf16(&vs));
         let caches = [
             (KvCache::F32 { k: &k, v: &v }, k.clone(), v.clone()),
@@ -977,8 +1066,8 @@ mod tests {
                     k_scale: Scales::F32(&ks),
                     v_scale: Scales::F32(&vs),
                 },
-                from_int8(&ki, &ks, 40),
-                from_int8(&vi, &vs, 40),
+                from_int8(&ki, &ks, d),
+                from_int8(&vi, &vs, d),
             ),
             (
                 KvCache::Int8 {
@@ -987,27 +1076,11 @@ mod tests {
                     k_scale: Scales::Bf16(&ksb),
                     v_scale: Scales::Bf16(&vsb),
                 },
-                from_int8(&ki, &from_bf16(&ksb), 40),
-                from_int8(&vi, &from_bf16(&vsb), 40),
+                from_int8(&ki, &from_bf16(&ksb), d),
+                from_int8(&vi, &from_bf16(&vsb), d),
             ),
         ];
-        for scoring in [
-            Scoring {
-                scale: 0.3,
-                window: None,
-                softcap: None,
-            },
-            Scoring {
-                scale: 0.3,
-                window: Some(7),
-                softcap: None,
-            },
-            Scoring {
-                scale: 0.9,
-                window: Some(40),
-                softcap: Some(2.0),
-            },
-        ] {
+        for &scoring in scorings {
             for (cache, k, v) in &caches {
                 let want = reference(&q, k, v, &shape, &rows, &scoring);
                 for isa in Isa::supported_paths() {
