@@ -342,6 +342,15 @@ fn query_blocks(tokens: &[(u32, u32)]) -> Vec<QueryBlock> {
     blocks
 }
 
+/// The blocks reordered first, last, second, second to last, ...: a block's cost grows with its
+/// position, and the threads take contiguous ranges of work items, so each gets a fair share.
+fn balanced(blocks: Vec<QueryBlock>) -> Vec<QueryBlock> {
+    let n = blocks.len();
+    (0..n)
+        .map(|i| blocks[if i % 2 == 0 { i / 2 } else { n - 1 - i / 2 }])
+        .collect()
+}
+
 /// The first position a query at `position` sees.
 #[inline(always)]
 fn first_visible(scoring: &Scoring, position: usize) -> usize {
@@ -528,6 +537,34 @@ fn block_scores<const K: usize>(qt: &[[f32; QB]], k: &[f32], d: usize) -> [[f32;
     s
 }
 
+/// Output values held in registers while a chunk's V rows are added to them.
+const TILE: usize = 32;
+
+/// acc (W values from column `at` of lane l's output) = acc · rescale + Σ_r p[r][l] · v_r, the
+/// W values kept in registers across the chunk's rows.
+#[inline(always)]
+fn add_weighted_rows<const W: usize>(
+    acc: &mut [f32],
+    rescale: f32,
+    p: &[[f32; QB]],
+    l: usize,
+    v: &[f32],
+    d: usize,
+    at: usize,
+) {
+    let mut t = [0f32; W];
+    for (x, a) in t.iter_mut().zip(acc.iter()) {
+        *x = a * rescale;
+    }
+    for (r, pr) in p.iter().enumerate() {
+        let (w, row) = (pr[l], &v[r * d + at..][..W]);
+        for i in 0..W {
+            t[i] += w * row[i];
+        }
+    }
+    acc.copy_from_slice(&t);
+}
+
 /// A block of 2..=QB consecutive query tokens of one request and one KV head: each K/V row is
 /// read (and converted to float32) once for the block and every head of the group; the scores
 /// of the block's queries for a key are D multiply-adds over QB lanes.
@@ -654,17 +691,23 @@ fn attend_block<R: Rows>(
             max[h] = new_max;
             let acc_h = &mut acc[h * QB * d..(h + 1) * QB * d];
             for l in 0..n {
-                for a in &mut acc_h[l * d..(l + 1) * d] {
-                    *a *= rescale[l];
+                let row = &mut acc_h[l * d..(l + 1) * d];
+                let mut i = 0;
+                while i + TILE <= d {
+                    add_weighted_rows::<TILE>(
+                        &mut row[i..i + TILE],
+                        rescale[l],
+                        chunk,
+                        l,
+                        vbuf,
+                        d,
+                        i,
+                    );
+                    i += TILE;
                 }
-            }
-            for (r, s) in chunk.iter().enumerate() {
-                let v = &vbuf[r * d..(r + 1) * d];
-                for l in 0..n {
-                    let p = s[l];
-                    for (a, x) in acc_h[l * d..(l + 1) * d].iter_mut().zip(v) {
-                        *a += p * x;
-                    }
+                while i < d {
+                    add_weighted_rows::<1>(&mut row[i..i + 1], rescale[l], chunk, l, vbuf, d, i);
+                    i += 1;
                 }
             }
         }
@@ -759,7 +802,7 @@ pub fn paged_attention(
     }
     let tokens = q.len() / (heads * head_dim);
     let owners = token_rows(&rows, &shape, tokens)?;
-    let blocks = query_blocks(&owners);
+    let blocks = balanced(query_blocks(&owners));
     let work = Work {
         q,
         out: SharedMut::new(out.as_mut_ptr()),
