@@ -6,9 +6,12 @@
 //! int8 (`KvCache`; an int8 cache has one scale per position and KV head, float32 or bfloat16,
 //! x = q · scale, the scale applied to each score and each weighted V row); position j of a
 //! request is block `table[j / block_size]`, offset `j % block_size`. Queries and outputs are
-//! float32, and so is all arithmetic. A work item is one query
-//! token and one KV head: the G = H / H_kv query heads that share it read each K/V row once
-//! (GQA). Scores go through an online softmax over chunks of 32 positions (a running max and
+//! float32, and so is all arithmetic. A work item is one KV head
+//! and a block of up to QB = 16 consecutive query tokens of one request (a decode row is a block
+//! of one): the block's tokens and the G = H / H_kv query heads that share the KV head read each
+//! K/V row once (GQA), and a prefill block scores a key for its QB queries with D multiply-adds
+//! over QB lanes (queries stored transposed), so prefill reads its context T / QB times, not T.
+//! Scores go through an online softmax over chunks of 32 positions (a running max and
 //! sum per head, the output rescaled when the max grows), so memory stays O(G·D) whatever the
 //! context length. Sliding windows keep the last `window` positions; soft-capping maps a score
 //! s to cap·tanh(s / cap) before the softmax (Gemma 2).
@@ -108,6 +111,10 @@ fn bf16(bits: u16) -> f32 {
 trait Rows: Copy + Sync {
     fn k_dot(&self, at: usize, q: &[f32]) -> f32;
     fn v_add(&self, at: usize, p: f32, acc: &mut [f32]);
+    /// The K row's values as float32 (an int8 row times its scale) into `buf` (D values).
+    fn k_row(&self, at: usize, buf: &mut [f32]);
+    /// The V row's values as float32 (an int8 row times its scale) into `buf` (D values).
+    fn v_row(&self, at: usize, buf: &mut [f32]);
 }
 
 #[derive(Clone, Copy)]
@@ -128,6 +135,14 @@ impl Rows for F32Rows<'_> {
             *a += p * x;
         }
     }
+    #[inline(always)]
+    fn k_row(&self, at: usize, buf: &mut [f32]) {
+        buf.copy_from_slice(&self.k[at..][..buf.len()]);
+    }
+    #[inline(always)]
+    fn v_row(&self, at: usize, buf: &mut [f32]) {
+        buf.copy_from_slice(&self.v[at..][..buf.len()]);
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -146,6 +161,20 @@ impl Rows for Bf16Rows<'_> {
         let d = acc.len();
         for (a, &x) in acc.iter_mut().zip(&self.v[at..][..d]) {
             *a += p * bf16(x);
+        }
+    }
+    #[inline(always)]
+    fn k_row(&self, at: usize, buf: &mut [f32]) {
+        let d = buf.len();
+        for (b, &x) in buf.iter_mut().zip(&self.k[at..][..d]) {
+            *b = bf16(x);
+        }
+    }
+    #[inline(always)]
+    fn v_row(&self, at: usize, buf: &mut [f32]) {
+        let d = buf.len();
+        for (b, &x) in buf.iter_mut().zip(&self.v[at..][..d]) {
+            *b = bf16(x);
         }
     }
 }
@@ -191,6 +220,22 @@ impl<S: Scale> Rows for Int8Rows<'_, S> {
         let p = p * self.v_scale.at(at / d);
         for (a, &x) in acc.iter_mut().zip(&self.v[at..][..d]) {
             *a += p * x as f32;
+        }
+    }
+    #[inline(always)]
+    fn k_row(&self, at: usize, buf: &mut [f32]) {
+        let d = buf.len();
+        let scale = self.k_scale.at(at / d);
+        for (b, &x) in buf.iter_mut().zip(&self.k[at..][..d]) {
+            *b = x as f32 * scale;
+        }
+    }
+    #[inline(always)]
+    fn v_row(&self, at: usize, buf: &mut [f32]) {
+        let d = buf.len();
+        let scale = self.v_scale.at(at / d);
+        for (b, &x) in buf.iter_mut().zip(&self.v[at..][..d]) {
+            *b = x as f32 * scale;
         }
     }
 }
@@ -267,7 +312,92 @@ fn dot_by<T>(a: &[f32], b: &[T], f: impl Fn(&T) -> f32) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
-/// Work items [items.start, items.end) of (token, KV head), written into `out`.
+/// Query tokens scored together by a prefill work item (the float32 lanes of a zmm register).
+const QB: usize = 16;
+
+/// A work item's queries: `count` (1..=QB) consecutive tokens from `token` of one request, at
+/// consecutive positions from `position`.
+#[derive(Debug, Clone, Copy)]
+struct QueryBlock {
+    token: u32,
+    count: u32,
+    position: u32,
+    request: u32,
+}
+
+/// Each request's tokens cut into blocks of at most QB (a decode row is a block of one).
+fn query_blocks(tokens: &[(u32, u32)]) -> Vec<QueryBlock> {
+    let mut blocks: Vec<QueryBlock> = Vec::with_capacity(tokens.len().div_ceil(QB));
+    for (t, &(request, position)) in tokens.iter().enumerate() {
+        match blocks.last_mut() {
+            Some(b) if b.request == request && (b.count as usize) < QB => b.count += 1,
+            _ => blocks.push(QueryBlock {
+                token: t as u32,
+                count: 1,
+                position,
+                request,
+            }),
+        }
+    }
+    blocks
+}
+
+/// The blocks reordered first, last, second, second to last, ...: a block's cost grows with its
+/// position, and the threads take contiguous ranges of work items, so each gets a fair share.
+fn balanced(blocks: Vec<QueryBlock>) -> Vec<QueryBlock> {
+    let n = blocks.len();
+    (0..n)
+        .map(|i| blocks[if i % 2 == 0 { i / 2 } else { n - 1 - i / 2 }])
+        .collect()
+}
+
+/// The first position a query at `position` sees.
+#[inline(always)]
+fn first_visible(scoring: &Scoring, position: usize) -> usize {
+    scoring
+        .window
+        .map_or(0, |w| (position + 1).saturating_sub(w))
+}
+
+/// One work item's scratch memory, made once per thread.
+struct Scratch {
+    qs: Vec<f32>,
+    acc: Vec<f32>,
+    scores: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    /// A chunk of K and of V rows as float32 (CHUNK x D each).
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Queries transposed per head (G x D x QB), their block scores (CHUNK x QB), running max
+    /// and sum (G x QB) and outputs (G x QB x D).
+    qt: Vec<[f32; QB]>,
+    block_scores: Vec<[f32; QB]>,
+    block_max: Vec<[f32; QB]>,
+    block_sum: Vec<[f32; QB]>,
+    block_acc: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(group: usize, d: usize) -> Self {
+        Scratch {
+            qs: vec![0.0; group * d],
+            acc: vec![0.0; group * d],
+            scores: vec![0.0; group * CHUNK],
+            max: vec![0.0; group],
+            sum: vec![0.0; group],
+            k: vec![0.0; CHUNK * d],
+            v: vec![0.0; CHUNK * d],
+            qt: vec![[0.0; QB]; group * d],
+            block_scores: vec![[0.0; QB]; CHUNK],
+            block_max: vec![[0.0; QB]; group],
+            block_sum: vec![[0.0; QB]; group],
+            block_acc: vec![0.0; group * QB * d],
+        }
+    }
+}
+
+/// Work items [items.start, items.end) of (query block, KV head), written into `out`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn attend_items<R: Rows>(
@@ -278,77 +408,320 @@ fn attend_items<R: Rows>(
     shape: &PagedShape,
     rows: &StepRows,
     scoring: &Scoring,
-    tokens: &[(u32, u32)],
+    blocks: &[QueryBlock],
 ) {
     let (d, kvh) = (shape.head_dim, shape.kv_heads);
-    let group = shape.heads / kvh;
-    let row_stride = kvh * d; // one position's K (or V) across KV heads
-    let mut qs = vec![0f32; group * d];
-    let mut acc = vec![0f32; group * d];
-    let mut scores = vec![0f32; group * CHUNK];
-    let (mut max, mut sum) = (vec![0f32; group], vec![0f32; group]);
+    let mut scratch = Scratch::new(shape.heads / kvh, d);
     for item in items {
-        let (t, g) = (item / kvh, item % kvh);
-        let (r, position) = tokens[t];
-        let r = r as usize;
-        let hi = position as usize + 1;
-        let lo = scoring.window.map_or(0, |w| hi.saturating_sub(w));
-        let table = &rows.block_tables[r * rows.table_width..];
-        for h in 0..group {
-            let head = g * group + h;
-            let src = &q[(t * shape.heads + head) * d..][..d];
-            for (o, v) in qs[h * d..(h + 1) * d].iter_mut().zip(src) {
-                *o = v * scoring.scale;
-            }
+        let (block, g) = (blocks[item / kvh], item % kvh);
+        if block.count == 1 {
+            attend_token(block, g, q, cache, out, shape, rows, scoring, &mut scratch);
+        } else {
+            attend_block(block, g, q, cache, out, shape, rows, scoring, &mut scratch);
         }
-        acc.fill(0.0);
-        max.fill(f32::NEG_INFINITY);
-        sum.fill(0.0);
-        let slot = |j: usize| {
-            let block = table[j / shape.block_size] as usize;
-            (block * shape.block_size + j % shape.block_size) * row_stride + g * d
-        };
-        let mut start = lo;
-        while start < hi {
-            let end = (start + CHUNK).min(hi);
-            for j in start..end {
-                let at = slot(j);
-                for h in 0..group {
-                    let mut s = cache.k_dot(at, &qs[h * d..(h + 1) * d]);
-                    if let Some(cap) = scoring.softcap {
-                        s = cap * (s / cap).tanh();
-                    }
-                    scores[h * CHUNK + j - start] = s;
-                }
-            }
+    }
+}
+
+/// Where position j's row of KV head g lies in the cache, through request r's block table.
+#[inline(always)]
+fn slot_of<'a>(
+    shape: &PagedShape,
+    rows: &StepRows<'a>,
+    r: usize,
+    g: usize,
+) -> impl Fn(usize) -> usize + 'a {
+    let table = &rows.block_tables[r * rows.table_width..];
+    let (bs, d) = (shape.block_size, shape.head_dim);
+    let row_stride = shape.kv_heads * d; // one position's K (or V) across KV heads
+    move |j: usize| {
+        let block = table[j / bs] as usize;
+        (block * bs + j % bs) * row_stride + g * d
+    }
+}
+
+/// One query token (a decode row) and KV head: the G heads of the group read each K/V row once.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_token<R: Rows>(
+    block: QueryBlock,
+    g: usize,
+    q: &[f32],
+    cache: R,
+    out: SharedMut<f32>,
+    shape: &PagedShape,
+    rows: &StepRows,
+    scoring: &Scoring,
+    scratch: &mut Scratch,
+) {
+    let d = shape.head_dim;
+    let group = shape.heads / shape.kv_heads;
+    let Scratch {
+        qs,
+        acc,
+        scores,
+        max,
+        sum,
+        ..
+    } = scratch;
+    let t = block.token as usize;
+    let hi = block.position as usize + 1;
+    let lo = first_visible(scoring, block.position as usize);
+    for h in 0..group {
+        let head = g * group + h;
+        let src = &q[(t * shape.heads + head) * d..][..d];
+        for (o, v) in qs[h * d..(h + 1) * d].iter_mut().zip(src) {
+            *o = v * scoring.scale;
+        }
+    }
+    acc.fill(0.0);
+    max.fill(f32::NEG_INFINITY);
+    sum.fill(0.0);
+    let slot = slot_of(shape, rows, block.request as usize, g);
+    let mut start = lo;
+    while start < hi {
+        let end = (start + CHUNK).min(hi);
+        for j in start..end {
+            let at = slot(j);
             for h in 0..group {
-                let chunk = &mut scores[h * CHUNK..h * CHUNK + end - start];
-                let new_max = chunk.iter().fold(max[h], |m, &s| m.max(s));
-                let rescale = exp(max[h] - new_max);
-                for p in chunk.iter_mut() {
-                    *p = exp(*p - new_max);
+                let mut s = cache.k_dot(at, &qs[h * d..(h + 1) * d]);
+                if let Some(cap) = scoring.softcap {
+                    s = cap * (s / cap).tanh();
                 }
-                sum[h] = sum[h] * rescale + chunk.iter().sum::<f32>();
-                max[h] = new_max;
-                for a in &mut acc[h * d..(h + 1) * d] {
-                    *a *= rescale;
-                }
+                scores[h * CHUNK + j - start] = s;
             }
-            for j in start..end {
-                let at = slot(j);
-                for h in 0..group {
-                    let p = scores[h * CHUNK + j - start];
-                    cache.v_add(at, p, &mut acc[h * d..(h + 1) * d]);
-                }
-            }
-            start = end;
         }
         for h in 0..group {
-            let head = g * group + h;
-            let inverse = if sum[h] > 0.0 { 1.0 / sum[h] } else { 0.0 };
-            for (i, a) in acc[h * d..(h + 1) * d].iter().enumerate() {
+            let chunk = &mut scores[h * CHUNK..h * CHUNK + end - start];
+            let new_max = chunk.iter().fold(max[h], |m, &s| m.max(s));
+            let rescale = exp(max[h] - new_max);
+            for p in chunk.iter_mut() {
+                *p = exp(*p - new_max);
+            }
+            sum[h] = sum[h] * rescale + chunk.iter().sum::<f32>();
+            max[h] = new_max;
+            for a in &mut acc[h * d..(h + 1) * d] {
+                *a *= rescale;
+            }
+        }
+        for j in start..end {
+            let at = slot(j);
+            for h in 0..group {
+                let p = scores[h * CHUNK + j - start];
+                cache.v_add(at, p, &mut acc[h * d..(h + 1) * d]);
+            }
+        }
+        start = end;
+    }
+    for h in 0..group {
+        let head = g * group + h;
+        let inverse = if sum[h] > 0.0 { 1.0 / sum[h] } else { 0.0 };
+        for (i, a) in acc[h * d..(h + 1) * d].iter().enumerate() {
+            // SAFETY: each (token, head) output row belongs to one work item.
+            unsafe { *out.get().add((t * shape.heads + head) * d + i) = a * inverse };
+        }
+    }
+}
+
+/// q (QB lanes, transposed: D x QB) · each of `K` rows: the lanes' scores, no horizontal sum.
+#[inline(always)]
+fn block_scores<const K: usize>(qt: &[[f32; QB]], k: &[f32], d: usize) -> [[f32; QB]; K] {
+    let mut s = [[0f32; QB]; K];
+    for (i, qi) in qt.iter().enumerate() {
+        for (r, sr) in s.iter_mut().enumerate() {
+            let x = k[r * d + i];
+            for l in 0..QB {
+                sr[l] += qi[l] * x;
+            }
+        }
+    }
+    s
+}
+
+/// Output values held in registers while a chunk's V rows are added to them.
+const TILE: usize = 32;
+
+/// acc (W values from column `at` of lane l's output) = acc · rescale + Σ_r p[r][l] · v_r, the
+/// W values kept in registers across the chunk's rows.
+#[inline(always)]
+fn add_weighted_rows<const W: usize>(
+    acc: &mut [f32],
+    rescale: f32,
+    p: &[[f32; QB]],
+    l: usize,
+    v: &[f32],
+    d: usize,
+    at: usize,
+) {
+    let mut t = [0f32; W];
+    for (x, a) in t.iter_mut().zip(acc.iter()) {
+        *x = a * rescale;
+    }
+    for (r, pr) in p.iter().enumerate() {
+        let (w, row) = (pr[l], &v[r * d + at..][..W]);
+        for i in 0..W {
+            t[i] += w * row[i];
+        }
+    }
+    acc.copy_from_slice(&t);
+}
+
+/// A block of 2..=QB consecutive query tokens of one request and one KV head: each K/V row is
+/// read (and converted to float32) once for the block and every head of the group; the scores
+/// of the block's queries for a key are D multiply-adds over QB lanes.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_block<R: Rows>(
+    block: QueryBlock,
+    g: usize,
+    q: &[f32],
+    cache: R,
+    out: SharedMut<f32>,
+    shape: &PagedShape,
+    rows: &StepRows,
+    scoring: &Scoring,
+    scratch: &mut Scratch,
+) {
+    let d = shape.head_dim;
+    let group = shape.heads / shape.kv_heads;
+    let Scratch {
+        k: kbuf,
+        v: vbuf,
+        qt,
+        block_scores: scores,
+        block_max: max,
+        block_sum: sum,
+        block_acc: acc,
+        ..
+    } = scratch;
+    let (t0, n, p0) = (
+        block.token as usize,
+        block.count as usize,
+        block.position as usize,
+    );
+    // Lane l is the query at position p0 + l; it sees keys [first[l], last[l]]. Lanes past the
+    // block's tokens score zeros and see every key; they are never written out.
+    let (mut first, mut last) = ([0usize; QB], [usize::MAX; QB]);
+    for l in 0..n {
+        first[l] = first_visible(scoring, p0 + l);
+        last[l] = p0 + l;
+    }
+    let (lo, hi) = (first[0], p0 + n);
+    let (unmasked_from, unmasked_to) = (first[n - 1], p0);
+    for h in 0..group {
+        let head = g * group + h;
+        for (i, lanes) in qt[h * d..(h + 1) * d].iter_mut().enumerate() {
+            for (l, x) in lanes.iter_mut().enumerate() {
+                *x = if l < n {
+                    q[((t0 + l) * shape.heads + head) * d + i] * scoring.scale
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+    acc.fill(0.0);
+    max.fill([f32::NEG_INFINITY; QB]);
+    sum.fill([0.0; QB]);
+    let slot = slot_of(shape, rows, block.request as usize, g);
+    let mut start = lo;
+    while start < hi {
+        let end = (start + CHUNK).min(hi);
+        let m = end - start;
+        for j in start..end {
+            let at = slot(j);
+            let r = j - start;
+            cache.k_row(at, &mut kbuf[r * d..(r + 1) * d]);
+            cache.v_row(at, &mut vbuf[r * d..(r + 1) * d]);
+        }
+        for h in 0..group {
+            let qh = &qt[h * d..(h + 1) * d];
+            let mut r = 0;
+            while r + 4 <= m {
+                let s4 = block_scores::<4>(qh, &kbuf[r * d..], d);
+                scores[r..r + 4].copy_from_slice(&s4);
+                r += 4;
+            }
+            while r < m {
+                scores[r] = block_scores::<1>(qh, &kbuf[r * d..], d)[0];
+                r += 1;
+            }
+            let chunk = &mut scores[..m];
+            for (r, s) in chunk.iter_mut().enumerate() {
+                if let Some(cap) = scoring.softcap {
+                    for x in s.iter_mut() {
+                        *x = cap * (*x / cap).tanh();
+                    }
+                }
+                let j = start + r;
+                if j < unmasked_from || j > unmasked_to {
+                    for l in 0..QB {
+                        if j < first[l] || j > last[l] {
+                            s[l] = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+            let mut new_max = max[h];
+            for s in chunk.iter() {
+                for l in 0..QB {
+                    new_max[l] = new_max[l].max(s[l]);
+                }
+            }
+            // A lane with every key so far masked keeps a max of −∞; its weights stay ~0.
+            let mut base = [0f32; QB];
+            let mut rescale = [0f32; QB];
+            for l in 0..QB {
+                base[l] = if new_max[l] == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    new_max[l]
+                };
+                rescale[l] = exp(max[h][l] - base[l]);
+            }
+            let mut total = [0f32; QB];
+            for s in chunk.iter_mut() {
+                for l in 0..QB {
+                    s[l] = exp(s[l] - base[l]);
+                    total[l] += s[l];
+                }
+            }
+            for l in 0..QB {
+                sum[h][l] = sum[h][l] * rescale[l] + total[l];
+            }
+            max[h] = new_max;
+            let acc_h = &mut acc[h * QB * d..(h + 1) * QB * d];
+            for l in 0..n {
+                let row = &mut acc_h[l * d..(l + 1) * d];
+                let mut i = 0;
+                while i + TILE <= d {
+                    add_weighted_rows::<TILE>(
+                        &mut row[i..i + TILE],
+                        rescale[l],
+                        chunk,
+                        l,
+                        vbuf,
+                        d,
+                        i,
+                    );
+                    i += TILE;
+                }
+                while i < d {
+                    add_weighted_rows::<1>(&mut row[i..i + 1], rescale[l], chunk, l, vbuf, d, i);
+                    i += 1;
+                }
+            }
+        }
+        start = end;
+    }
+    for h in 0..group {
+        let head = g * group + h;
+        for l in 0..n {
+            let s = sum[h][l];
+            let inverse = if s > 0.0 { 1.0 / s } else { 0.0 };
+            let row = &acc[(h * QB + l) * d..(h * QB + l + 1) * d];
+            for (i, a) in row.iter().enumerate() {
                 // SAFETY: each (token, head) output row belongs to one work item.
-                unsafe { *out.get().add((t * shape.heads + head) * d + i) = a * inverse };
+                unsafe { *out.get().add(((t0 + l) * shape.heads + head) * d + i) = a * inverse };
             }
         }
     }
@@ -367,9 +740,9 @@ macro_rules! compiled_for {
             shape: &PagedShape,
             rows: &StepRows,
             scoring: &Scoring,
-            tokens: &[(u32, u32)],
+            blocks: &[QueryBlock],
         ) {
-            attend_items(items, q, cache, out, shape, rows, scoring, tokens)
+            attend_items(items, q, cache, out, shape, rows, scoring, blocks)
         }
     };
 }
@@ -429,13 +802,14 @@ pub fn paged_attention(
     }
     let tokens = q.len() / (heads * head_dim);
     let owners = token_rows(&rows, &shape, tokens)?;
+    let blocks = balanced(query_blocks(&owners));
     let work = Work {
         q,
         out: SharedMut::new(out.as_mut_ptr()),
         shape: &shape,
         rows: &rows,
         scoring: &scoring,
-        tokens: owners.as_slice(),
+        blocks: blocks.as_slice(),
         isa,
         threads,
     };
@@ -478,7 +852,7 @@ struct Work<'a> {
     shape: &'a PagedShape,
     rows: &'a StepRows<'a>,
     scoring: &'a Scoring,
-    tokens: &'a [(u32, u32)],
+    blocks: &'a [QueryBlock],
     isa: Isa,
     threads: ThreadCount,
 }
@@ -491,23 +865,23 @@ impl Work<'_> {
             shape,
             rows,
             scoring,
-            tokens,
+            blocks,
             isa,
             threads,
         } = *self;
-        split(threads, tokens.len() * shape.kv_heads, |items| {
+        split(threads, blocks.len() * shape.kv_heads, |items| {
             #[cfg(target_arch = "x86_64")]
             match isa {
                 // SAFETY: the instruction sets were detected (`isa.supported()`).
                 Isa::Avx512Vnni => unsafe {
-                    return attend_items_avx512(items, q, cache, out, shape, rows, scoring, tokens);
+                    return attend_items_avx512(items, q, cache, out, shape, rows, scoring, blocks);
                 },
                 Isa::Avx2 | Isa::AvxVnni => unsafe {
-                    return attend_items_avx2(items, q, cache, out, shape, rows, scoring, tokens);
+                    return attend_items_avx2(items, q, cache, out, shape, rows, scoring, blocks);
                 },
                 Isa::Scalar => {}
             }
-            attend_items(items, q, cache, out, shape, rows, scoring, tokens);
+            attend_items(items, q, cache, out, shape, rows, scoring, blocks);
         });
     }
 }
@@ -628,12 +1002,98 @@ mod tests {
             block_tables: &tables,
             table_width: width,
         };
-        let cache = 20 * 4 * 2 * 40;
+        check_every_cache(
+            shape,
+            rows,
+            &[
+                Scoring {
+                    scale: 0.3,
+                    window: None,
+                    softcap: None,
+                },
+                Scoring {
+                    scale: 0.3,
+                    window: Some(7),
+                    softcap: None,
+                },
+                Scoring {
+                    scale: 0.9,
+                    window: Some(40),
+                    softcap: Some(2.0),
+                },
+            ],
+        );
+    }
+
+    #[test]
+    fn query_blocks_match_the_reference_at_every_edge() {
+        // GQA (4 heads per KV head); prefills of 37 (not a multiple of QB) and 16 tokens with
+        // nothing cached, a chunk of 21 after 50 cached positions, decodes between them.
+        let shape = PagedShape {
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 24,
+            block_size: 8,
+            num_blocks: 24,
+        };
+        let (qsl, lens) = ([0, 37, 38, 59, 75, 76], [37, 30, 71, 16, 9]);
+        let width = 9;
+        let mut tables = vec![0i32; 5 * width];
+        let ids: Vec<i32> = (0..24).map(|i| (i * 7) % 24).collect();
+        let mut next = 0;
+        for (r, &len) in lens.iter().enumerate() {
+            let blocks = (len as usize).div_ceil(8);
+            tables[r * width..r * width + blocks].copy_from_slice(&ids[next..next + blocks]);
+            next += blocks;
+        }
+        let rows = StepRows {
+            query_start_loc: &qsl,
+            seq_lens: &lens,
+            block_tables: &tables,
+            table_width: width,
+        };
+        let blocks = query_blocks(&token_rows(&rows, &shape, 76).unwrap());
+        let counts: Vec<u32> = blocks.iter().map(|b| b.count).collect();
+        assert_eq!(counts, [16, 16, 5, 1, 16, 5, 16, 1]);
+        check_every_cache(
+            shape,
+            rows,
+            &[
+                Scoring {
+                    scale: 0.4,
+                    window: None,
+                    softcap: None,
+                },
+                // A window shorter than a block: the lanes see partly disjoint keys.
+                Scoring {
+                    scale: 0.4,
+                    window: Some(5),
+                    softcap: None,
+                },
+                Scoring {
+                    scale: 0.8,
+                    window: Some(33),
+                    softcap: Some(1.5),
+                },
+                Scoring {
+                    scale: 1.1,
+                    window: None,
+                    softcap: Some(3.0),
+                },
+            ],
+        );
+    }
+
+    /// Every cache kind, instruction set and thread count against the f64 reference.
+    fn check_every_cache(shape: PagedShape, rows: StepRows, scorings: &[Scoring]) {
+        let (d, kvh) = (shape.head_dim, shape.kv_heads);
+        let cache = shape.num_blocks * shape.block_size * kvh * d;
+        let tokens = *rows.query_start_loc.last().unwrap() as usize;
         let (k, v) = (values(cache, 1), values(cache, 2));
-        let q = values(9 * 6 * 40, 3);
+        let q = values(tokens * shape.heads * d, 3);
         // The same values as bfloat16 (truncated to 16 bits) and as int8 with a scale per row.
         let (kb, vb) = (to_bf16(&k), to_bf16(&v));
-        let ((ki, ks), (vi, vs)) = (to_int8(&k, 40), to_int8(&v, 40));
+        let ((ki, ks), (vi, vs)) = (to_int8(&k, d), to_int8(&v, d));
         let (ksb, vsb) = (to_bf16(&ks), to_bf16(&vs));
         let caches = [
             (KvCache::F32 { k: &k, v: &v }, k.clone(), v.clone()),
@@ -649,8 +1109,8 @@ mod tests {
                     k_scale: Scales::F32(&ks),
                     v_scale: Scales::F32(&vs),
                 },
-                from_int8(&ki, &ks, 40),
-                from_int8(&vi, &vs, 40),
+                from_int8(&ki, &ks, d),
+                from_int8(&vi, &vs, d),
             ),
             (
                 KvCache::Int8 {
@@ -659,27 +1119,11 @@ mod tests {
                     k_scale: Scales::Bf16(&ksb),
                     v_scale: Scales::Bf16(&vsb),
                 },
-                from_int8(&ki, &from_bf16(&ksb), 40),
-                from_int8(&vi, &from_bf16(&vsb), 40),
+                from_int8(&ki, &from_bf16(&ksb), d),
+                from_int8(&vi, &from_bf16(&vsb), d),
             ),
         ];
-        for scoring in [
-            Scoring {
-                scale: 0.3,
-                window: None,
-                softcap: None,
-            },
-            Scoring {
-                scale: 0.3,
-                window: Some(7),
-                softcap: None,
-            },
-            Scoring {
-                scale: 0.9,
-                window: Some(40),
-                softcap: Some(2.0),
-            },
-        ] {
+        for &scoring in scorings {
             for (cache, k, v) in &caches {
                 let want = reference(&q, k, v, &shape, &rows, &scoring);
                 for isa in Isa::supported_paths() {
