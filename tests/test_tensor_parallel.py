@@ -36,7 +36,14 @@ from aieng.worker.runner_io import NewSamplingRow
 
 VOCAB = 384
 TIMEOUT_S = 4.0  # distributed_timeout_s of the failure tests
-OPTIONS = dict(block_size=4, kv_cache_memory=1 << 22, max_num_seqs=4, max_num_batched_tokens=16)
+# float32 cache on both sides: one rank runs the native decoder, whose default cache is bfloat16
+OPTIONS = dict(
+    block_size=4,
+    kv_cache_memory=1 << 22,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    kv_cache_dtype="float32",
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
 LENGTHS = [1, 5, 12, 23, 37]  # past 16 tokens: chunked prefill
 WIDE = 24  # requests added at once in run_batches' third batch

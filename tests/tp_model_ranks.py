@@ -41,7 +41,11 @@ def score(cases: list[Case]) -> dict[str, list[np.ndarray]]:
         try:
             kernel = "int4pack" if case.int4_kernel else "dequant"
             args = EngineArgs(
-                model=case.folder, block_size=4, kv_cache_memory=1 << 22, cpu_quant_kernel=kernel
+                model=case.folder,
+                block_size=4,
+                kv_cache_memory=1 << 22,
+                cpu_quant_kernel=kernel,
+                kv_cache_dtype="float32",  # one rank alone runs native: its default is bfloat16
             )
             runner = ModelRunner(create_engine_config(args))
             results[case.name] = [
