@@ -159,7 +159,13 @@ class BodyLimitMiddleware:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            try:
+                return await receive()
+            except Exception:
+                # After the body only a disconnect can arrive; a transport that fails instead
+                # (Ray Serve raises its cancelled task's error here when the client goes) means
+                # the same: the client is gone, and a stream ends without a traceback.
+                return {"type": "http.disconnect"}
 
         await self.app(scope, replay, send)
 
