@@ -212,6 +212,29 @@ impl FairShare {
         budget
     }
 
+    /// The prefill budget that gives every client with prefill `work` (client, tokens) the
+    /// whole demand of the one that needs least, under the equal split of `begin_step`:
+    /// that demand times the number of such clients; 0 with fewer than two. The floor of a
+    /// step bounded in time (`shared_step`): a light client's prompt goes in one step.
+    pub fn whole_smallest_demand(
+        &mut self,
+        work: impl Iterator<Item = (ClientId, usize)>,
+    ) -> usize {
+        for client in &mut self.clients {
+            client.demand = 0;
+        }
+        for (id, tokens) in work {
+            let demand = &mut self.clients[id as usize].demand;
+            *demand = demand.saturating_add(tokens);
+        }
+        let demands = self.clients.iter().map(|c| c.demand).filter(|&d| d > 0);
+        let (count, smallest) = demands.fold((0, usize::MAX), |(n, m), d| (n + 1, m.min(d)));
+        if count < 2 {
+            return 0;
+        }
+        smallest.saturating_mul(count)
+    }
+
     /// Whether the step being planned splits its budget between clients.
     pub fn splitting(&self) -> bool {
         self.splitting
@@ -414,6 +437,20 @@ mod tests {
         );
         let waiting = [("heavy2", heavy), ("light1", light)];
         assert_eq!(fair.pick(waiting.into_iter()), Some(("light1", 10)));
+    }
+
+    #[test]
+    fn the_smallest_demand_whole_for_every_prefilling_client() {
+        let mut fair = FairShare::default();
+        let (heavy, light) = (fair.join(Some("heavy")), fair.join(Some("light")));
+        fair.join(Some("decoding"));
+        let work = [(heavy, 2048), (heavy, 2048), (light, 40), (light, 26)];
+        assert_eq!(fair.whole_smallest_demand(work.into_iter()), 2 * 66);
+        assert_eq!(fair.whole_smallest_demand([(heavy, 2048)].into_iter()), 0);
+        // The split of that budget gives the light client all it asked for.
+        let work = [(heavy, 0, 4096, false), (light, 0, 66, false)];
+        fair.begin_step(132, usize::MAX, work.into_iter());
+        assert_eq!(deficits(&fair, &[heavy, light]), [66, 66]);
     }
 
     #[test]

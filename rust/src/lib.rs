@@ -14,6 +14,7 @@ pub mod kernels;
 mod prefix_hash;
 pub mod request;
 pub mod scheduler;
+pub mod shared_step;
 pub mod step_plan;
 pub mod structured;
 pub mod text;

@@ -16,6 +16,7 @@ use crate::structured::{Grammar, GrammarCompiler, GrammarSpec, PendingMasks};
 use crate::text::{ChatTemplate, Tokenizer};
 
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 // ---------------------------------------------------------------- errors
 
@@ -610,7 +611,7 @@ impl PyEngineCore {
     #[pyo3(signature = (
         num_blocks, block_size = 16, max_num_seqs = 256, max_num_batched_tokens = 2048,
         max_model_len = 4096, enable_prefix_caching = true, long_prefill_token_threshold = 0,
-        tokenizer = None,
+        tokenizer = None, shared_step_ms = 0.0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -622,7 +623,14 @@ impl PyEngineCore {
         enable_prefix_caching: bool,
         long_prefill_token_threshold: usize,
         tokenizer: Option<PyRef<'_, PyTokenizer>>,
+        shared_step_ms: f64,
     ) -> PyResult<Self> {
+        if !(shared_step_ms.is_finite() && shared_step_ms >= 0.0) {
+            return Err(CoreError::InvalidArgument(format!(
+                "shared_step_ms must be a finite number >= 0, got {shared_step_ms}"
+            ))
+            .into());
+        }
         let config = SchedulerConfig {
             num_blocks,
             block_size,
@@ -633,9 +641,9 @@ impl PyEngineCore {
             long_prefill_token_threshold,
         };
         let tokenizer = tokenizer.map(|t| Arc::clone(&t.inner));
-        Ok(PyEngineCore {
-            core: EngineCore::with_tokenizer(config, tokenizer)?,
-        })
+        let mut core = EngineCore::with_tokenizer(config, tokenizer)?;
+        core.set_shared_step(Some(Duration::from_secs_f64(shared_step_ms / 1e3)));
+        Ok(PyEngineCore { core })
     }
 
     /// Queues a request and returns its slot; refuses one that can never fit.
@@ -749,6 +757,13 @@ impl PyEngineCore {
         self.core.stats().num_waiting
     }
 
+    /// The token budget of the last step planned: max_num_batched_tokens, or less when the
+    /// step was bounded in time because several clients share the engine.
+    #[getter]
+    fn step_token_budget(&self) -> usize {
+        self.core.step_token_budget()
+    }
+
     #[getter]
     fn block_pool(&self) -> PyBlockPool {
         PyBlockPool {
@@ -778,6 +793,7 @@ impl PyEngineCore {
         d.set_item("num_waiting", s.num_waiting)?;
         d.set_item("num_preemptions", s.num_preemptions)?;
         d.set_item("num_steps", s.num_steps)?;
+        d.set_item("step_token_budget", self.core.step_token_budget())?;
         d.set_item("pool", pool_stats_dict(py, &self.core.pool_stats())?)?;
         Ok(d)
     }

@@ -9,7 +9,8 @@
 //! with its generated tokens kept.
 //!
 //! With requests of several clients, each step's prefill budget is split between the
-//! clients (`fair_share`); with one, nothing changes.
+//! clients (`fair_share`), and capped so that the step stays under a target duration
+//! (`shared_step`); with one, nothing changes.
 //!
 //! An update may append several tokens to a row; those past the first are
 //! scheduled in the next step like the rest of a prefill.
@@ -31,6 +32,7 @@ use crate::fair_share::FairShare;
 use crate::request::{
     FinishReason, Request, RequestParams, SlotIds, Status, StopReason, TextState,
 };
+use crate::shared_step::{SharedStep, StepWork, MIN_PREFILL};
 use crate::step_plan::StepPlan;
 use crate::structured::{Grammar, PendingMasks};
 use crate::text::Tokenizer;
@@ -175,6 +177,10 @@ pub struct EngineCore {
     tokenizer: Option<Arc<Tokenizer>>,
     /// The clients' shares of each step's prefill budget (idle with one client).
     fair: FairShare,
+    /// The time bound of a step while clients share the engine (idle with one client).
+    shared: SharedStep,
+    /// The token budget of the last step planned.
+    step_budget: usize,
 }
 
 impl EngineCore {
@@ -195,6 +201,7 @@ impl EngineCore {
         )?;
         Ok(EngineCore {
             block_size: BlockSize::new(config.block_size),
+            step_budget: config.max_num_batched_tokens,
             config,
             pool,
             requests: Vec::new(),
@@ -214,7 +221,25 @@ impl EngineCore {
             num_steps: 0,
             tokenizer,
             fair: FairShare::default(),
+            shared: SharedStep::default(),
         })
+    }
+
+    /// Sets the target duration of a step while several clients have work in the engine
+    /// (and for `shared_step::HOLD_OFF` after); None or zero: steps are never bounded.
+    pub fn set_shared_step(&mut self, target: Option<std::time::Duration>) {
+        self.shared.set_target(target);
+    }
+
+    /// The time bound of shared steps and its cost model.
+    pub fn shared_step(&self) -> &SharedStep {
+        &self.shared
+    }
+
+    /// The token budget of the last step planned: `max_num_batched_tokens` unless the step
+    /// was bounded in time.
+    pub fn step_token_budget(&self) -> usize {
+        self.step_budget
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -417,11 +442,22 @@ impl EngineCore {
         let mut guard = pool.lock();
         let mut entries = std::mem::take(&mut self.spare_entries);
         let mut budget = self.config.max_num_batched_tokens;
+        if self.shared.bounds(self.fair.num_clients() > 1) {
+            budget = self.bounded_budget(budget);
+        }
+        self.step_budget = budget;
         self.begin_fair_step(budget);
         let preempted = self.schedule_running(&mut guard, &mut entries, &mut budget);
         if !preempted {
             self.schedule_waiting(&mut guard, &mut entries, &mut budget);
             self.top_up_prefills(&mut guard, &mut entries, &mut budget);
+        }
+        if self.shared.learning() {
+            let mut work = StepWork::default();
+            for e in &entries {
+                work.add_row(e.start, e.num_new);
+            }
+            self.shared.start(work);
         }
         let mut plan = std::mem::take(&mut self.spare_plan);
         self.build_plan(&guard, &entries, &mut plan);
@@ -702,6 +738,39 @@ impl EngineCore {
         }
     }
 
+    /// The budget of a step bounded in time (see `shared_step`): every decode, and the prefill
+    /// tokens the cost model fits under the target, at least the floor; at most `full`.
+    fn bounded_budget(&mut self, full: usize) -> usize {
+        let chunk_cap = self.chunk_cap();
+        let (mut decodes, mut prefill) = (StepWork::default(), StepWork::default());
+        let requests = &self.requests;
+        let live = self.running.iter().chain(self.waiting.iter().map(|k| &k.2));
+        let live = live.map(|&slot| requests[slot as usize].as_ref().expect("live slot"));
+        for r in live.clone() {
+            let tokens = r.tokens.len() - r.num_computed;
+            if r.status == Status::Running && tokens == 1 {
+                decodes.add_row(r.num_computed, 1 + r.draft.len());
+            } else {
+                prefill.add_row(r.num_computed, tokens.min(chunk_cap));
+            }
+        }
+        if prefill.tokens == 0 {
+            return full;
+        }
+        let context = prefill.key_reads as f64 / prefill.tokens as f64;
+        let Some(tokens) = self.shared.prefill_tokens(decodes, context) else {
+            return full;
+        };
+        let prefills = live.filter_map(|r| {
+            let tokens = r.tokens.len() - r.num_computed;
+            let decodes = r.status == Status::Running && tokens == 1;
+            (!decodes).then(|| (r.client, tokens.min(chunk_cap)))
+        });
+        let whole_smallest = self.fair.whole_smallest_demand(prefills);
+        let tokens = tokens.max(MIN_PREFILL).max(whole_smallest);
+        decodes.tokens.saturating_add(tokens).min(full)
+    }
+
     /// With several clients live, splits the step's prefill budget between them (see
     /// `fair_share`); with one, nothing is read.
     fn begin_fair_step(&mut self, budget: usize) {
@@ -943,6 +1012,9 @@ impl EngineCore {
         if let Some(message) = check_sampled(sampled, num_sampled, sampling_rows) {
             self.in_flight = Some(entries);
             return Err(CoreError::InvalidArgument(message));
+        }
+        if self.shared.learning() {
+            self.shared.finish();
         }
         // At most every sampled token is appended: the columns are sized once, written in
         // place and cut to the tokens appended.
@@ -1236,3 +1308,7 @@ mod spec_tests;
 #[cfg(test)]
 #[path = "scheduler_fair_tests.rs"]
 mod fair_tests;
+
+#[cfg(test)]
+#[path = "scheduler_shared_step_tests.rs"]
+mod shared_step_tests;
