@@ -19,6 +19,9 @@ class RequestMetrics:
     # The request's share of the engine's step time: each step's wall time split over its
     # requests by the tokens each had scheduled in it (what the request costs to serve).
     engine_seconds: float = 0.0
+    # The token budget of the step that first scheduled it: max_num_batched_tokens, less when
+    # the step was bounded in time because several clients shared the engine.
+    first_step_token_budget: int | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

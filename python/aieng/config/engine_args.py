@@ -34,6 +34,10 @@ DTYPES = {
     "bfloat16": "bfloat16",
 }
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# Target of a step while clients share the engine (docs/server.md, "Fair shares"): about the
+# bundled model's step for a short chat prompt on a 2-core CPU, so a light client's first token
+# waits for a step no longer than its own.
+DEFAULT_SHARED_STEP_MS = 10.0
 MAX_BLOCK_SIZE = 1 << 16  # the Rust core's limit (BlockPool::new)
 ATTENTION_BACKENDS = ("auto", "torch", "cuda", "cpu")
 FLOAT_KV_CACHE_DTYPES = ("float32", "bfloat16")  # a cache in this dtype whatever the model's
@@ -221,6 +225,16 @@ class EngineArgs:
         "largest prefill chunk of one request in a step; 0: no limit but the step's",
         check=at_least(0),
         metavar="N",
+    )
+    shared_step_ms: float = option(
+        DEFAULT_SHARED_STEP_MS,
+        "while several clients have requests in the engine (and for 1 s after), the prefill "
+        "tokens of a step are capped so its duration, predicted by a cost model learnt from "
+        "the engine's own steps, stays under this many milliseconds (a light client's request "
+        "then waits for a short step, not a full one); 0: never capped. One client alone (the "
+        "library) always gets the full budget",
+        check=at_least(0),
+        metavar="MS",
     )
     attention_backend: str = option(
         "auto",

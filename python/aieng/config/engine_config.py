@@ -46,6 +46,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     long_prefill_token_threshold: int
+    shared_step_ms: float  # target of a step while clients share the engine; 0: never capped
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ def create_engine_config(args: EngineArgs, tokenizer: Any = None) -> EngineConfi
             max_num_batched_tokens=args.effective_max_num_batched_tokens(max_model_len),
             max_model_len=max_model_len,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            shared_step_ms=args.shared_step_ms,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

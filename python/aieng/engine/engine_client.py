@@ -63,6 +63,9 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    # the last step's token budget: max_num_batched_tokens, less when bounded in time because
+    # several clients share the engine (EngineArgs.shared_step_ms)
+    step_token_budget: int = 0
     num_requests: int = 0  # requests the engine holds (running, waiting or not yet in the core)
     kv_cache_dtype: str = ""  # ModelInfo.kv_cache_dtype; '' before the engine is loaded
     block_size: int = 0

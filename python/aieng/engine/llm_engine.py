@@ -189,6 +189,7 @@ class LLMEngine:
             enable_prefix_caching=resolved.cache.enable_prefix_caching,
             long_prefill_token_threshold=resolved.scheduler.long_prefill_token_threshold,
             tokenizer=self.tokenizer,
+            shared_step_ms=resolved.scheduler.shared_step_ms,
         )
         self.model_info = _model_info(resolved, worker_info, num_blocks)
         spec = resolved.speculative
@@ -410,6 +411,7 @@ class LLMEngine:
             prefix_cache_hits=pool["prefix_cache_hits"],
             num_preemptions=core["num_preemptions"],
             num_steps=core["num_steps"],
+            step_token_budget=core["step_token_budget"],
             num_requests=len(self.requests),
             **self._speculation_stats(),
             kv_cache_dtype=self.model_info.kv_cache_dtype,
@@ -548,6 +550,7 @@ class LLMEngine:
             request, seq = self._by_slot[slot]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+                request.metrics.first_step_token_budget = self.core.step_token_budget
                 request.num_cached_tokens = self.core.num_cached_tokens(seq.core_id) or 0
 
     def _fail_step(self, plan, error: Exception) -> list[RequestOutput]:

@@ -94,6 +94,7 @@ class Generation:
         # Per prompt, with PoolingParams: RequestOutput.embedding.
         self.embeddings: list[np.ndarray | None] = [None] * len(prompts)
         self.engine_seconds = 0.0  # the prompts' shares of engine step time (cost)
+        self.step_budget: int | None = None  # least budget of the steps that first ran them
         self.queue_time: float | None = None
         self.first_output: float | None = None
         self.last_output: float | None = None
@@ -260,6 +261,7 @@ class Generation:
             self.cached_tokens += out.num_cached_tokens
             if out.metrics is not None:
                 self.engine_seconds += out.metrics.engine_seconds
+                self._note_step_budget(out.metrics.first_step_token_budget)
         deltas = []
         for c in out.outputs:
             choice = self.choices[index * self.n + c.index]
@@ -394,9 +396,14 @@ class Generation:
                 finish_reason=",".join(reasons) or None,
                 error=self.error,
                 stages=stage_times(self.http.scope.get("state", {})) if debug_stages() else None,
+                step_budget=self.step_budget if debug_stages() else None,
                 **self._cost(),
             )
         )
+
+    def _note_step_budget(self, budget: int | None) -> None:
+        if budget is not None:
+            self.step_budget = budget if self.step_budget is None else min(self.step_budget, budget)
 
     def _cost(self) -> dict[str, float]:
         if not self._admitted:

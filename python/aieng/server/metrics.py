@@ -58,6 +58,10 @@ class EngineCollector(Collector):
             (CounterMetricFamily, "num_preemptions", "Requests preempted for KV space.",
              stats.num_preemptions),
             (CounterMetricFamily, "engine_steps", "Engine steps run.", stats.num_steps),
+            (GaugeMetricFamily, "step_token_budget",
+             "Token budget of the last step: max_num_batched_tokens, less while clients share "
+             "the engine and the step is bounded in time (shared_step_ms).",
+             stats.step_token_budget),
             (CounterMetricFamily, "spec_decode_num_drafts",
              "Speculative decoding: requests' drafts verified.", stats.spec_decode_num_drafts),
             (CounterMetricFamily, "spec_decode_num_draft_tokens",
