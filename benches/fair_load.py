@@ -9,6 +9,11 @@ behind the others' 4 MB bodies, as they would be on another machine. The goal (i
 light client's p99 TTFT under load at most 2x its idle p99, and RSS back within 10% of its
 level before the burst.
 
+While the clients share the engine its steps are bounded in time (`--shared-step-ms`): the
+report gives the step token budgets seen under load (the `aieng_step_token_budget` gauge,
+scraped) and the heavy client's embedded inputs per second, the throughput the bound costs it;
+run once more with `--server-arg=--shared-step-ms --server-arg=0` for the unbounded figures.
+
     .venv/bin/python benches/fair_load.py            # the bundled model, about 2 minutes
     .venv/bin/python benches/fair_load.py --quick    # a short check that it runs
 """
@@ -28,6 +33,8 @@ from pathlib import Path
 import httpx
 
 from aieng.benchmarks.load_test import spawn, wait_idle
+
+STEP_BUDGET_GAUGE = "aieng_step_token_budget{"
 
 FLOOD, HEAVY, LIGHT = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 FLOOD_BODY_BYTES = 4_000_000
@@ -140,6 +147,14 @@ def background_client(name: str, url: str, heavy_inputs: int, stop, answers) -> 
     answers.put((name, dict(asyncio.run(run()))))
 
 
+async def step_budget(http: httpx.AsyncClient) -> int | None:
+    """The last step's token budget, from the server's metrics."""
+    for line in (await http.get("/metrics")).text.splitlines():
+        if line.startswith(STEP_BUDGET_GAUGE):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -151,23 +166,32 @@ async def measure(args: argparse.Namespace, url: str, pid: int) -> dict:
     processes = multiprocessing.get_context("spawn")
     stop, answers = processes.Event(), processes.Queue()
     rss_peak = rss_before
+    budgets: list[int] = []
 
     async def watch_rss() -> None:
         nonlocal rss_peak
-        while not stop.is_set():
-            rss_peak = max(rss_peak, rss_bytes(pid))
-            await asyncio.sleep(0.2)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            while not stop.is_set():
+                rss_peak = max(rss_peak, rss_bytes(pid))
+                budget = await step_budget(http)
+                if budget is not None and loading.is_set():
+                    budgets.append(budget)
+                await asyncio.sleep(0.2)
 
     clients = [
         processes.Process(target=background_client, args=(n, url, args.heavy_inputs, stop, answers))
         for n in ("flood", "heavy")
     ]
+    loading = asyncio.Event()
     for process in clients:
         process.start()
+    started = time.perf_counter()
     watcher = asyncio.create_task(watch_rss())
     await asyncio.sleep(args.warmup)  # the flood and the heavy client fill the server first
+    loading.set()
     loaded = await light_client(url, args.model_name, args.light_requests, args.pause)
     stop.set()
+    seconds = time.perf_counter() - started
     await watcher
     statuses = dict(await asyncio.to_thread(lambda: [answers.get(), answers.get()]))
     for process in clients:
@@ -180,6 +204,8 @@ async def measure(args: argparse.Namespace, url: str, pid: int) -> dict:
         "loaded": loaded,
         "flood": statuses["flood"],
         "heavy": statuses["heavy"],
+        "heavy_inputs_per_s": statuses["heavy"].get(200, 0) * args.heavy_inputs / seconds,
+        "step_budgets": budgets,
         "rss": (rss_before, rss_peak, rss_after),
     }
 
@@ -194,7 +220,16 @@ def report(result: dict) -> None:
         ("p99 under load / p99 alone", f"{percentile(loaded, 0.99) / percentile(idle, 0.99):.2f}"),
         ("flood answers (status: count)", str(result["flood"])),
         ("heavy answers (status: count)", str(result["heavy"])),
+        ("heavy inputs embedded per second", f"{result['heavy_inputs_per_s']:.1f}"),
     ]
+    budgets = result["step_budgets"]
+    if budgets:
+        rows.append(
+            (
+                "step token budget under load, min / p50 / max",
+                f"{min(budgets)} / {statistics.median(budgets):.0f} / {max(budgets)}",
+            )
+        )
     before, peak, after = result["rss"]
     rows += [
         ("RSS before / peak / after (MB)", f"{before >> 20} / {peak >> 20} / {after >> 20}"),

@@ -1,5 +1,6 @@
 """Where a request's time to first token went: at debug level the request log names each stage
-(body read, parsed and tokenized, fair gate, engine) with its seconds; at info it does not."""
+(body read, parsed and tokenized, fair gate, engine) with its seconds, and the token budget of
+the step that first ran it; at info it does not."""
 
 import logging
 
@@ -58,6 +59,12 @@ def test_the_debug_request_log_names_each_stage(server, records, stream):
     assert list(stages) == ["body_read", "prepared", "gate", "engine"]
     assert all(float(seconds) >= 0 for seconds in stages.values())
     assert sum(map(float, stages.values())) == pytest.approx(fields["ttft"], abs=1e-5)
+    # The budget of the step that first ran it: one client alone, the full budget.
+    metrics = httpx.get(f"{server.url}/metrics", timeout=60).text
+    (gauge,) = [
+        line for line in metrics.splitlines() if line.startswith("aieng_step_token_budget{")
+    ]
+    assert fields["step_budget"] == int(float(gauge.rsplit(" ", 1)[1])) > 16
 
 
 def test_the_info_request_log_has_no_stages(server, records):
@@ -66,4 +73,5 @@ def test_the_info_request_log_has_no_stages(server, records):
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
     server.wait_idle()
     (fields,) = [f for f in records.fields if f["endpoint"] == "/v1/completions"]
-    assert fields["stages"] is None and fields["ttft"] is not None
+    assert fields["stages"] is None and fields["step_budget"] is None
+    assert fields["ttft"] is not None

@@ -214,6 +214,7 @@ def pooled_stats(replicas: Iterable[EngineStats]) -> EngineStats:
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
         num_preemptions=sum(s.num_preemptions for s in stats),
         num_steps=sum(s.num_steps for s in stats),
+        step_token_budget=sum(s.step_token_budget for s in stats),
         num_requests=sum(s.num_requests for s in stats),
         kv_cache_dtype=stats[0].kv_cache_dtype,
         block_size=stats[0].block_size,

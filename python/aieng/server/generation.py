@@ -94,7 +94,9 @@ class Generation:
         # Per prompt, with PoolingParams: RequestOutput.embedding.
         self.embeddings: list[np.ndarray | None] = [None] * len(prompts)
         self.engine_seconds = 0.0  # the prompts' shares of engine step time (cost)
-        self.step_budget: int | None = None  # least budget of the steps that first ran them
+        # the least token budget of the steps that first scheduled the prompts (first output:
+        # a stream its client leaves early still has it; finished: every prompt's)
+        self.step_budget: int | None = None
         self.queue_time: float | None = None
         self.first_output: float | None = None
         self.last_output: float | None = None
@@ -248,6 +250,7 @@ class Generation:
             mark(self.http.scope, "engine", now)
             if out.metrics is not None:
                 self.queue_time = out.metrics.queue_time
+                self._note_step_budget(out.metrics.first_step_token_budget)
         if any(c.token_ids for c in out.outputs):
             previous = self._last_output_of.get(index)
             if previous is not None:
