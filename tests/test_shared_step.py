@@ -72,8 +72,9 @@ def test_a_bad_target_is_refused():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="shared_step_ms"):
             _core(bad)
-    with pytest.raises(ValueError, match="shared_step_ms"):
-        EngineArgs(shared_step_ms=-1)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="shared_step_ms"):
+            EngineArgs(shared_step_ms=bad)
 
 
 def test_the_engine_caps_shared_steps_and_leaves_one_client_alone(tmp_path):

@@ -76,6 +76,10 @@ def fraction(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be in (0, 1]"
 
 
+def finite_at_least_0(value: float) -> str | None:
+    return None if 0 <= value < math.inf else "must be a finite number >= 0"
+
+
 def positive(value: float) -> str | None:
     return None if value > 0 else "must be positive"
 
@@ -233,7 +237,7 @@ class EngineArgs:
         "the engine's own steps, stays under this many milliseconds (a light client's request "
         "then waits for a short step, not a full one); 0: never capped. One client alone (the "
         "library) always gets the full budget",
-        check=at_least(0),
+        check=finite_at_least_0,
         metavar="MS",
     )
     attention_backend: str = option(
