@@ -436,6 +436,19 @@ impl EngineCore {
         Ok(plan)
     }
 
+    /// Whether the next schedule() may take long: it admits a request (hashing its prompt
+    /// for the prefix cache) or starts grammar masks. A step of running requests alone is a
+    /// few microseconds, too short to hand the GIL away and take it back.
+    pub fn schedule_may_be_long(&self) -> bool {
+        !self.waiting.is_empty() || self.num_grammars > 0
+    }
+
+    /// Whether the next update() may take long: it detokenizes, or waits for and advances
+    /// grammars.
+    pub fn update_may_be_long(&self) -> bool {
+        self.tokenizer.is_some() || self.num_grammars > 0
+    }
+
     /// Takes back a plan its caller is done with: the next schedule() refills its
     /// buffers instead of allocating new ones.
     pub fn recycle(&mut self, mut plan: StepPlan) {
