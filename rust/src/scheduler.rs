@@ -443,10 +443,10 @@ impl EngineCore {
         !self.waiting.is_empty() || self.num_grammars > 0
     }
 
-    /// Whether the next update() may take long: it detokenizes, or waits for and advances
-    /// grammars.
+    /// Whether the next update() may take long: it detokenizes, or waits for masks and
+    /// advances grammars (masks in flight included: their request may have been aborted since).
     pub fn update_may_be_long(&self) -> bool {
-        self.tokenizer.is_some() || self.num_grammars > 0
+        self.tokenizer.is_some() || self.num_grammars > 0 || self.in_flight_masks.is_some()
     }
 
     /// Takes back a plan its caller is done with: the next schedule() refills its
