@@ -3,8 +3,10 @@ timing on a shared machine, a count is the same from run to run.
 
 The workload is bench_core.py's (256 requests, prompt and output lengths U[100, 1024], seed 0,
 ignore_eos, prefix caching, budget 2048 tokens, block size 16 unless --block-size). A driver runs
-it under callgrind collecting only inside the bindings' schedule() and update() (the Rust step,
-the numpy arrays of the plan included; the plan's deallocation and the Python loop are not),
+it under callgrind collecting only inside the bindings' schedule() and update() and the plan's
+column getters (the Rust step, the numpy arrays of the plan included: bench_core.py's runner
+columns are read each step, as a model runner reads them; the plan's deallocation and the Python
+loop are not),
 and marks the full-load window (256 requests running) by calling check_invariants() at its
 first step and after its last, where callgrind dumps (--dump-before): the second dump holds
 the window's steps alone. Each core is counted: this checkout's, and the previous release's
@@ -27,7 +29,13 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-TOGGLES = ("*__pymethod_schedule__*", "*__pymethod_update__*")
+# The plan's columns are numpy views made when first read (a core whose plan holds ready
+# arrays answers a read with pyo3's generic field getter, not counted: a reference count).
+TOGGLES = (
+    "*__pymethod_schedule__*",
+    "*__pymethod_update__*",
+    "*PyStepPlan::__pymethod_get_*",
+)
 MARK = "*__pymethod_check_invariants__*"
 
 
@@ -36,13 +44,12 @@ def drive(core_dir: str | None, requests: int, block_size: int, budget: int, ste
     finishes (check_invariants() before the first of them and after the last); prints the
     number of steps in the window."""
     import numpy as np
-    from bench_core import CORE, build, workload
+    from bench_core import CORE, CORE_FIELDS, build, workload
 
     engine = build(
         workload(requests), requests, block_size, CORE, budget, core_dir and Path(core_dir)
     )
     sampled = np.random.default_rng(1).integers(3, 32000, size=1 << 20, dtype=np.int64)
-    fields = ("input_ids", "slot_mapping", "logits_indices", "new_block_ids")
     offset, window, started = 0, 0, False
     while engine.has_unfinished() and window < steps:
         full = engine.num_running == requests
@@ -52,8 +59,8 @@ def drive(core_dir: str | None, requests: int, block_size: int, budget: int, ste
             engine.check_invariants()  # the window starts: callgrind dumps here
             started = True
         plan = engine.schedule()
-        arrays = [getattr(plan, f) for f in fields]
-        n = len(arrays[2])
+        arrays = [getattr(plan, f) for f in CORE_FIELDS]
+        n = len(arrays[CORE_FIELDS.index("logits_indices")])
         engine.update(sampled[offset : offset + n])
         offset = (offset + n) % (len(sampled) - 4096)
         window += started
@@ -134,8 +141,9 @@ def main() -> None:
         f"bench_core.py's workload: {args.requests} requests, block size {args.block_size}, "
         f"budget {args.budget} tokens; the steps at full load ({args.requests} running, at "
         f"most {args.steps}, until the first request finishes) counted by callgrind inside the "
-        "bindings' schedule() and update() (the plan's numpy arrays included, its "
-        f"deallocation not). {valgrind.strip()}. Counts repeat to within 0.1% from run to run "
+        "bindings' schedule() and update() and the plan's column getters (the plan's numpy "
+        "arrays included, bench_core.py's runner columns read each step; its deallocation "
+        f"not). {valgrind.strip()}. Counts repeat to within 0.1% from run to run "
         "on one build (the allocator's state differs by a few instructions); timings on this "
         "shared machine do not. `python benches/core_step_instructions.py`.",
         "",

@@ -166,3 +166,51 @@ def check_plan(plan, rows, ids, block_size):
     """The plan's rows, read now or after the next step, still name their requests."""
     assert plan.num_requests == len(rows)
     assert plan.request_ids == ids
+
+
+def test_plan_columns_are_views_of_one_buffer_that_outlive_the_plan():
+    core = EngineCore(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    core.add_request("a", [5, 6, 7, 8, 9], max_tokens=3, min_tokens=2, stop_token_ids=[2])
+    core.add_request("b", [1, 2], max_tokens=1)
+    plan = core.schedule()
+    names = ("input_ids", "positions", "slot_mapping", "query_start_loc", "num_computed_tokens",
+             "seq_lens", "logits_indices", "sample_request_rows", "slots", "new_block_slots",
+             "new_block_indices", "new_block_ids", "banned_rows", "banned_ids")  # fmt: skip
+    columns = {name: getattr(plan, name) for name in names}
+    # One buffer under every column; a column read twice is the same object.
+    assert len({id(c.base) for c in columns.values()}) == 1
+    assert all(getattr(plan, name) is columns[name] for name in names)
+    expected = {name: column.copy() for name, column in columns.items()}
+    np.testing.assert_array_equal(expected["input_ids"], [5, 6, 7, 8, 9, 1, 2])
+    np.testing.assert_array_equal(expected["banned_rows"], [0])
+    np.testing.assert_array_equal(expected["banned_ids"], [2])
+    # Columns do not overlap: writing one leaves the others as they were.
+    columns["positions"][:] = -1
+    for name in names:
+        if name != "positions":
+            np.testing.assert_array_equal(columns[name], expected[name], err_msg=name)
+    # A column keeps its memory alive once the plan and the other columns are gone.
+    ids = columns.pop("input_ids")
+    del plan, columns
+    core.update(np.array([11, 12], dtype=np.int64))
+    core.schedule()
+    np.testing.assert_array_equal(ids, [5, 6, 7, 8, 9, 1, 2])
+
+
+def test_update_reads_strided_and_other_integer_arrays():
+    core = EngineCore(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    core.add_request("a", [5, 6], max_tokens=4, ignore_eos=True)
+    core.add_request("b", [1, 2], max_tokens=4, ignore_eos=True)
+    sampled = {
+        "strided int64": np.array([11, 0, 12, 0], dtype=np.int64)[::2],
+        "int32": np.array([13, 14], dtype=np.int32),
+        "list": [15, 16],
+    }
+    for tokens in sampled.values():
+        core.schedule()
+        out = core.update(tokens)
+        np.testing.assert_array_equal(out.token_ids, list(tokens))
+    assert core.request_token_ids("a") == [5, 6, 11, 13, 15]
+    core.schedule()
+    with pytest.raises(ValueError, match="out of range"):
+        core.update(np.array([-1, 3], dtype=np.int64))

@@ -109,6 +109,9 @@ class StepPlan:
     included) is reported from index 0, and a block added as a request grows is reported
     once; the first ceil(seq_lens[r] / block_size) entries of `table[slots[r]]` are then row
     r's block ids. Waiting requests hold slots too, so slot numbers can exceed max_num_seqs.
+
+    Every array lies in one int32 buffer the step hands over: each is a view of it (its
+    `base`), made when first read and the same object after; a view keeps the buffer alive.
     """
 
     @property
@@ -245,7 +248,8 @@ class EngineCore:
     def abort(self, request_id: str) -> FinishedRequest: ...
     def schedule(self) -> StepPlan: ...
     def update(self, sampled: _Tokens, num_sampled: _Tokens | None = None) -> StepOutputs:
-        """Applies the step in flight. `sampled` is the flat array of accepted tokens;
+        """Applies the step in flight. `sampled` is the flat array of accepted tokens (a
+        contiguous int64 array is read in place, without a copy);
         `num_sampled[i]` (>= 1, default 1 each) of them belong to the i-th sampling row, in
         order. Each token goes through every stop check; once a request stops, the rest of
         its tokens are dropped. Tokens past a row's first are computed in the next step."""

@@ -1,7 +1,11 @@
 //! The Python bindings: `aieng._core`. The one place where Rust meets Python;
 //! the logic lives in the plain-Rust modules.
 
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
+use numpy::npyffi::{self, PY_ARRAY_API};
+use numpy::{
+    PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
+    PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -15,6 +19,7 @@ use crate::step_plan::StepPlan;
 use crate::structured::{Grammar, GrammarCompiler, GrammarSpec, PendingMasks};
 use crate::text::{ChatTemplate, Tokenizer};
 
+use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -173,6 +178,19 @@ fn ints(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
     })
 }
 
+/// Integers from `obj`, read in place when it is a contiguous int64 numpy array (the caller
+/// holds the GIL while it reads them and runs no Python code), else copied as `ints` does.
+fn ints_in_place<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<Cow<'a, [i64]>> {
+    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
+        // SAFETY: with the GIL held and no Python code run while the slice lives, nothing
+        // writes the array under it.
+        if let Ok(v) = unsafe { a.as_slice() } {
+            return Ok(Cow::Borrowed(v));
+        }
+    }
+    ints(obj, what).map(Cow::Owned)
+}
+
 fn u32_tokens(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
     ints(obj, what)?
         .into_iter()
@@ -182,11 +200,6 @@ fn u32_tokens(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
             })
         })
         .collect()
-}
-
-/// A numpy copy: one object whose data numpy owns, cheaper than a view of the Vec.
-fn array<T: numpy::Element + Copy>(py: Python<'_>, v: &[T]) -> Py<PyArray1<T>> {
-    PyArray1::from_slice(py, v).unbind()
 }
 
 /// The value of `cell`, built by `init` on first use.
@@ -356,7 +369,12 @@ impl PyBlockTable {
 
 // ---------------------------------------------------------------- EngineCore
 
-/// The arrays of one engine step (see `_core.pyi` for their meaning). The
+/// The columns of a plan, in the order they lie in a `PyStepPlan`'s one buffer.
+const COLUMNS: usize = 14;
+
+/// The arrays of one engine step (see `_core.pyi` for their meaning). Every column lies in
+/// one int32 numpy array, filled in one pass: a step hands Python one array, not fourteen.
+/// Each named column is a view of it, made when first read (then the same object); the
 /// `request_ids` list is built when first read.
 #[pyclass(name = "StepPlan", module = "aieng._core", frozen)]
 struct PyStepPlan {
@@ -364,34 +382,11 @@ struct PyStepPlan {
     num_requests: usize,
     #[pyo3(get)]
     num_tokens: usize,
-    #[pyo3(get)]
-    input_ids: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    positions: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    slot_mapping: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    query_start_loc: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    num_computed_tokens: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    seq_lens: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    logits_indices: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    sample_request_rows: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    slots: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    new_block_slots: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    new_block_indices: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    new_block_ids: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    banned_rows: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    banned_ids: Py<PyArray1<i32>>,
+    /// The columns, one after another.
+    buffer: Py<PyArray1<i32>>,
+    /// Column k is `buffer[bounds[k]..bounds[k + 1]]`.
+    bounds: [usize; COLUMNS + 1],
+    views: [OnceLock<Py<PyArray1<i32>>>; COLUMNS],
     /// Each slot's request id as the core held them when it planned the step (shared,
     /// not copied): the `request_ids` list is built from them and `slots`.
     slot_ids: SlotIds,
@@ -399,43 +394,192 @@ struct PyStepPlan {
     grammar_masks: Option<PendingMasks>,
 }
 
+const INPUT_IDS: usize = 0;
+const POSITIONS: usize = 1;
+const SLOT_MAPPING: usize = 2;
+const QUERY_START_LOC: usize = 3;
+const NUM_COMPUTED_TOKENS: usize = 4;
+const SEQ_LENS: usize = 5;
+const LOGITS_INDICES: usize = 6;
+const SAMPLE_REQUEST_ROWS: usize = 7;
+const SLOTS: usize = 8;
+const NEW_BLOCK_SLOTS: usize = 9;
+const NEW_BLOCK_INDICES: usize = 10;
+const NEW_BLOCK_IDS: usize = 11;
+const BANNED_ROWS: usize = 12;
+const BANNED_IDS: usize = 13;
+
 impl PyStepPlan {
-    /// The arrays of `plan`, copied; its ids and masks are taken, its buffers left for
-    /// the core to reuse.
+    /// The arrays of `plan`, copied into one numpy array; its ids and masks are taken, its
+    /// buffers left for the core to reuse.
     fn new(py: Python<'_>, plan: &mut StepPlan) -> Self {
+        let columns: [&[i32]; COLUMNS] = [
+            &plan.input_ids,
+            &plan.positions,
+            &plan.slot_mapping,
+            &plan.query_start_loc,
+            &plan.num_computed_tokens,
+            &plan.seq_lens,
+            &plan.logits_indices,
+            &plan.sample_request_rows,
+            &plan.slots,
+            &plan.new_block_slots,
+            &plan.new_block_indices,
+            &plan.new_block_ids,
+            &plan.banned_rows,
+            &plan.banned_ids,
+        ];
+        let mut bounds = [0; COLUMNS + 1];
+        for (k, column) in columns.iter().enumerate() {
+            bounds[k + 1] = bounds[k] + column.len();
+        }
+        // SAFETY: a fresh array no other code sees yet; every element is written below.
+        let buffer = unsafe { PyArray1::<i32>::new(py, [bounds[COLUMNS]], false) };
+        // SAFETY: as above; the array is contiguous and `bounds[COLUMNS]` long.
+        let data = unsafe { buffer.as_slice_mut() }.expect("a fresh array is contiguous");
+        for (k, column) in columns.iter().enumerate() {
+            data[bounds[k]..bounds[k + 1]].copy_from_slice(column);
+        }
         PyStepPlan {
             num_requests: plan.seq_lens.len(),
             num_tokens: plan.input_ids.len(),
-            input_ids: array(py, &plan.input_ids),
-            positions: array(py, &plan.positions),
-            slot_mapping: array(py, &plan.slot_mapping),
-            query_start_loc: array(py, &plan.query_start_loc),
-            num_computed_tokens: array(py, &plan.num_computed_tokens),
-            seq_lens: array(py, &plan.seq_lens),
-            logits_indices: array(py, &plan.logits_indices),
-            sample_request_rows: array(py, &plan.sample_request_rows),
-            slots: array(py, &plan.slots),
-            new_block_slots: array(py, &plan.new_block_slots),
-            new_block_indices: array(py, &plan.new_block_indices),
-            new_block_ids: array(py, &plan.new_block_ids),
-            banned_rows: array(py, &plan.banned_rows),
-            banned_ids: array(py, &plan.banned_ids),
+            buffer: buffer.unbind(),
+            bounds,
+            views: Default::default(),
             slot_ids: std::mem::take(&mut plan.request_ids),
             id_list: PyOnceLock::new(),
             grammar_masks: plan.grammar_masks.take(),
         }
+    }
+
+    /// Column `k` as a numpy view of the buffer (which it keeps alive), made on first read and
+    /// the same object after. The cache never blocks: a thread that finds it set by another
+    /// meanwhile drops its own view.
+    fn column<'py>(&self, py: Python<'py>, k: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        if let Some(view) = self.views[k].get() {
+            return Ok(view.bind(py).clone());
+        }
+        let view = self.view(py, k)?;
+        let _ = self.views[k].set(view.unbind());
+        Ok(self.views[k].get().expect("just set").bind(py).clone())
+    }
+
+    /// A new view of column `k`: numpy's constructor called with the buffer's own type and
+    /// dtype (no lookup of either), the buffer as its base.
+    fn view<'py>(&self, py: Python<'py>, k: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let buffer = self.buffer.bind(py);
+        let (start, end) = (self.bounds[k], self.bounds[k + 1]);
+        let mut dims = [(end - start) as npyffi::npy_intp];
+        // SAFETY: `start..end` lies in the buffer, which is never resized; the descr is passed
+        // with a reference of its own (the constructor takes it); the view takes a reference
+        // to the buffer as its base, so the memory outlives the view.
+        unsafe {
+            let view = PY_ARRAY_API.PyArray_NewFromDescr(
+                py,
+                pyo3::ffi::Py_TYPE(buffer.as_ptr()),
+                buffer.dtype().into_dtype_ptr(),
+                1,
+                dims.as_mut_ptr(),
+                std::ptr::null_mut(),
+                buffer.data().add(start).cast(),
+                npyffi::NPY_ARRAY_WRITEABLE,
+                std::ptr::null_mut(),
+            );
+            let view = Bound::from_owned_ptr_or_err(py, view)?;
+            let base = buffer.clone().into_ptr();
+            if PY_ARRAY_API.PyArray_SetBaseObject(py, view.as_ptr().cast(), base) < 0 {
+                return Err(PyErr::fetch(py));
+            }
+            Ok(view.cast_into_unchecked())
+        }
+    }
+
+    /// Column `k`, read in place.
+    fn column_slice<'a>(&'a self, py: Python<'a>, k: usize) -> &'a [i32] {
+        // SAFETY: the buffer is contiguous and never resized; read with the GIL held.
+        let data = unsafe { self.buffer.bind(py).as_slice() }.expect("the buffer is contiguous");
+        &data[self.bounds[k]..self.bounds[k + 1]]
     }
 }
 
 #[pymethods]
 impl PyStepPlan {
     #[getter]
+    fn input_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, INPUT_IDS)
+    }
+
+    #[getter]
+    fn positions<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, POSITIONS)
+    }
+
+    #[getter]
+    fn slot_mapping<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, SLOT_MAPPING)
+    }
+
+    #[getter]
+    fn query_start_loc<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, QUERY_START_LOC)
+    }
+
+    #[getter]
+    fn num_computed_tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, NUM_COMPUTED_TOKENS)
+    }
+
+    #[getter]
+    fn seq_lens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, SEQ_LENS)
+    }
+
+    #[getter]
+    fn logits_indices<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, LOGITS_INDICES)
+    }
+
+    #[getter]
+    fn sample_request_rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, SAMPLE_REQUEST_ROWS)
+    }
+
+    #[getter]
+    fn slots<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, SLOTS)
+    }
+
+    #[getter]
+    fn new_block_slots<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, NEW_BLOCK_SLOTS)
+    }
+
+    #[getter]
+    fn new_block_indices<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, NEW_BLOCK_INDICES)
+    }
+
+    #[getter]
+    fn new_block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, NEW_BLOCK_IDS)
+    }
+
+    #[getter]
+    fn banned_rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, BANNED_ROWS)
+    }
+
+    #[getter]
+    fn banned_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.column(py, BANNED_IDS)
+    }
+
+    #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         once(py, &self.id_list, || {
-            let slots = self.slots.bind(py).readonly();
             PyList::new(
                 py,
-                slots.as_slice()?.iter().map(|&slot| {
+                self.column_slice(py, SLOTS).iter().map(|&slot| {
                     self.slot_ids
                         .get(slot as u32)
                         .expect("a planned slot is named")
@@ -708,10 +852,13 @@ impl PyEngineCore {
         PyFinishedRequest::new(py, finished)
     }
 
-    /// Plans the next step.
+    /// Plans the next step. The GIL is released only for a step that may be long.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
         let core = &mut self.core;
-        let mut plan = py.detach(|| core.schedule())?;
+        let mut plan = match core.schedule_may_be_long() {
+            true => py.detach(|| core.schedule()),
+            false => core.schedule(),
+        }?;
         let step = PyStepPlan::new(py, &mut plan);
         self.core.recycle(plan);
         Ok(step)
@@ -726,13 +873,19 @@ impl PyEngineCore {
         sampled: &Bound<'_, PyAny>,
         num_sampled: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStepOutputs> {
-        let tokens = ints(sampled, "sampled")?;
         let counts = num_sampled.map(|c| ints(c, "num_sampled")).transpose()?;
         let core = &mut self.core;
-        let update = py.detach(|| match &counts {
-            Some(counts) => core.update_with_counts(&tokens, counts),
-            None => core.update(&tokens),
-        })?;
+        let apply = |core: &mut EngineCore, tokens: &[i64]| match &counts {
+            Some(counts) => core.update_with_counts(tokens, counts),
+            None => core.update(tokens),
+        };
+        let update = if core.update_may_be_long() {
+            // Without the GIL another thread may write `sampled`: the core reads a copy.
+            let tokens = ints(sampled, "sampled")?;
+            py.detach(|| apply(core, &tokens))
+        } else {
+            apply(core, &ints_in_place(sampled, "sampled")?)
+        }?;
         Ok(PyStepOutputs::new(update))
     }
 

@@ -472,6 +472,19 @@ impl EngineCore {
         Ok(plan)
     }
 
+    /// Whether the next schedule() may take long: it admits a request (hashing its prompt
+    /// for the prefix cache) or starts grammar masks. A step of running requests alone is a
+    /// few microseconds, too short to hand the GIL away and take it back.
+    pub fn schedule_may_be_long(&self) -> bool {
+        !self.waiting.is_empty() || self.num_grammars > 0
+    }
+
+    /// Whether the next update() may take long: it detokenizes, or waits for masks and
+    /// advances grammars (masks in flight included: their request may have been aborted since).
+    pub fn update_may_be_long(&self) -> bool {
+        self.tokenizer.is_some() || self.num_grammars > 0 || self.in_flight_masks.is_some()
+    }
+
     /// Takes back a plan its caller is done with: the next schedule() refills its
     /// buffers instead of allocating new ones.
     pub fn recycle(&mut self, mut plan: StepPlan) {
@@ -874,45 +887,75 @@ impl EngineCore {
     }
 
     /// Fills `plan` (cleared) with the step of `entries`; marks every block of theirs as
-    /// reported. The row columns are built in one pass each; the token and sample columns
-    /// are sized once and written in place, a row of one token (a decode) without the
-    /// loops a chunk needs.
+    /// reported. The columns are sized once and written in one pass over the rows (each
+    /// column a slice of its own, so the loop keeps them in registers); a plain decode row
+    /// is written from its entry alone, a row of one token without the loops a chunk needs.
     fn build_plan(&mut self, pool: &PoolInner, entries: &[Scheduled], plan: &mut StepPlan) {
         let bs = self.block_size;
-        plan.slots.extend(entries.iter().map(|e| e.slot as i32));
-        plan.num_computed_tokens
-            .extend(entries.iter().map(|e| e.start as i32));
-        plan.seq_lens
-            .extend(entries.iter().map(|e| (e.start + e.num_new) as i32));
-        let mut num_tokens = 0;
-        plan.query_start_loc.push(0);
-        plan.query_start_loc.extend(entries.iter().map(|e| {
-            num_tokens += e.num_new;
-            num_tokens as i32
-        }));
-        plan.input_ids.resize(num_tokens, 0);
-        plan.positions.resize(num_tokens, 0);
-        plan.slot_mapping.resize(num_tokens, 0);
-        let num_samples = entries
-            .iter()
-            .map(|e| if e.samples { 1 + e.num_draft } else { 0 })
-            .sum();
-        plan.logits_indices.resize(num_samples, 0);
-        plan.sample_request_rows.resize(num_samples, 0);
+        let (num_tokens, num_samples) = entries.iter().fold((0, 0), |(t, s), e| {
+            let samples = if e.samples { 1 + e.num_draft } else { 0 };
+            (t + e.num_new, s + samples)
+        });
+        let rows = entries.len();
+        let StepPlan {
+            input_ids,
+            positions,
+            slot_mapping,
+            query_start_loc,
+            num_computed_tokens,
+            seq_lens,
+            logits_indices,
+            sample_request_rows,
+            slots,
+            new_block_slots,
+            new_block_indices,
+            new_block_ids,
+            banned_rows,
+            banned_ids,
+            ..
+        } = plan;
+        slots.resize(rows, 0);
+        num_computed_tokens.resize(rows, 0);
+        seq_lens.resize(rows, 0);
+        query_start_loc.resize(rows + 1, 0);
+        query_start_loc[0] = 0;
+        input_ids.resize(num_tokens, 0);
+        positions.resize(num_tokens, 0);
+        slot_mapping.resize(num_tokens, 0);
+        logits_indices.resize(num_samples, 0);
+        sample_request_rows.resize(num_samples, 0);
+        let (slots, computed, lens, qsl) = (
+            &mut slots[..],
+            &mut num_computed_tokens[..],
+            &mut seq_lens[..],
+            &mut query_start_loc[1..],
+        );
+        let (ids, pos, mapping) = (
+            &mut input_ids[..],
+            &mut positions[..],
+            &mut slot_mapping[..],
+        );
+        let (logits, sample_rows) = (&mut logits_indices[..], &mut sample_request_rows[..]);
         let slot_of = |blocks: &[u32], pos: usize| {
             let (block, offset) = bs.split(pos);
             (blocks[block] as usize * bs.get() + offset) as i32
         };
         let (mut first, mut sample) = (0, 0);
-        for (row, e) in entries.iter().enumerate() {
+        let row_columns = slots.iter_mut().zip(computed).zip(lens).zip(qsl);
+        for ((row, e), (((slot, computed), len), end)) in
+            entries.iter().enumerate().zip(row_columns)
+        {
+            *slot = e.slot as i32;
+            *computed = e.start as i32;
+            *len = (e.start + e.num_new) as i32;
+            *end = (first + e.num_new) as i32;
             if let Some(p) = e.plain {
                 // One token, one sample, nothing banned, no block to report.
-                plan.input_ids[first] = p.token as i32;
-                plan.positions[first] = e.start as i32;
-                plan.slot_mapping[first] =
-                    (p.block as usize * bs.get() + bs.offset(e.start)) as i32;
-                plan.logits_indices[sample] = first as i32;
-                plan.sample_request_rows[sample] = row as i32;
+                ids[first] = p.token as i32;
+                pos[first] = e.start as i32;
+                mapping[first] = (p.block as usize * bs.get() + bs.offset(e.start)) as i32;
+                logits[sample] = first as i32;
+                sample_rows[sample] = row as i32;
                 first += 1;
                 sample += 1;
                 continue;
@@ -921,29 +964,28 @@ impl EngineCore {
             let blocks = &pool.table(r.table.as_ref().expect("scheduled").id()).blocks;
             let (start, end) = (e.start, e.start + e.num_new);
             if e.num_new == 1 && e.num_draft == 0 {
-                plan.input_ids[first] = r.tokens[start] as i32;
-                plan.positions[first] = start as i32;
-                plan.slot_mapping[first] = slot_of(blocks, start);
+                ids[first] = r.tokens[start] as i32;
+                pos[first] = start as i32;
+                mapping[first] = slot_of(blocks, start);
             } else {
                 let own_end = end - e.num_draft;
-                let ids = r.tokens[start..own_end]
+                let tokens = r.tokens[start..own_end]
                     .iter()
                     .chain(&r.draft[..e.num_draft]);
-                for (out, &t) in plan.input_ids[first..first + e.num_new].iter_mut().zip(ids) {
+                for (out, &t) in ids[first..first + e.num_new].iter_mut().zip(tokens) {
                     *out = t as i32;
                 }
-                let positions = &mut plan.positions[first..first + e.num_new];
-                for (out, p) in positions.iter_mut().zip(start..end) {
+                for (out, p) in pos[first..first + e.num_new].iter_mut().zip(start..end) {
                     *out = p as i32;
                 }
-                let (mut pos, mut at) = (start, first);
-                while pos < end {
-                    let base = slot_of(blocks, pos);
-                    let run = (bs.get() - bs.offset(pos)).min(end - pos);
-                    for (out, k) in plan.slot_mapping[at..at + run].iter_mut().zip(0..) {
+                let (mut p, mut at) = (start, first);
+                while p < end {
+                    let base = slot_of(blocks, p);
+                    let run = (bs.get() - bs.offset(p)).min(end - p);
+                    for (out, k) in mapping[at..at + run].iter_mut().zip(0..) {
                         *out = base + k;
                     }
-                    pos += run;
+                    p += run;
                     at += run;
                 }
             }
@@ -955,28 +997,28 @@ impl EngineCore {
                 let last = first - e.num_draft - 1;
                 if e.num_draft == 0 && r.may_stop() {
                     // The common row: one sample, nothing banned.
-                    plan.logits_indices[sample] = last as i32;
-                    plan.sample_request_rows[sample] = row as i32;
+                    logits[sample] = last as i32;
+                    sample_rows[sample] = row as i32;
                     sample += 1;
                 } else {
                     for j in 0..=e.num_draft {
                         if r.tokens.len() + j < r.stops.min_len {
                             for &id in r.stop_ids() {
-                                plan.banned_rows.push(sample as i32);
-                                plan.banned_ids.push(id as i32);
+                                banned_rows.push(sample as i32);
+                                banned_ids.push(id as i32);
                             }
                         }
-                        plan.logits_indices[sample] = (last + j) as i32;
-                        plan.sample_request_rows[sample] = row as i32;
+                        logits[sample] = (last + j) as i32;
+                        sample_rows[sample] = row as i32;
                         sample += 1;
                     }
                 }
             }
             if r.reported_blocks < blocks.len() {
                 for (index, &block) in blocks.iter().enumerate().skip(r.reported_blocks) {
-                    plan.new_block_slots.push(e.slot as i32);
-                    plan.new_block_indices.push(index as i32);
-                    plan.new_block_ids.push(block as i32);
+                    new_block_slots.push(e.slot as i32);
+                    new_block_indices.push(index as i32);
+                    new_block_ids.push(block as i32);
                 }
                 r.reported_blocks = blocks.len();
             }
@@ -1030,8 +1072,6 @@ impl EngineCore {
             masks.wait(); // its worker must not read a matcher this update advances
         }
         let mut finished_slots = Vec::new();
-        let mut counts = num_sampled.map(|c| c.iter());
-        let mut rest = sampled;
         let tokenizer = self.tokenizer.clone();
         let (drafted, grammars) = (self.num_drafted > 0, self.num_grammars > 0);
         let plain = tokenizer.is_none() && !grammars;
@@ -1039,76 +1079,90 @@ impl EngineCore {
         let bs = self.block_size;
         let pool = self.pool.clone();
         let mut guard = pool.lock();
-        for (row, e) in entries.iter().enumerate() {
-            let mut tokens: &[i64] = &[];
-            if e.samples {
-                let k = counts
-                    .as_mut()
-                    .map_or(1, |c| *c.next().expect("counted") as usize);
-                (tokens, rest) = rest.split_at(k);
-            }
-            let Some(r) = self.requests[e.slot as usize]
-                .as_mut()
-                .filter(|r| r.arrival == e.arrival)
-            else {
-                continue; // aborted while in flight
-            };
-            // Drafts count as computed as far as the tokens taken confirm them.
-            let confirmed = match e.num_draft {
-                0 => 0,
-                n => tokens
-                    .iter()
-                    .zip(&r.draft[..n])
-                    .take_while(|(&t, &d)| t == d as i64)
-                    .count()
-                    .min(tokens.len().saturating_sub(1)),
-            };
-            r.num_computed += e.num_new - e.num_draft + confirmed;
-            if drafted && !r.draft.is_empty() {
-                r.draft.clear();
-                undrafted += 1;
-            }
-            if let (true, &[token]) = (plain, tokens) {
-                // The common row: one token, no text to detokenize, no grammar.
-                let token = token as u32;
-                r.tokens.push(token);
-                out.put(&mut appended, row, e.slot, token);
-                if let Some(stop) = r.check_stop() {
-                    finished_slots.push((e.slot, stop));
-                }
-                tokens = &[];
-            }
-            for &token in tokens {
-                let token = token as u32;
-                r.tokens.push(token);
-                out.put(&mut appended, row, e.slot, token);
-                let mut stop = match tokenizer.as_deref() {
-                    Some(tok) => {
-                        let (text, stop) = Self::append_text(r, tok, token);
-                        out.texts.push(text);
-                        stop
-                    }
-                    None => r.check_stop(),
+        if plain && num_sampled.is_none() && !drafted {
+            // The common step: each sampling row takes one token; no text, no grammar, no draft.
+            let mut tokens = sampled.iter();
+            for (row, e) in entries.iter().enumerate() {
+                let token = e.samples.then(|| *tokens.next().expect("counted") as u32);
+                let Some(r) = Self::live_entry(&mut self.requests, e) else {
+                    continue; // aborted while in flight
                 };
-                if stop.is_none() && grammars {
-                    stop = Self::advance_grammar(r, tokenizer.as_deref(), token, &mut out.texts);
+                r.num_computed += e.num_new;
+                if let Some(token) = token {
+                    let stop = Self::append_plain(r, &mut out, &mut appended, row, e.slot, token);
+                    if let Some(stop) = stop {
+                        finished_slots.push((e.slot, stop));
+                    }
                 }
-                if let Some(stop) = stop {
-                    finished_slots.push((e.slot, stop));
-                    break;
+                Self::commit_filled(&mut guard, r, e, bs);
+            }
+        } else {
+            let mut counts = num_sampled.map(|c| c.iter());
+            let mut rest = sampled;
+            for (row, e) in entries.iter().enumerate() {
+                let mut tokens: &[i64] = &[];
+                if e.samples {
+                    let k = counts
+                        .as_mut()
+                        .map_or(1, |c| *c.next().expect("counted") as usize);
+                    (tokens, rest) = rest.split_at(k);
                 }
-            }
-            if bs.offset(e.start) + e.num_new >= bs.get() {
-                // A block filled up: it becomes findable by later requests.
-                let table_id = r.table.as_ref().expect("scheduled").id();
-                guard.commit(table_id, &r.tokens, r.num_computed);
-            }
-            if confirmed < e.num_draft {
-                // Blocks that held only rejected positions go back to the pool.
-                let table_id = r.table.as_ref().expect("scheduled").id();
-                guard.release_tail(table_id, r.tokens.len());
-                let held = guard.table(table_id).blocks.len();
-                r.reported_blocks = r.reported_blocks.min(held);
+                let Some(r) = Self::live_entry(&mut self.requests, e) else {
+                    continue; // aborted while in flight
+                };
+                // Drafts count as computed as far as the tokens taken confirm them.
+                let confirmed = match e.num_draft {
+                    0 => 0,
+                    n => tokens
+                        .iter()
+                        .zip(&r.draft[..n])
+                        .take_while(|(&t, &d)| t == d as i64)
+                        .count()
+                        .min(tokens.len().saturating_sub(1)),
+                };
+                r.num_computed += e.num_new - e.num_draft + confirmed;
+                if drafted && !r.draft.is_empty() {
+                    r.draft.clear();
+                    undrafted += 1;
+                }
+                if let (true, &[token]) = (plain, tokens) {
+                    // The common row: one token, no text to detokenize, no grammar.
+                    let token = token as u32;
+                    let stop = Self::append_plain(r, &mut out, &mut appended, row, e.slot, token);
+                    if let Some(stop) = stop {
+                        finished_slots.push((e.slot, stop));
+                    }
+                    tokens = &[];
+                }
+                for &token in tokens {
+                    let token = token as u32;
+                    r.tokens.push(token);
+                    out.put(&mut appended, row, e.slot, token);
+                    let mut stop = match tokenizer.as_deref() {
+                        Some(tok) => {
+                            let (text, stop) = Self::append_text(r, tok, token);
+                            out.texts.push(text);
+                            stop
+                        }
+                        None => r.check_stop(),
+                    };
+                    if stop.is_none() && grammars {
+                        stop =
+                            Self::advance_grammar(r, tokenizer.as_deref(), token, &mut out.texts);
+                    }
+                    if let Some(stop) = stop {
+                        finished_slots.push((e.slot, stop));
+                        break;
+                    }
+                }
+                Self::commit_filled(&mut guard, r, e, bs);
+                if confirmed < e.num_draft {
+                    // Blocks that held only rejected positions go back to the pool.
+                    let table_id = r.table.as_ref().expect("scheduled").id();
+                    guard.release_tail(table_id, r.tokens.len());
+                    let held = guard.table(table_id).blocks.len();
+                    r.reported_blocks = r.reported_blocks.min(held);
+                }
             }
         }
         self.num_drafted -= undrafted;
@@ -1130,6 +1184,43 @@ impl EngineCore {
         self.num_steps += 1;
         self.debug_check();
         Ok(out)
+    }
+
+    /// The live request of an entry of the step in flight; None if it was aborted meanwhile
+    /// (its slot empty, or taken by a later request).
+    #[inline(always)]
+    fn live_entry<'a>(
+        requests: &'a mut [Option<Request>],
+        e: &Scheduled,
+    ) -> Option<&'a mut Request> {
+        requests[e.slot as usize]
+            .as_mut()
+            .filter(|r| r.arrival == e.arrival)
+    }
+
+    /// Appends one token to a request without text or grammar; returns its stop, if it stops.
+    #[inline(always)]
+    fn append_plain(
+        r: &mut Request,
+        out: &mut StepUpdate,
+        appended: &mut usize,
+        row: usize,
+        slot: u32,
+        token: u32,
+    ) -> Option<(FinishReason, Option<StopReason>)> {
+        r.tokens.push(token);
+        out.put(appended, row, slot, token);
+        r.check_stop()
+    }
+
+    /// After a step that filled a block of the entry's request, the block becomes findable by
+    /// later requests.
+    #[inline(always)]
+    fn commit_filled(pool: &mut PoolInner, r: &Request, e: &Scheduled, bs: BlockSize) {
+        if bs.offset(e.start) + e.num_new >= bs.get() {
+            let table_id = r.table.as_ref().expect("scheduled").id();
+            pool.commit(table_id, &r.tokens, r.num_computed);
+        }
     }
 
     /// Advances a request's grammar by a token that did not stop it: a complete grammar
@@ -1266,7 +1357,12 @@ fn check_sampled(
     num_sampled: Option<&[i64]>,
     sampling_rows: usize,
 ) -> Option<String> {
-    if let Some(t) = sampled.iter().find(|&&t| t < 0 || t > u32::MAX as i64) {
+    // One pass without a branch per token (it vectorizes): the bits above a u32's, ored.
+    let high = sampled
+        .iter()
+        .fold(0u64, |bits, &t| bits | (t as u64 >> 32));
+    if high != 0 {
+        let t = sampled.iter().find(|&&t| u32::try_from(t).is_err())?;
         return Some(format!("sampled token id {t} is out of range"));
     }
     let Some(counts) = num_sampled else {
