@@ -25,6 +25,9 @@ use super::KernelError;
 /// Positions scored before each softmax update.
 const CHUNK: usize = 32;
 
+/// Positions between a decode row's prefetch of a K/V row and its use.
+pub(super) const AHEAD: usize = 32;
+
 /// The cache's and the heads' shape.
 #[derive(Debug, Clone, Copy)]
 pub struct PagedShape {
@@ -108,19 +111,40 @@ fn bf16(bits: u16) -> f32 {
 
 /// How the kernel reads one cached K or V row (`at`: the row's first element; `q` and `acc`
 /// are one head's D values).
-trait Rows: Copy + Sync {
+pub(super) trait Rows: Copy + Sync {
     fn k_dot(&self, at: usize, q: &[f32]) -> f32;
     fn v_add(&self, at: usize, p: f32, acc: &mut [f32]);
     /// The K row's values as float32 (an int8 row times its scale) into `buf` (D values).
     fn k_row(&self, at: usize, buf: &mut [f32]);
     /// The V row's values as float32 (an int8 row times its scale) into `buf` (D values).
     fn v_row(&self, at: usize, buf: &mut [f32]);
+    /// Asks the memory system for the K and V rows at `at` (D values each) ahead of their use.
+    fn prefetch(&self, at: usize, d: usize);
+}
+
+/// Asks for the cache lines of `count` elements from `first` (a hint: never faults).
+#[inline(always)]
+fn prefetch_lines<T>(first: &[T], count: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = count * std::mem::size_of::<T>();
+        let base = first.as_ptr() as *const i8;
+        let mut off = 0;
+        while off < bytes {
+            // SAFETY: a prefetch is a hint and never faults; the address lies within `first`'s row.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(off)) };
+            off += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (first, count);
 }
 
 #[derive(Clone, Copy)]
-struct F32Rows<'a> {
-    k: &'a [f32],
-    v: &'a [f32],
+pub(super) struct F32Rows<'a> {
+    pub(super) k: &'a [f32],
+    pub(super) v: &'a [f32],
 }
 
 impl Rows for F32Rows<'_> {
@@ -143,12 +167,17 @@ impl Rows for F32Rows<'_> {
     fn v_row(&self, at: usize, buf: &mut [f32]) {
         buf.copy_from_slice(&self.v[at..][..buf.len()]);
     }
+    #[inline(always)]
+    fn prefetch(&self, at: usize, d: usize) {
+        prefetch_lines(&self.k[at..], d);
+        prefetch_lines(&self.v[at..], d);
+    }
 }
 
 #[derive(Clone, Copy)]
-struct Bf16Rows<'a> {
-    k: &'a [u16],
-    v: &'a [u16],
+pub(super) struct Bf16Rows<'a> {
+    pub(super) k: &'a [u16],
+    pub(super) v: &'a [u16],
 }
 
 impl Rows for Bf16Rows<'_> {
@@ -177,9 +206,14 @@ impl Rows for Bf16Rows<'_> {
             *b = bf16(x);
         }
     }
+    #[inline(always)]
+    fn prefetch(&self, at: usize, d: usize) {
+        prefetch_lines(&self.k[at..], d);
+        prefetch_lines(&self.v[at..], d);
+    }
 }
 
-trait Scale: Copy + Sync {
+pub(super) trait Scale: Copy + Sync {
     fn at(&self, i: usize) -> f32;
 }
 
@@ -191,7 +225,7 @@ impl Scale for &[f32] {
 }
 
 #[derive(Clone, Copy)]
-struct Bf16Scale<'a>(&'a [u16]);
+pub(super) struct Bf16Scale<'a>(&'a [u16]);
 
 impl Scale for Bf16Scale<'_> {
     #[inline(always)]
@@ -201,11 +235,11 @@ impl Scale for Bf16Scale<'_> {
 }
 
 #[derive(Clone, Copy)]
-struct Int8Rows<'a, S: Scale> {
-    k: &'a [i8],
-    v: &'a [i8],
-    k_scale: S,
-    v_scale: S,
+pub(super) struct Int8Rows<'a, S: Scale> {
+    pub(super) k: &'a [i8],
+    pub(super) v: &'a [i8],
+    pub(super) k_scale: S,
+    pub(super) v_scale: S,
 }
 
 impl<S: Scale> Rows for Int8Rows<'_, S> {
@@ -238,7 +272,22 @@ impl<S: Scale> Rows for Int8Rows<'_, S> {
             *b = x as f32 * scale;
         }
     }
+    #[inline(always)]
+    fn prefetch(&self, at: usize, d: usize) {
+        prefetch_lines(&self.k[at..], d);
+        prefetch_lines(&self.v[at..], d);
+    }
 }
+
+/// The rows every cache kind offers: on x86-64 also read 16 values at a time (AVX-512 decode).
+#[cfg(target_arch = "x86_64")]
+pub(super) trait AnyRows: super::paged_decode_x86::Rows16 {}
+#[cfg(target_arch = "x86_64")]
+impl<T: super::paged_decode_x86::Rows16> AnyRows for T {}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) trait AnyRows: Rows {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T: Rows> AnyRows for T {}
 
 /// One query token's request: (request, its position in the context).
 fn token_rows(
@@ -376,6 +425,8 @@ struct Scratch {
     block_max: Vec<[f32; QB]>,
     block_sum: Vec<[f32; QB]>,
     block_acc: Vec<f32>,
+    /// A decode row's visible cache rows.
+    rows: Vec<usize>,
 }
 
 impl Scratch {
@@ -393,6 +444,7 @@ impl Scratch {
             block_max: vec![[0.0; QB]; group],
             block_sum: vec![[0.0; QB]; group],
             block_acc: vec![0.0; group * QB * d],
+            rows: Vec::new(),
         }
     }
 }
@@ -400,7 +452,7 @@ impl Scratch {
 /// Work items [items.start, items.end) of (query block, KV head), written into `out`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn attend_items<R: Rows>(
+fn attend_items<R: AnyRows>(
     items: std::ops::Range<usize>,
     q: &[f32],
     cache: R,
@@ -409,13 +461,25 @@ fn attend_items<R: Rows>(
     rows: &StepRows,
     scoring: &Scoring,
     blocks: &[QueryBlock],
+    wide: bool,
 ) {
     let (d, kvh) = (shape.head_dim, shape.kv_heads);
     let mut scratch = Scratch::new(shape.heads / kvh, d);
     for item in items {
         let (block, g) = (blocks[item / kvh], item % kvh);
         if block.count == 1 {
-            attend_token(block, g, q, cache, out, shape, rows, scoring, &mut scratch);
+            attend_token(
+                block,
+                g,
+                q,
+                cache,
+                out,
+                shape,
+                rows,
+                scoring,
+                &mut scratch,
+                wide,
+            );
         } else {
             attend_block(block, g, q, cache, out, shape, rows, scoring, &mut scratch);
         }
@@ -439,10 +503,34 @@ fn slot_of<'a>(
     }
 }
 
+/// The cache rows (in the (block, offset, KV head) grid: element `row · D`) of positions
+/// [lo, hi) of request r's KV head g, into `out`: one table read per cache block, no division
+/// per position.
+fn visible_rows(
+    shape: &PagedShape,
+    rows: &StepRows,
+    r: usize,
+    g: usize,
+    (lo, hi): (usize, usize),
+    out: &mut Vec<usize>,
+) {
+    let table = &rows.block_tables[r * rows.table_width..];
+    let (bs, kvh) = (shape.block_size, shape.kv_heads);
+    out.clear();
+    let mut j = lo;
+    while j < hi {
+        let (b, offset) = (j / bs, j % bs);
+        let end = (j - offset + bs).min(hi);
+        let first = (table[b] as usize * bs + offset) * kvh + g;
+        out.extend((0..end - j).map(|i| first + i * kvh));
+        j = end;
+    }
+}
+
 /// One query token (a decode row) and KV head: the G heads of the group read each K/V row once.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn attend_token<R: Rows>(
+fn attend_token<R: AnyRows>(
     block: QueryBlock,
     g: usize,
     q: &[f32],
@@ -452,6 +540,7 @@ fn attend_token<R: Rows>(
     rows: &StepRows,
     scoring: &Scoring,
     scratch: &mut Scratch,
+    wide: bool,
 ) {
     let d = shape.head_dim;
     let group = shape.heads / shape.kv_heads;
@@ -461,6 +550,7 @@ fn attend_token<R: Rows>(
         scores,
         max,
         sum,
+        rows: visible,
         ..
     } = scratch;
     let t = block.token as usize;
@@ -473,25 +563,49 @@ fn attend_token<R: Rows>(
             *o = v * scoring.scale;
         }
     }
+    visible_rows(shape, rows, block.request as usize, g, (lo, hi), visible);
+    // SAFETY: the G heads of KV head g of token t are consecutive (t, H, D) rows that belong
+    // to this work item alone.
+    let dest = unsafe {
+        std::slice::from_raw_parts_mut(out.get().add((t * shape.heads + g * group) * d), group * d)
+    };
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        use super::paged_decode_x86::attend_token_avx512 as wide_token;
+        let (vis, cap) = (visible.as_slice(), scoring.softcap);
+        // SAFETY: `wide` is set only where AVX-512F was detected.
+        unsafe {
+            match d {
+                32 => return wide_token::<R, 2>(vis, qs, &cache, cap, max, sum, acc, dest),
+                64 => return wide_token::<R, 4>(vis, qs, &cache, cap, max, sum, acc, dest),
+                128 => return wide_token::<R, 8>(vis, qs, &cache, cap, max, sum, acc, dest),
+                256 => return wide_token::<R, 16>(vis, qs, &cache, cap, max, sum, acc, dest),
+                _ => {}
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = wide;
     acc.fill(0.0);
     max.fill(f32::NEG_INFINITY);
     sum.fill(0.0);
-    let slot = slot_of(shape, rows, block.request as usize, g);
-    let mut start = lo;
-    while start < hi {
-        let end = (start + CHUNK).min(hi);
-        for j in start..end {
-            let at = slot(j);
+    for (c, chunk_rows) in visible.chunks(CHUNK).enumerate() {
+        let n = chunk_rows.len();
+        for (i, &row) in chunk_rows.iter().enumerate() {
+            let at = row * d;
+            if let Some(&ahead) = visible.get(c * CHUNK + i + AHEAD) {
+                cache.prefetch(ahead * d, d);
+            }
             for h in 0..group {
                 let mut s = cache.k_dot(at, &qs[h * d..(h + 1) * d]);
                 if let Some(cap) = scoring.softcap {
                     s = cap * (s / cap).tanh();
                 }
-                scores[h * CHUNK + j - start] = s;
+                scores[h * CHUNK + i] = s;
             }
         }
         for h in 0..group {
-            let chunk = &mut scores[h * CHUNK..h * CHUNK + end - start];
+            let chunk = &mut scores[h * CHUNK..h * CHUNK + n];
             let new_max = chunk.iter().fold(max[h], |m, &s| m.max(s));
             let rescale = exp(max[h] - new_max);
             for p in chunk.iter_mut() {
@@ -503,21 +617,17 @@ fn attend_token<R: Rows>(
                 *a *= rescale;
             }
         }
-        for j in start..end {
-            let at = slot(j);
+        for (i, &row) in chunk_rows.iter().enumerate() {
             for h in 0..group {
-                let p = scores[h * CHUNK + j - start];
-                cache.v_add(at, p, &mut acc[h * d..(h + 1) * d]);
+                let p = scores[h * CHUNK + i];
+                cache.v_add(row * d, p, &mut acc[h * d..(h + 1) * d]);
             }
         }
-        start = end;
     }
     for h in 0..group {
-        let head = g * group + h;
         let inverse = if sum[h] > 0.0 { 1.0 / sum[h] } else { 0.0 };
-        for (i, a) in acc[h * d..(h + 1) * d].iter().enumerate() {
-            // SAFETY: each (token, head) output row belongs to one work item.
-            unsafe { *out.get().add((t * shape.heads + head) * d + i) = a * inverse };
+        for (o, a) in dest[h * d..(h + 1) * d].iter_mut().zip(&acc[h * d..]) {
+            *o = a * inverse;
         }
     }
 }
@@ -728,11 +838,11 @@ fn attend_block<R: Rows>(
 }
 
 macro_rules! compiled_for {
-    ($name:ident, $features:literal) => {
+    ($name:ident, $features:literal, $wide:literal) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $name<R: Rows>(
+        unsafe fn $name<R: AnyRows>(
             items: std::ops::Range<usize>,
             q: &[f32],
             cache: R,
@@ -742,13 +852,13 @@ macro_rules! compiled_for {
             scoring: &Scoring,
             blocks: &[QueryBlock],
         ) {
-            attend_items(items, q, cache, out, shape, rows, scoring, blocks)
+            attend_items(items, q, cache, out, shape, rows, scoring, blocks, $wide)
         }
     };
 }
 
-compiled_for!(attend_items_avx512, "avx512f,avx2,fma");
-compiled_for!(attend_items_avx2, "avx2,fma");
+compiled_for!(attend_items_avx512, "avx512f,avx2,fma", true);
+compiled_for!(attend_items_avx2, "avx2,fma", false);
 
 /// out (T, H, D) = attention of q (T, H, D) over the caches (see the module note).
 #[allow(clippy::too_many_arguments)]
@@ -858,7 +968,7 @@ struct Work<'a> {
 }
 
 impl Work<'_> {
-    fn run<R: Rows>(&self, cache: R) {
+    fn run<R: AnyRows>(&self, cache: R) {
         let Work {
             q,
             out,
@@ -881,7 +991,7 @@ impl Work<'_> {
                 },
                 Isa::Scalar => {}
             }
-            attend_items(items, q, cache, out, shape, rows, scoring, blocks);
+            attend_items(items, q, cache, out, shape, rows, scoring, blocks, false);
         });
     }
 }
@@ -1085,6 +1195,57 @@ mod tests {
     }
 
     /// Every cache kind, instruction set and thread count against the f64 reference.
+    #[test]
+    fn decode_rows_match_the_reference_at_every_head_dim() {
+        // Decode rows alone (the AVX-512 decode path where D is 32, 64, 128 or 256): contexts
+        // of 1, 15, 16, 17, 33 and 100 positions (groups of 16 keys with and without a tail),
+        // blocks in scrambled order, windows that start inside a block, GQA and MHA.
+        let lens = [1i32, 15, 16, 17, 33, 100];
+        let qsl: Vec<i32> = (0..=lens.len() as i32).collect();
+        for (heads, kv_heads, head_dim) in [(8, 2, 64), (4, 4, 32), (6, 3, 128), (2, 1, 256)] {
+            let block_size = 8;
+            let width = 13;
+            let num_blocks = lens.len() * width;
+            let shape = PagedShape {
+                heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                num_blocks,
+            };
+            let tables: Vec<i32> = (0..num_blocks as i32)
+                .map(|i| (i * 37 + 11) % num_blocks as i32)
+                .collect();
+            let rows = StepRows {
+                query_start_loc: &qsl,
+                seq_lens: &lens,
+                block_tables: &tables,
+                table_width: width,
+            };
+            check_every_cache(
+                shape,
+                rows,
+                &[
+                    Scoring {
+                        scale: 0.2,
+                        window: None,
+                        softcap: None,
+                    },
+                    Scoring {
+                        scale: 0.2,
+                        window: Some(21),
+                        softcap: None,
+                    },
+                    Scoring {
+                        scale: 0.7,
+                        window: Some(5),
+                        softcap: Some(3.0),
+                    },
+                ],
+            );
+        }
+    }
+
     fn check_every_cache(shape: PagedShape, rows: StepRows, scorings: &[Scoring]) {
         let (d, kvh) = (shape.head_dim, shape.kv_heads);
         let cache = shape.num_blocks * shape.block_size * kvh * d;
