@@ -400,6 +400,44 @@ fn balanced(blocks: Vec<QueryBlock>) -> Vec<QueryBlock> {
         .collect()
 }
 
+/// One work item: a query block and the KV heads [heads.0, heads.1) it attends with. A prefill
+/// block takes one KV head per item; a decode row takes a span of them, so its context is
+/// walked once for the span (each position's rows of the span are adjacent in the cache: a
+/// page of the cache is read once, not once per head), cut into as many spans as keep every
+/// thread busy.
+#[derive(Debug, Clone, Copy)]
+struct WorkItem {
+    block: QueryBlock,
+    heads: (u32, u32),
+}
+
+/// The work items of the (balanced) blocks for `threads` threads.
+fn work_items(blocks: &[QueryBlock], kv_heads: usize, threads: usize) -> Vec<WorkItem> {
+    let decode_rows = blocks.iter().filter(|b| b.count == 1).count();
+    // Two items per thread where the rows alone would leave a thread idle or unbalanced.
+    let spans = (2 * threads)
+        .div_ceil(decode_rows.max(1))
+        .clamp(1, kv_heads);
+    let mut items = Vec::with_capacity(blocks.len() * kv_heads);
+    for &block in blocks {
+        if block.count == 1 {
+            items.extend((0..spans).map(|s| WorkItem {
+                block,
+                heads: (
+                    (s * kv_heads / spans) as u32,
+                    ((s + 1) * kv_heads / spans) as u32,
+                ),
+            }));
+        } else {
+            items.extend((0..kv_heads as u32).map(|g| WorkItem {
+                block,
+                heads: (g, g + 1),
+            }));
+        }
+    }
+    items
+}
+
 /// The first position a query at `position` sees.
 #[inline(always)]
 fn first_visible(scoring: &Scoring, position: usize) -> usize {
@@ -430,13 +468,15 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(group: usize, d: usize) -> Self {
+    /// Scratch for `group` query heads per KV head, `kv_heads` of them, head size `d`.
+    fn new(group: usize, kv_heads: usize, d: usize) -> Self {
+        let heads = group * kv_heads;
         Scratch {
-            qs: vec![0.0; group * d],
-            acc: vec![0.0; group * d],
+            qs: vec![0.0; heads * d],
+            acc: vec![0.0; heads * d],
             scores: vec![0.0; group * CHUNK],
-            max: vec![0.0; group],
-            sum: vec![0.0; group],
+            max: vec![0.0; heads],
+            sum: vec![0.0; heads],
             k: vec![0.0; CHUNK * d],
             v: vec![0.0; CHUNK * d],
             qt: vec![[0.0; QB]; group * d],
@@ -453,24 +493,24 @@ impl Scratch {
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn attend_items<R: AnyRows>(
-    items: std::ops::Range<usize>,
+    items: &[WorkItem],
     q: &[f32],
     cache: R,
     out: SharedMut<f32>,
     shape: &PagedShape,
     rows: &StepRows,
     scoring: &Scoring,
-    blocks: &[QueryBlock],
     wide: bool,
 ) {
     let (d, kvh) = (shape.head_dim, shape.kv_heads);
-    let mut scratch = Scratch::new(shape.heads / kvh, d);
+    let mut scratch = Scratch::new(shape.heads / kvh, kvh, d);
     for item in items {
-        let (block, g) = (blocks[item / kvh], item % kvh);
+        let (block, (g0, g1)) = (item.block, item.heads);
         if block.count == 1 {
+            let heads = g0 as usize..g1 as usize;
             attend_token(
                 block,
-                g,
+                heads,
                 q,
                 cache,
                 out,
@@ -481,6 +521,7 @@ fn attend_items<R: AnyRows>(
                 wide,
             );
         } else {
+            let g = g0 as usize;
             attend_block(block, g, q, cache, out, shape, rows, scoring, &mut scratch);
         }
     }
@@ -527,12 +568,13 @@ fn visible_rows(
     }
 }
 
-/// One query token (a decode row) and KV head: the G heads of the group read each K/V row once.
+/// One query token (a decode row) and the KV heads `heads`: the context is walked once for the
+/// span, and the G query heads of each KV head read its K/V rows once.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn attend_token<R: AnyRows>(
     block: QueryBlock,
-    g: usize,
+    heads: std::ops::Range<usize>,
     q: &[f32],
     cache: R,
     out: SharedMut<f32>,
@@ -544,6 +586,10 @@ fn attend_token<R: AnyRows>(
 ) {
     let d = shape.head_dim;
     let group = shape.heads / shape.kv_heads;
+    let (g0, span) = (heads.start, heads.len());
+    // The item's query heads are consecutive: g0 · G .. (g0 + span) · G.
+    let n = span * group;
+    let first = (block.token as usize * shape.heads + g0 * group) * d;
     let Scratch {
         qs,
         acc,
@@ -553,22 +599,16 @@ fn attend_token<R: AnyRows>(
         rows: visible,
         ..
     } = scratch;
-    let t = block.token as usize;
-    let hi = block.position as usize + 1;
-    let lo = first_visible(scoring, block.position as usize);
-    for h in 0..group {
-        let head = g * group + h;
-        let src = &q[(t * shape.heads + head) * d..][..d];
-        for (o, v) in qs[h * d..(h + 1) * d].iter_mut().zip(src) {
-            *o = v * scoring.scale;
-        }
+    let (qs, acc) = (&mut qs[..n * d], &mut acc[..n * d]);
+    let (max, sum) = (&mut max[..n], &mut sum[..n]);
+    for (o, v) in qs.iter_mut().zip(&q[first..first + n * d]) {
+        *o = v * scoring.scale;
     }
-    visible_rows(shape, rows, block.request as usize, g, (lo, hi), visible);
-    // SAFETY: the G heads of KV head g of token t are consecutive (t, H, D) rows that belong
-    // to this work item alone.
-    let dest = unsafe {
-        std::slice::from_raw_parts_mut(out.get().add((t * shape.heads + g * group) * d), group * d)
-    };
+    let position = block.position as usize;
+    let window = (first_visible(scoring, position), position + 1);
+    visible_rows(shape, rows, block.request as usize, g0, window, visible);
+    // SAFETY: the item's (token, head) output rows are consecutive and belong to it alone.
+    let dest = unsafe { std::slice::from_raw_parts_mut(out.get().add(first), n * d) };
     #[cfg(target_arch = "x86_64")]
     if wide {
         use super::paged_decode_x86::attend_token_avx512 as wide_token;
@@ -576,29 +616,63 @@ fn attend_token<R: AnyRows>(
         // SAFETY: `wide` is set only where AVX-512F was detected.
         unsafe {
             match d {
-                32 => return wide_token::<R, 2>(vis, qs, &cache, cap, max, sum, acc, dest),
-                64 => return wide_token::<R, 4>(vis, qs, &cache, cap, max, sum, acc, dest),
-                128 => return wide_token::<R, 8>(vis, qs, &cache, cap, max, sum, acc, dest),
-                256 => return wide_token::<R, 16>(vis, qs, &cache, cap, max, sum, acc, dest),
+                32 => return wide_token::<R, 2>(vis, span, qs, &cache, cap, max, sum, acc, dest),
+                64 => return wide_token::<R, 4>(vis, span, qs, &cache, cap, max, sum, acc, dest),
+                128 => return wide_token::<R, 8>(vis, span, qs, &cache, cap, max, sum, acc, dest),
+                256 => return wide_token::<R, 16>(vis, span, qs, &cache, cap, max, sum, acc, dest),
                 _ => {}
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = wide;
+    let per_head = group * d;
+    for s in 0..span {
+        let part = s * per_head..(s + 1) * per_head;
+        let heads = s * group..(s + 1) * group;
+        token_kv_head(
+            visible,
+            s,
+            &qs[part.clone()],
+            cache,
+            scoring.softcap,
+            (scores, &mut max[heads.clone()], &mut sum[heads]),
+            &mut acc[part.clone()],
+            &mut dest[part],
+            d,
+        );
+    }
+}
+
+/// A decode row against one KV head (`offset` past the rows of `visible`), portable: its G
+/// heads' queries `qs` (scaled), softmax scratch (scores, max, sum), output `dest` (G x D).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn token_kv_head<R: Rows>(
+    visible: &[usize],
+    offset: usize,
+    qs: &[f32],
+    cache: R,
+    softcap: Option<f32>,
+    (scores, max, sum): (&mut [f32], &mut [f32], &mut [f32]),
+    acc: &mut [f32],
+    dest: &mut [f32],
+    d: usize,
+) {
+    let group = max.len();
     acc.fill(0.0);
     max.fill(f32::NEG_INFINITY);
     sum.fill(0.0);
     for (c, chunk_rows) in visible.chunks(CHUNK).enumerate() {
         let n = chunk_rows.len();
         for (i, &row) in chunk_rows.iter().enumerate() {
-            let at = row * d;
+            let at = (row + offset) * d;
             if let Some(&ahead) = visible.get(c * CHUNK + i + AHEAD) {
-                cache.prefetch(ahead * d, d);
+                cache.prefetch((ahead + offset) * d, d);
             }
             for h in 0..group {
                 let mut s = cache.k_dot(at, &qs[h * d..(h + 1) * d]);
-                if let Some(cap) = scoring.softcap {
+                if let Some(cap) = softcap {
                     s = cap * (s / cap).tanh();
                 }
                 scores[h * CHUNK + i] = s;
@@ -620,7 +694,7 @@ fn attend_token<R: AnyRows>(
         for (i, &row) in chunk_rows.iter().enumerate() {
             for h in 0..group {
                 let p = scores[h * CHUNK + i];
-                cache.v_add(row * d, p, &mut acc[h * d..(h + 1) * d]);
+                cache.v_add((row + offset) * d, p, &mut acc[h * d..(h + 1) * d]);
             }
         }
     }
@@ -843,16 +917,15 @@ macro_rules! compiled_for {
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
         unsafe fn $name<R: AnyRows>(
-            items: std::ops::Range<usize>,
+            items: &[WorkItem],
             q: &[f32],
             cache: R,
             out: SharedMut<f32>,
             shape: &PagedShape,
             rows: &StepRows,
             scoring: &Scoring,
-            blocks: &[QueryBlock],
         ) {
-            attend_items(items, q, cache, out, shape, rows, scoring, blocks, $wide)
+            attend_items(items, q, cache, out, shape, rows, scoring, $wide)
         }
     };
 }
@@ -913,13 +986,14 @@ pub fn paged_attention(
     let tokens = q.len() / (heads * head_dim);
     let owners = token_rows(&rows, &shape, tokens)?;
     let blocks = balanced(query_blocks(&owners));
+    let items = work_items(&blocks, kv_heads, threads.get());
     let work = Work {
         q,
         out: SharedMut::new(out.as_mut_ptr()),
         shape: &shape,
         rows: &rows,
         scoring: &scoring,
-        blocks: blocks.as_slice(),
+        items: items.as_slice(),
         isa,
         threads,
     };
@@ -962,7 +1036,7 @@ struct Work<'a> {
     shape: &'a PagedShape,
     rows: &'a StepRows<'a>,
     scoring: &'a Scoring,
-    blocks: &'a [QueryBlock],
+    items: &'a [WorkItem],
     isa: Isa,
     threads: ThreadCount,
 }
@@ -975,23 +1049,24 @@ impl Work<'_> {
             shape,
             rows,
             scoring,
-            blocks,
+            items,
             isa,
             threads,
         } = *self;
-        split(threads, blocks.len() * shape.kv_heads, |items| {
+        split(threads, items.len(), |range| {
+            let items = &items[range];
             #[cfg(target_arch = "x86_64")]
             match isa {
                 // SAFETY: the instruction sets were detected (`isa.supported()`).
                 Isa::Avx512Vnni => unsafe {
-                    return attend_items_avx512(items, q, cache, out, shape, rows, scoring, blocks);
+                    return attend_items_avx512(items, q, cache, out, shape, rows, scoring);
                 },
                 Isa::Avx2 | Isa::AvxVnni => unsafe {
-                    return attend_items_avx2(items, q, cache, out, shape, rows, scoring, blocks);
+                    return attend_items_avx2(items, q, cache, out, shape, rows, scoring);
                 },
                 Isa::Scalar => {}
             }
-            attend_items(items, q, cache, out, shape, rows, scoring, blocks, false);
+            attend_items(items, q, cache, out, shape, rows, scoring, false);
         });
     }
 }

@@ -149,15 +149,16 @@ struct HeadState<'a> {
     acc: &'a mut [f32],
 }
 
-/// One decode row against its context for the `group` heads of one KV head. `rows[i]` is the
-/// cache row (in the (block, offset, KV head) grid) of the i-th visible position; `qs` holds
-/// the heads' queries already multiplied by the score scale (group x D); the normalised output
-/// goes to `out` (group x D). `max`, `sum` (group) and `acc` (group x D) are scratch.
-/// D must be 16 · NV.
+/// One decode row against its context for `span` consecutive KV heads and their query heads.
+/// `rows[i]` is the cache row (in the (block, offset, KV head) grid) of the first KV head at
+/// the i-th visible position (the span's rows follow it); `qs` holds the query heads' queries
+/// already multiplied by the score scale (heads x D); the normalised output goes to `out`
+/// (heads x D). `max`, `sum` (heads) and `acc` (heads x D) are scratch. D must be 16 · NV.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn attend_token_avx512<R: Rows16, const NV: usize>(
     rows: &[usize],
+    span: usize,
     qs: &[f32],
     cache: &R,
     softcap: Option<f32>,
@@ -167,38 +168,44 @@ pub(super) unsafe fn attend_token_avx512<R: Rows16, const NV: usize>(
     out: &mut [f32],
 ) {
     let d = 16 * NV;
-    let group = max.len();
-    debug_assert!(qs.len() == group * d && acc.len() == group * d && out.len() == group * d);
+    let heads = max.len();
+    let group = heads / span;
+    debug_assert!(qs.len() == heads * d && acc.len() == heads * d && out.len() == heads * d);
     max.fill(f32::NEG_INFINITY);
     sum.fill(0.0);
     acc.fill(0.0);
     for r in rows.iter().take(AHEAD) {
-        cache.prefetch(r * d, d);
+        cache.prefetch(r * d, span * d);
     }
     let mut kscale = [1f32; 16];
     let mut vscale = [1f32; 16];
-    for (g, keys) in rows.chunks(16).enumerate() {
+    let mut kv_rows = [0usize; 16];
+    for (c, keys) in rows.chunks(16).enumerate() {
         let n = keys.len();
-        let start = g * 16;
-        for r in rows.iter().skip(start + AHEAD).take(16) {
-            cache.prefetch(r * d, d);
+        for r in rows.iter().skip(c * 16 + AHEAD).take(16) {
+            cache.prefetch(r * d, span * d);
         }
-        if R::SCALED {
-            for (i, &r) in keys.iter().enumerate() {
-                (kscale[i], vscale[i]) = cache.scales(r);
+        for s in 0..span {
+            for (k, &r) in kv_rows.iter_mut().zip(keys) {
+                *k = r + s;
+            }
+            if R::SCALED {
+                for (i, &r) in kv_rows[..n].iter().enumerate() {
+                    (kscale[i], vscale[i]) = cache.scales(r);
+                }
+            }
+            for h in s * group..(s + 1) * group {
+                let q = &qs[h * d..(h + 1) * d];
+                let state = HeadState {
+                    max: &mut max[h],
+                    sum: &mut sum[h],
+                    acc: &mut acc[h * d..(h + 1) * d],
+                };
+                attend_keys::<R, NV>(&kv_rows[..n], q, cache, softcap, &kscale, &vscale, state);
             }
         }
-        for h in 0..group {
-            let q = &qs[h * d..(h + 1) * d];
-            let state = HeadState {
-                max: &mut max[h],
-                sum: &mut sum[h],
-                acc: &mut acc[h * d..(h + 1) * d],
-            };
-            attend_keys::<R, NV>(keys, q, cache, softcap, &kscale, &vscale, n, state);
-        }
     }
-    for h in 0..group {
+    for h in 0..heads {
         let inverse = if sum[h] > 0.0 { 1.0 / sum[h] } else { 0.0 };
         for (o, a) in out[h * d..(h + 1) * d].iter_mut().zip(&acc[h * d..]) {
             *o = a * inverse;
@@ -206,7 +213,7 @@ pub(super) unsafe fn attend_token_avx512<R: Rows16, const NV: usize>(
     }
 }
 
-/// Up to 16 keys (`n` of `keys`) for one head: scores, the softmax update, V rows added.
+/// Up to 16 keys (the rows `keys`) for one head: scores, the softmax update, V rows added.
 #[inline]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
@@ -217,10 +224,10 @@ unsafe fn attend_keys<R: Rows16, const NV: usize>(
     softcap: Option<f32>,
     kscale: &[f32; 16],
     vscale: &[f32; 16],
-    n: usize,
     state: HeadState,
 ) {
     let d = 16 * NV;
+    let n = keys.len();
     let mut qv = [_mm512_setzero_ps(); NV];
     for (c, v) in qv.iter_mut().enumerate() {
         *v = _mm512_loadu_ps(q.as_ptr().add(16 * c));
