@@ -400,42 +400,132 @@ fn balanced(blocks: Vec<QueryBlock>) -> Vec<QueryBlock> {
         .collect()
 }
 
-/// One work item: a query block and the KV heads [heads.0, heads.1) it attends with. A prefill
-/// block takes one KV head per item; a decode row takes a span of them, so its context is
-/// walked once for the span (each position's rows of the span are adjacent in the cache: a
-/// page of the cache is read once, not once per head), cut into as many spans as keep every
-/// thread busy.
+/// One work item: a query block, the KV heads [heads.0, heads.1) it attends with and, for a
+/// decode row, the positions [positions.0, positions.1) it reads. A prefill block takes one KV
+/// head per item and its whole context. A decode row's item takes a span of KV heads and walks
+/// its positions once for the span (a position's rows of the span are adjacent in the cache,
+/// so a page of the cache is read once, not once per head); where the rows alone would leave a
+/// thread idle, a long context is cut into parts of consecutive positions with every head (each
+/// part's softmax state is kept in `partial` slot and the parts are merged after), a short one
+/// into spans of KV heads.
 #[derive(Debug, Clone, Copy)]
 struct WorkItem {
     block: QueryBlock,
     heads: (u32, u32),
+    positions: (u32, u32),
+    /// The item's slot among the partial results, or `WHOLE`.
+    partial: u32,
 }
 
-/// The work items of the (balanced) blocks for `threads` threads.
-fn work_items(blocks: &[QueryBlock], kv_heads: usize, threads: usize) -> Vec<WorkItem> {
+/// A work item that writes its output itself (not one part of a decode row).
+const WHOLE: u32 = u32::MAX;
+
+/// The fewest positions a decode row's part reads.
+const MIN_PART: usize = 256;
+
+/// A decode row cut into parts: its token and the slots of its parts.
+#[derive(Debug, Clone, Copy)]
+struct Parts {
+    token: u32,
+    first: u32,
+    count: u32,
+}
+
+/// The work items of the (balanced) blocks for `threads` threads, and the decode rows cut into
+/// parts.
+fn work_items(
+    blocks: &[QueryBlock],
+    scoring: &Scoring,
+    kv_heads: usize,
+    threads: usize,
+) -> (Vec<WorkItem>, Vec<Parts>) {
     let decode_rows = blocks.iter().filter(|b| b.count == 1).count();
     // Two items per thread where the rows alone would leave a thread idle or unbalanced.
-    let spans = (2 * threads)
-        .div_ceil(decode_rows.max(1))
-        .clamp(1, kv_heads);
+    let wanted = (2 * threads).div_ceil(decode_rows.max(1));
     let mut items = Vec::with_capacity(blocks.len() * kv_heads);
+    let mut parts = Vec::new();
+    let mut slots = 0u32;
+    let all = (0, kv_heads as u32);
     for &block in blocks {
-        if block.count == 1 {
+        let hi = block.position as usize + 1;
+        let lo = first_visible(scoring, block.position as usize);
+        let whole = (lo as u32, hi as u32);
+        if block.count > 1 {
+            items.extend((0..kv_heads as u32).map(|g| WorkItem {
+                block,
+                heads: (g, g + 1),
+                positions: whole,
+                partial: WHOLE,
+            }));
+            continue;
+        }
+        let cuts = wanted.min((hi - lo) / MIN_PART);
+        if cuts > 1 {
+            let first = slots;
+            slots += cuts as u32;
+            parts.push(Parts {
+                token: block.token,
+                first,
+                count: cuts as u32,
+            });
+            items.extend((0..cuts).map(|c| WorkItem {
+                block,
+                heads: all,
+                positions: (
+                    (lo + c * (hi - lo) / cuts) as u32,
+                    (lo + (c + 1) * (hi - lo) / cuts) as u32,
+                ),
+                partial: first + c as u32,
+            }));
+        } else {
+            let spans = wanted.clamp(1, kv_heads);
             items.extend((0..spans).map(|s| WorkItem {
                 block,
                 heads: (
                     (s * kv_heads / spans) as u32,
                     ((s + 1) * kv_heads / spans) as u32,
                 ),
-            }));
-        } else {
-            items.extend((0..kv_heads as u32).map(|g| WorkItem {
-                block,
-                heads: (g, g + 1),
+                positions: whole,
+                partial: WHOLE,
             }));
         }
     }
-    items
+    (items, parts)
+}
+
+/// A part's softmax state: per head its running max, its sum and its (unnormalised) output.
+fn part_len(heads: usize, d: usize) -> usize {
+    heads * (d + 2)
+}
+
+/// Each decode row cut into parts gets its output from its parts' states: with M the largest
+/// of the parts' maxima m_p, out = Σ_p acc_p · e^(m_p − M) / Σ_p sum_p · e^(m_p − M).
+fn merge_parts(parts: &[Parts], states: &[f32], out: &mut [f32], heads: usize, d: usize) {
+    let size = part_len(heads, d);
+    for p in parts {
+        let states = &states[p.first as usize * size..(p.first + p.count) as usize * size];
+        let row = &mut out[p.token as usize * heads * d..][..heads * d];
+        for h in 0..heads {
+            let max = states
+                .chunks(size)
+                .fold(f32::NEG_INFINITY, |m, s| m.max(s[h]));
+            let dest = &mut row[h * d..(h + 1) * d];
+            dest.fill(0.0);
+            let mut sum = 0f32;
+            for state in states.chunks(size) {
+                let w = exp(state[h] - max);
+                sum += state[heads + h] * w;
+                let acc = &state[2 * heads + h * d..][..d];
+                for (o, a) in dest.iter_mut().zip(acc) {
+                    *o += a * w;
+                }
+            }
+            let inverse = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+            for o in dest.iter_mut() {
+                *o *= inverse;
+            }
+        }
+    }
 }
 
 /// The first position a query at `position` sees.
@@ -497,6 +587,7 @@ fn attend_items<R: AnyRows>(
     q: &[f32],
     cache: R,
     out: SharedMut<f32>,
+    states: SharedMut<f32>,
     shape: &PagedShape,
     rows: &StepRows,
     scoring: &Scoring,
@@ -505,15 +596,13 @@ fn attend_items<R: AnyRows>(
     let (d, kvh) = (shape.head_dim, shape.kv_heads);
     let mut scratch = Scratch::new(shape.heads / kvh, kvh, d);
     for item in items {
-        let (block, (g0, g1)) = (item.block, item.heads);
-        if block.count == 1 {
-            let heads = g0 as usize..g1 as usize;
+        if item.block.count == 1 {
             attend_token(
-                block,
-                heads,
+                item,
                 q,
                 cache,
                 out,
+                states,
                 shape,
                 rows,
                 scoring,
@@ -521,7 +610,7 @@ fn attend_items<R: AnyRows>(
                 wide,
             );
         } else {
-            let g = g0 as usize;
+            let (block, g) = (item.block, item.heads.0 as usize);
             attend_block(block, g, q, cache, out, shape, rows, scoring, &mut scratch);
         }
     }
@@ -568,25 +657,27 @@ fn visible_rows(
     }
 }
 
-/// One query token (a decode row) and the KV heads `heads`: the context is walked once for the
-/// span, and the G query heads of each KV head read its K/V rows once.
+/// One decode row's work item: the KV heads and positions it names; the G query heads of
+/// each KV head read its K/V rows once. A whole item writes its output; a part leaves its
+/// softmax state in its slot of `states`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn attend_token<R: AnyRows>(
-    block: QueryBlock,
-    heads: std::ops::Range<usize>,
+    item: &WorkItem,
     q: &[f32],
     cache: R,
     out: SharedMut<f32>,
+    states: SharedMut<f32>,
     shape: &PagedShape,
     rows: &StepRows,
     scoring: &Scoring,
     scratch: &mut Scratch,
     wide: bool,
 ) {
+    let (block, (g0, g1)) = (item.block, item.heads);
+    let (g0, span) = (g0 as usize, (g1 - g0) as usize);
     let d = shape.head_dim;
     let group = shape.heads / shape.kv_heads;
-    let (g0, span) = (heads.start, heads.len());
     // The item's query heads are consecutive: g0 · G .. (g0 + span) · G.
     let n = span * group;
     let first = (block.token as usize * shape.heads + g0 * group) * d;
@@ -604,28 +695,77 @@ fn attend_token<R: AnyRows>(
     for (o, v) in qs.iter_mut().zip(&q[first..first + n * d]) {
         *o = v * scoring.scale;
     }
-    let position = block.position as usize;
-    let window = (first_visible(scoring, position), position + 1);
+    let window = (item.positions.0 as usize, item.positions.1 as usize);
     visible_rows(shape, rows, block.request as usize, g0, window, visible);
-    // SAFETY: the item's (token, head) output rows are consecutive and belong to it alone.
-    let dest = unsafe { std::slice::from_raw_parts_mut(out.get().add(first), n * d) };
+    token_state(
+        visible,
+        span,
+        qs,
+        cache,
+        scoring.softcap,
+        scores,
+        (max, sum, acc),
+        d,
+        wide,
+    );
+    if item.partial == WHOLE {
+        // SAFETY: the item's (token, head) output rows are consecutive and belong to it alone.
+        let dest = unsafe { std::slice::from_raw_parts_mut(out.get().add(first), n * d) };
+        for h in 0..n {
+            let inverse = if sum[h] > 0.0 { 1.0 / sum[h] } else { 0.0 };
+            for (o, a) in dest[h * d..(h + 1) * d].iter_mut().zip(&acc[h * d..]) {
+                *o = a * inverse;
+            }
+        }
+    } else {
+        // SAFETY: a part covers every head and its slot belongs to it alone.
+        let size = part_len(n, d);
+        let slot = unsafe {
+            std::slice::from_raw_parts_mut(states.get().add(item.partial as usize * size), size)
+        };
+        slot[..n].copy_from_slice(max);
+        slot[n..2 * n].copy_from_slice(sum);
+        slot[2 * n..].copy_from_slice(acc);
+    }
+}
+
+/// A decode row's softmax state (running max, sum, unnormalised output of each query head)
+/// over the cache rows `visible` (of the first KV head; `span` KV heads follow each) with the
+/// queries `qs` (scaled).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn token_state<R: AnyRows>(
+    visible: &[usize],
+    span: usize,
+    qs: &[f32],
+    cache: R,
+    softcap: Option<f32>,
+    scores: &mut [f32],
+    (max, sum, acc): (&mut [f32], &mut [f32], &mut [f32]),
+    d: usize,
+    wide: bool,
+) {
     #[cfg(target_arch = "x86_64")]
     if wide {
         use super::paged_decode_x86::attend_token_avx512 as wide_token;
-        let (vis, cap) = (visible.as_slice(), scoring.softcap);
         // SAFETY: `wide` is set only where AVX-512F was detected.
         unsafe {
             match d {
-                32 => return wide_token::<R, 2>(vis, span, qs, &cache, cap, max, sum, acc, dest),
-                64 => return wide_token::<R, 4>(vis, span, qs, &cache, cap, max, sum, acc, dest),
-                128 => return wide_token::<R, 8>(vis, span, qs, &cache, cap, max, sum, acc, dest),
-                256 => return wide_token::<R, 16>(vis, span, qs, &cache, cap, max, sum, acc, dest),
+                32 => return wide_token::<R, 2>(visible, span, qs, &cache, softcap, max, sum, acc),
+                64 => return wide_token::<R, 4>(visible, span, qs, &cache, softcap, max, sum, acc),
+                128 => {
+                    return wide_token::<R, 8>(visible, span, qs, &cache, softcap, max, sum, acc)
+                }
+                256 => {
+                    return wide_token::<R, 16>(visible, span, qs, &cache, softcap, max, sum, acc)
+                }
                 _ => {}
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = wide;
+    let group = max.len() / span;
     let per_head = group * d;
     for s in 0..span {
         let part = s * per_head..(s + 1) * per_head;
@@ -635,17 +775,16 @@ fn attend_token<R: AnyRows>(
             s,
             &qs[part.clone()],
             cache,
-            scoring.softcap,
+            softcap,
             (scores, &mut max[heads.clone()], &mut sum[heads]),
-            &mut acc[part.clone()],
-            &mut dest[part],
+            &mut acc[part],
             d,
         );
     }
 }
 
-/// A decode row against one KV head (`offset` past the rows of `visible`), portable: its G
-/// heads' queries `qs` (scaled), softmax scratch (scores, max, sum), output `dest` (G x D).
+/// A decode row's softmax state against one KV head (`offset` past the rows of `visible`),
+/// portable: its G heads' queries `qs` (scaled); scratch scores; state (max, sum, acc).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn token_kv_head<R: Rows>(
@@ -656,7 +795,6 @@ fn token_kv_head<R: Rows>(
     softcap: Option<f32>,
     (scores, max, sum): (&mut [f32], &mut [f32], &mut [f32]),
     acc: &mut [f32],
-    dest: &mut [f32],
     d: usize,
 ) {
     let group = max.len();
@@ -696,12 +834,6 @@ fn token_kv_head<R: Rows>(
                 let p = scores[h * CHUNK + i];
                 cache.v_add((row + offset) * d, p, &mut acc[h * d..(h + 1) * d]);
             }
-        }
-    }
-    for h in 0..group {
-        let inverse = if sum[h] > 0.0 { 1.0 / sum[h] } else { 0.0 };
-        for (o, a) in dest[h * d..(h + 1) * d].iter_mut().zip(&acc[h * d..]) {
-            *o = a * inverse;
         }
     }
 }
@@ -921,11 +1053,12 @@ macro_rules! compiled_for {
             q: &[f32],
             cache: R,
             out: SharedMut<f32>,
+            states: SharedMut<f32>,
             shape: &PagedShape,
             rows: &StepRows,
             scoring: &Scoring,
         ) {
-            attend_items(items, q, cache, out, shape, rows, scoring, $wide)
+            attend_items(items, q, cache, out, states, shape, rows, scoring, $wide)
         }
     };
 }
@@ -986,10 +1119,13 @@ pub fn paged_attention(
     let tokens = q.len() / (heads * head_dim);
     let owners = token_rows(&rows, &shape, tokens)?;
     let blocks = balanced(query_blocks(&owners));
-    let items = work_items(&blocks, kv_heads, threads.get());
+    let (items, parts) = work_items(&blocks, &scoring, kv_heads, threads.get());
+    let slots = parts.iter().map(|p| p.count as usize).sum::<usize>();
+    let mut states = vec![0f32; slots * part_len(heads, head_dim)];
     let work = Work {
         q,
         out: SharedMut::new(out.as_mut_ptr()),
+        states: SharedMut::new(states.as_mut_ptr()),
         shape: &shape,
         rows: &rows,
         scoring: &scoring,
@@ -1026,6 +1162,7 @@ pub fn paged_attention(
             return invalid("paged attention: K's and V's scales differ in type".into())
         }
     }
+    merge_parts(&parts, &states, out, heads, head_dim);
     Ok(())
 }
 
@@ -1033,6 +1170,8 @@ pub fn paged_attention(
 struct Work<'a> {
     q: &'a [f32],
     out: SharedMut<f32>,
+    /// The softmax states of decode rows' parts.
+    states: SharedMut<f32>,
     shape: &'a PagedShape,
     rows: &'a StepRows<'a>,
     scoring: &'a Scoring,
@@ -1046,6 +1185,7 @@ impl Work<'_> {
         let Work {
             q,
             out,
+            states,
             shape,
             rows,
             scoring,
@@ -1059,14 +1199,14 @@ impl Work<'_> {
             match isa {
                 // SAFETY: the instruction sets were detected (`isa.supported()`).
                 Isa::Avx512Vnni => unsafe {
-                    return attend_items_avx512(items, q, cache, out, shape, rows, scoring);
+                    return attend_items_avx512(items, q, cache, out, states, shape, rows, scoring);
                 },
                 Isa::Avx2 | Isa::AvxVnni => unsafe {
-                    return attend_items_avx2(items, q, cache, out, shape, rows, scoring);
+                    return attend_items_avx2(items, q, cache, out, states, shape, rows, scoring);
                 },
                 Isa::Scalar => {}
             }
-            attend_items(items, q, cache, out, shape, rows, scoring, false);
+            attend_items(items, q, cache, out, states, shape, rows, scoring, false);
         });
     }
 }
@@ -1319,6 +1459,93 @@ mod tests {
                 ],
             );
         }
+    }
+
+    #[test]
+    fn long_decode_rows_cut_into_parts_match_the_reference() {
+        // Two decode rows with long contexts: with 3 threads each is cut into parts of
+        // consecutive positions whose softmax states are merged (with 1 thread they are not);
+        // a window keeps a part's range inside it; D 64 (AVX-512 decode) and 40 (portable).
+        let lens = [1100i32, 600];
+        let qsl = [0i32, 1, 2];
+        for (heads, kv_heads, head_dim) in [(8, 2, 64), (4, 4, 40)] {
+            let block_size = 16;
+            let width = 70;
+            let num_blocks = 2 * width;
+            let shape = PagedShape {
+                heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                num_blocks,
+            };
+            let tables: Vec<i32> = (0..num_blocks as i32)
+                .map(|i| (i * 53 + 7) % num_blocks as i32)
+                .collect();
+            let rows = StepRows {
+                query_start_loc: &qsl,
+                seq_lens: &lens,
+                block_tables: &tables,
+                table_width: width,
+            };
+            check_every_cache(
+                shape,
+                rows,
+                &[
+                    Scoring {
+                        scale: 0.15,
+                        window: None,
+                        softcap: None,
+                    },
+                    Scoring {
+                        scale: 0.15,
+                        window: Some(700),
+                        softcap: Some(4.0),
+                    },
+                ],
+            );
+        }
+    }
+
+    #[test]
+    fn work_items_cut_long_decode_rows_and_spread_short_ones() {
+        let scoring = Scoring {
+            scale: 1.0,
+            window: None,
+            softcap: None,
+        };
+        let row = |position: u32| QueryBlock {
+            token: 0,
+            count: 1,
+            position,
+            request: 0,
+        };
+        // One long row, two threads: four parts of every head, consecutive positions.
+        let (items, parts) = work_items(&[row(4095)], &scoring, 12, 2);
+        assert_eq!(items.len(), 4);
+        assert_eq!(parts.len(), 1);
+        assert_eq!(parts[0].count, 4);
+        let mut next = 0;
+        for (i, item) in items.iter().enumerate() {
+            assert_eq!((item.heads, item.partial), ((0, 12), i as u32));
+            assert_eq!(item.positions.0, next);
+            next = item.positions.1;
+        }
+        assert_eq!(next, 4096);
+        // One short row: spans of KV heads, whole.
+        let (items, parts) = work_items(&[row(100)], &scoring, 12, 2);
+        assert!(parts.is_empty());
+        let spans: Vec<_> = items.iter().map(|i| i.heads).collect();
+        assert_eq!(spans, vec![(0, 3), (3, 6), (6, 9), (9, 12)]);
+        assert!(items
+            .iter()
+            .all(|i| i.partial == WHOLE && i.positions == (0, 101)));
+        // Many rows: one item per row with every head.
+        let rows: Vec<_> = (0..8).map(|i| row(4000 + i)).collect();
+        let (items, parts) = work_items(&rows, &scoring, 12, 2);
+        assert!(parts.is_empty());
+        assert!(items.iter().all(|i| i.heads == (0, 12)));
+        assert_eq!(items.len(), 8);
     }
 
     fn check_every_cache(shape: PagedShape, rows: StepRows, scorings: &[Scoring]) {

@@ -152,8 +152,9 @@ struct HeadState<'a> {
 /// One decode row against its context for `span` consecutive KV heads and their query heads.
 /// `rows[i]` is the cache row (in the (block, offset, KV head) grid) of the first KV head at
 /// the i-th visible position (the span's rows follow it); `qs` holds the query heads' queries
-/// already multiplied by the score scale (heads x D); the normalised output goes to `out`
-/// (heads x D). `max`, `sum` (heads) and `acc` (heads x D) are scratch. D must be 16 · NV.
+/// already multiplied by the score scale (heads x D). Leaves each head's softmax state: its
+/// running max and sum in `max` and `sum` (heads) and its unnormalised output in `acc`
+/// (heads x D). D must be 16 · NV.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn attend_token_avx512<R: Rows16, const NV: usize>(
@@ -165,12 +166,11 @@ pub(super) unsafe fn attend_token_avx512<R: Rows16, const NV: usize>(
     max: &mut [f32],
     sum: &mut [f32],
     acc: &mut [f32],
-    out: &mut [f32],
 ) {
     let d = 16 * NV;
     let heads = max.len();
     let group = heads / span;
-    debug_assert!(qs.len() == heads * d && acc.len() == heads * d && out.len() == heads * d);
+    debug_assert!(qs.len() == heads * d && acc.len() == heads * d);
     max.fill(f32::NEG_INFINITY);
     sum.fill(0.0);
     acc.fill(0.0);
@@ -203,12 +203,6 @@ pub(super) unsafe fn attend_token_avx512<R: Rows16, const NV: usize>(
                 };
                 attend_keys::<R, NV>(&kv_rows[..n], q, cache, softcap, &kscale, &vscale, state);
             }
-        }
-    }
-    for h in 0..heads {
-        let inverse = if sum[h] > 0.0 { 1.0 / sum[h] } else { 0.0 };
-        for (o, a) in out[h * d..(h + 1) * d].iter_mut().zip(&acc[h * d..]) {
-            *o = a * inverse;
         }
     }
 }
