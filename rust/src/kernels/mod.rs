@@ -16,6 +16,8 @@ pub mod elementwise;
 mod isa;
 mod packed;
 pub mod paged_attention;
+#[cfg(target_arch = "x86_64")]
+mod paged_decode_x86;
 pub mod peak;
 mod pool;
 mod quantize;

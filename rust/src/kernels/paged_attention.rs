@@ -25,6 +25,9 @@ use super::KernelError;
 /// Positions scored before each softmax update.
 const CHUNK: usize = 32;
 
+/// Positions between a decode row's prefetch of a K/V row and its use.
+pub(super) const AHEAD: usize = 32;
+
 /// The cache's and the heads' shape.
 #[derive(Debug, Clone, Copy)]
 pub struct PagedShape {
@@ -108,19 +111,40 @@ fn bf16(bits: u16) -> f32 {
 
 /// How the kernel reads one cached K or V row (`at`: the row's first element; `q` and `acc`
 /// are one head's D values).
-trait Rows: Copy + Sync {
+pub(super) trait Rows: Copy + Sync {
     fn k_dot(&self, at: usize, q: &[f32]) -> f32;
     fn v_add(&self, at: usize, p: f32, acc: &mut [f32]);
     /// The K row's values as float32 (an int8 row times its scale) into `buf` (D values).
     fn k_row(&self, at: usize, buf: &mut [f32]);
     /// The V row's values as float32 (an int8 row times its scale) into `buf` (D values).
     fn v_row(&self, at: usize, buf: &mut [f32]);
+    /// Asks the memory system for the K and V rows at `at` (D values each) ahead of their use.
+    fn prefetch(&self, at: usize, d: usize);
+}
+
+/// Asks for the cache lines of `count` elements from `first` (a hint: never faults).
+#[inline(always)]
+fn prefetch_lines<T>(first: &[T], count: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = count * std::mem::size_of::<T>();
+        let base = first.as_ptr() as *const i8;
+        let mut off = 0;
+        while off < bytes {
+            // SAFETY: a prefetch is a hint and never faults; the address lies within `first`'s row.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(off)) };
+            off += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (first, count);
 }
 
 #[derive(Clone, Copy)]
-struct F32Rows<'a> {
-    k: &'a [f32],
-    v: &'a [f32],
+pub(super) struct F32Rows<'a> {
+    pub(super) k: &'a [f32],
+    pub(super) v: &'a [f32],
 }
 
 impl Rows for F32Rows<'_> {
@@ -143,12 +167,17 @@ impl Rows for F32Rows<'_> {
     fn v_row(&self, at: usize, buf: &mut [f32]) {
         buf.copy_from_slice(&self.v[at..][..buf.len()]);
     }
+    #[inline(always)]
+    fn prefetch(&self, at: usize, d: usize) {
+        prefetch_lines(&self.k[at..], d);
+        prefetch_lines(&self.v[at..], d);
+    }
 }
 
 #[derive(Clone, Copy)]
-struct Bf16Rows<'a> {
-    k: &'a [u16],
-    v: &'a [u16],
+pub(super) struct Bf16Rows<'a> {
+    pub(super) k: &'a [u16],
+    pub(super) v: &'a [u16],
 }
 
 impl Rows for Bf16Rows<'_> {
@@ -177,9 +206,14 @@ impl Rows for Bf16Rows<'_> {
             *b = bf16(x);
         }
     }
+    #[inline(always)]
+    fn prefetch(&self, at: usize, d: usize) {
+        prefetch_lines(&self.k[at..], d);
+        prefetch_lines(&self.v[at..], d);
+    }
 }
 
-trait Scale: Copy + Sync {
+pub(super) trait Scale: Copy + Sync {
     fn at(&self, i: usize) -> f32;
 }
 
@@ -191,7 +225,7 @@ impl Scale for &[f32] {
 }
 
 #[derive(Clone, Copy)]
-struct Bf16Scale<'a>(&'a [u16]);
+pub(super) struct Bf16Scale<'a>(&'a [u16]);
 
 impl Scale for Bf16Scale<'_> {
     #[inline(always)]
@@ -201,11 +235,11 @@ impl Scale for Bf16Scale<'_> {
 }
 
 #[derive(Clone, Copy)]
-struct Int8Rows<'a, S: Scale> {
-    k: &'a [i8],
-    v: &'a [i8],
-    k_scale: S,
-    v_scale: S,
+pub(super) struct Int8Rows<'a, S: Scale> {
+    pub(super) k: &'a [i8],
+    pub(super) v: &'a [i8],
+    pub(super) k_scale: S,
+    pub(super) v_scale: S,
 }
 
 impl<S: Scale> Rows for Int8Rows<'_, S> {
@@ -238,7 +272,22 @@ impl<S: Scale> Rows for Int8Rows<'_, S> {
             *b = x as f32 * scale;
         }
     }
+    #[inline(always)]
+    fn prefetch(&self, at: usize, d: usize) {
+        prefetch_lines(&self.k[at..], d);
+        prefetch_lines(&self.v[at..], d);
+    }
 }
+
+/// The rows every cache kind offers: on x86-64 also read 16 values at a time (AVX-512 decode).
+#[cfg(target_arch = "x86_64")]
+pub(super) trait AnyRows: super::paged_decode_x86::Rows16 {}
+#[cfg(target_arch = "x86_64")]
+impl<T: super::paged_decode_x86::Rows16> AnyRows for T {}
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) trait AnyRows: Rows {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T: Rows> AnyRows for T {}
 
 /// One query token's request: (request, its position in the context).
 fn token_rows(
@@ -351,6 +400,134 @@ fn balanced(blocks: Vec<QueryBlock>) -> Vec<QueryBlock> {
         .collect()
 }
 
+/// One work item: a query block, the KV heads [heads.0, heads.1) it attends with and, for a
+/// decode row, the positions [positions.0, positions.1) it reads. A prefill block takes one KV
+/// head per item and its whole context. A decode row's item takes a span of KV heads and walks
+/// its positions once for the span (a position's rows of the span are adjacent in the cache,
+/// so a page of the cache is read once, not once per head); where the rows alone would leave a
+/// thread idle, a long context is cut into parts of consecutive positions with every head (each
+/// part's softmax state is kept in `partial` slot and the parts are merged after), a short one
+/// into spans of KV heads.
+#[derive(Debug, Clone, Copy)]
+struct WorkItem {
+    block: QueryBlock,
+    heads: (u32, u32),
+    positions: (u32, u32),
+    /// The item's slot among the partial results, or `WHOLE`.
+    partial: u32,
+}
+
+/// A work item that writes its output itself (not one part of a decode row).
+const WHOLE: u32 = u32::MAX;
+
+/// The fewest positions a decode row's part reads.
+const MIN_PART: usize = 256;
+
+/// A decode row cut into parts: its token and the slots of its parts.
+#[derive(Debug, Clone, Copy)]
+struct Parts {
+    token: u32,
+    first: u32,
+    count: u32,
+}
+
+/// The work items of the (balanced) blocks for `threads` threads, and the decode rows cut into
+/// parts.
+fn work_items(
+    blocks: &[QueryBlock],
+    scoring: &Scoring,
+    kv_heads: usize,
+    threads: usize,
+) -> (Vec<WorkItem>, Vec<Parts>) {
+    let decode_rows = blocks.iter().filter(|b| b.count == 1).count();
+    // Two items per thread where the rows alone would leave a thread idle or unbalanced.
+    let wanted = (2 * threads).div_ceil(decode_rows.max(1));
+    let mut items = Vec::with_capacity(blocks.len() * kv_heads);
+    let mut parts = Vec::new();
+    let mut slots = 0u32;
+    let all = (0, kv_heads as u32);
+    for &block in blocks {
+        let hi = block.position as usize + 1;
+        let lo = first_visible(scoring, block.position as usize);
+        let whole = (lo as u32, hi as u32);
+        if block.count > 1 {
+            items.extend((0..kv_heads as u32).map(|g| WorkItem {
+                block,
+                heads: (g, g + 1),
+                positions: whole,
+                partial: WHOLE,
+            }));
+            continue;
+        }
+        let cuts = wanted.min((hi - lo) / MIN_PART);
+        if cuts > 1 {
+            let first = slots;
+            slots += cuts as u32;
+            parts.push(Parts {
+                token: block.token,
+                first,
+                count: cuts as u32,
+            });
+            items.extend((0..cuts).map(|c| WorkItem {
+                block,
+                heads: all,
+                positions: (
+                    (lo + c * (hi - lo) / cuts) as u32,
+                    (lo + (c + 1) * (hi - lo) / cuts) as u32,
+                ),
+                partial: first + c as u32,
+            }));
+        } else {
+            let spans = wanted.clamp(1, kv_heads);
+            items.extend((0..spans).map(|s| WorkItem {
+                block,
+                heads: (
+                    (s * kv_heads / spans) as u32,
+                    ((s + 1) * kv_heads / spans) as u32,
+                ),
+                positions: whole,
+                partial: WHOLE,
+            }));
+        }
+    }
+    (items, parts)
+}
+
+/// A part's softmax state: per head its running max, its sum and its (unnormalised) output.
+fn part_len(heads: usize, d: usize) -> usize {
+    heads * (d + 2)
+}
+
+/// Each decode row cut into parts gets its output from its parts' states: with M the largest
+/// of the parts' maxima m_p, out = Σ_p acc_p · e^(m_p − M) / Σ_p sum_p · e^(m_p − M).
+fn merge_parts(parts: &[Parts], states: &[f32], out: &mut [f32], heads: usize, d: usize) {
+    let size = part_len(heads, d);
+    for p in parts {
+        let states = &states[p.first as usize * size..(p.first + p.count) as usize * size];
+        let row = &mut out[p.token as usize * heads * d..][..heads * d];
+        for h in 0..heads {
+            let max = states
+                .chunks(size)
+                .fold(f32::NEG_INFINITY, |m, s| m.max(s[h]));
+            let dest = &mut row[h * d..(h + 1) * d];
+            dest.fill(0.0);
+            let mut sum = 0f32;
+            for state in states.chunks(size) {
+                let w = exp(state[h] - max);
+                sum += state[heads + h] * w;
+                let acc = &state[2 * heads + h * d..][..d];
+                for (o, a) in dest.iter_mut().zip(acc) {
+                    *o += a * w;
+                }
+            }
+            let inverse = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+            for o in dest.iter_mut() {
+                *o *= inverse;
+            }
+        }
+    }
+}
+
 /// The first position a query at `position` sees.
 #[inline(always)]
 fn first_visible(scoring: &Scoring, position: usize) -> usize {
@@ -376,16 +553,20 @@ struct Scratch {
     block_max: Vec<[f32; QB]>,
     block_sum: Vec<[f32; QB]>,
     block_acc: Vec<f32>,
+    /// A decode row's visible cache rows.
+    rows: Vec<usize>,
 }
 
 impl Scratch {
-    fn new(group: usize, d: usize) -> Self {
+    /// Scratch for `group` query heads per KV head, `kv_heads` of them, head size `d`.
+    fn new(group: usize, kv_heads: usize, d: usize) -> Self {
+        let heads = group * kv_heads;
         Scratch {
-            qs: vec![0.0; group * d],
-            acc: vec![0.0; group * d],
+            qs: vec![0.0; heads * d],
+            acc: vec![0.0; heads * d],
             scores: vec![0.0; group * CHUNK],
-            max: vec![0.0; group],
-            sum: vec![0.0; group],
+            max: vec![0.0; heads],
+            sum: vec![0.0; heads],
             k: vec![0.0; CHUNK * d],
             v: vec![0.0; CHUNK * d],
             qt: vec![[0.0; QB]; group * d],
@@ -393,6 +574,7 @@ impl Scratch {
             block_max: vec![[0.0; QB]; group],
             block_sum: vec![[0.0; QB]; group],
             block_acc: vec![0.0; group * QB * d],
+            rows: Vec::new(),
         }
     }
 }
@@ -400,23 +582,35 @@ impl Scratch {
 /// Work items [items.start, items.end) of (query block, KV head), written into `out`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn attend_items<R: Rows>(
-    items: std::ops::Range<usize>,
+fn attend_items<R: AnyRows>(
+    items: &[WorkItem],
     q: &[f32],
     cache: R,
     out: SharedMut<f32>,
+    states: SharedMut<f32>,
     shape: &PagedShape,
     rows: &StepRows,
     scoring: &Scoring,
-    blocks: &[QueryBlock],
+    wide: bool,
 ) {
     let (d, kvh) = (shape.head_dim, shape.kv_heads);
-    let mut scratch = Scratch::new(shape.heads / kvh, d);
+    let mut scratch = Scratch::new(shape.heads / kvh, kvh, d);
     for item in items {
-        let (block, g) = (blocks[item / kvh], item % kvh);
-        if block.count == 1 {
-            attend_token(block, g, q, cache, out, shape, rows, scoring, &mut scratch);
+        if item.block.count == 1 {
+            attend_token(
+                item,
+                q,
+                cache,
+                out,
+                states,
+                shape,
+                rows,
+                scoring,
+                &mut scratch,
+                wide,
+            );
         } else {
+            let (block, g) = (item.block, item.heads.0 as usize);
             attend_block(block, g, q, cache, out, shape, rows, scoring, &mut scratch);
         }
     }
@@ -439,59 +633,191 @@ fn slot_of<'a>(
     }
 }
 
-/// One query token (a decode row) and KV head: the G heads of the group read each K/V row once.
+/// The cache rows (in the (block, offset, KV head) grid: element `row · D`) of positions
+/// [lo, hi) of request r's KV head g, into `out`: one table read per cache block, no division
+/// per position.
+fn visible_rows(
+    shape: &PagedShape,
+    rows: &StepRows,
+    r: usize,
+    g: usize,
+    (lo, hi): (usize, usize),
+    out: &mut Vec<usize>,
+) {
+    let table = &rows.block_tables[r * rows.table_width..];
+    let (bs, kvh) = (shape.block_size, shape.kv_heads);
+    out.clear();
+    let mut j = lo;
+    while j < hi {
+        let (b, offset) = (j / bs, j % bs);
+        let end = (j - offset + bs).min(hi);
+        let first = (table[b] as usize * bs + offset) * kvh + g;
+        out.extend((0..end - j).map(|i| first + i * kvh));
+        j = end;
+    }
+}
+
+/// One decode row's work item: the KV heads and positions it names; the G query heads of
+/// each KV head read its K/V rows once. A whole item writes its output; a part leaves its
+/// softmax state in its slot of `states`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn attend_token<R: Rows>(
-    block: QueryBlock,
-    g: usize,
+fn attend_token<R: AnyRows>(
+    item: &WorkItem,
     q: &[f32],
     cache: R,
     out: SharedMut<f32>,
+    states: SharedMut<f32>,
     shape: &PagedShape,
     rows: &StepRows,
     scoring: &Scoring,
     scratch: &mut Scratch,
+    wide: bool,
 ) {
+    let (block, (g0, g1)) = (item.block, item.heads);
+    let (g0, span) = (g0 as usize, (g1 - g0) as usize);
     let d = shape.head_dim;
     let group = shape.heads / shape.kv_heads;
+    // The item's query heads are consecutive: g0 · G .. (g0 + span) · G.
+    let n = span * group;
+    let first = (block.token as usize * shape.heads + g0 * group) * d;
     let Scratch {
         qs,
         acc,
         scores,
         max,
         sum,
+        rows: visible,
         ..
     } = scratch;
-    let t = block.token as usize;
-    let hi = block.position as usize + 1;
-    let lo = first_visible(scoring, block.position as usize);
-    for h in 0..group {
-        let head = g * group + h;
-        let src = &q[(t * shape.heads + head) * d..][..d];
-        for (o, v) in qs[h * d..(h + 1) * d].iter_mut().zip(src) {
-            *o = v * scoring.scale;
+    let (qs, acc) = (&mut qs[..n * d], &mut acc[..n * d]);
+    let (max, sum) = (&mut max[..n], &mut sum[..n]);
+    for (o, v) in qs.iter_mut().zip(&q[first..first + n * d]) {
+        *o = v * scoring.scale;
+    }
+    let window = (item.positions.0 as usize, item.positions.1 as usize);
+    visible_rows(shape, rows, block.request as usize, g0, window, visible);
+    token_state(
+        visible,
+        span,
+        qs,
+        cache,
+        scoring.softcap,
+        scores,
+        (max, sum, acc),
+        d,
+        wide,
+    );
+    if item.partial == WHOLE {
+        // SAFETY: the item's (token, head) output rows are consecutive and belong to it alone.
+        let dest = unsafe { std::slice::from_raw_parts_mut(out.get().add(first), n * d) };
+        for h in 0..n {
+            let inverse = if sum[h] > 0.0 { 1.0 / sum[h] } else { 0.0 };
+            for (o, a) in dest[h * d..(h + 1) * d].iter_mut().zip(&acc[h * d..]) {
+                *o = a * inverse;
+            }
+        }
+    } else {
+        // SAFETY: a part covers every head and its slot belongs to it alone.
+        let size = part_len(n, d);
+        let slot = unsafe {
+            std::slice::from_raw_parts_mut(states.get().add(item.partial as usize * size), size)
+        };
+        slot[..n].copy_from_slice(max);
+        slot[n..2 * n].copy_from_slice(sum);
+        slot[2 * n..].copy_from_slice(acc);
+    }
+}
+
+/// A decode row's softmax state (running max, sum, unnormalised output of each query head)
+/// over the cache rows `visible` (of the first KV head; `span` KV heads follow each) with the
+/// queries `qs` (scaled).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn token_state<R: AnyRows>(
+    visible: &[usize],
+    span: usize,
+    qs: &[f32],
+    cache: R,
+    softcap: Option<f32>,
+    scores: &mut [f32],
+    (max, sum, acc): (&mut [f32], &mut [f32], &mut [f32]),
+    d: usize,
+    wide: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        use super::paged_decode_x86::attend_token_avx512 as wide_token;
+        // SAFETY: `wide` is set only where AVX-512F was detected.
+        unsafe {
+            match d {
+                32 => return wide_token::<R, 2>(visible, span, qs, &cache, softcap, max, sum, acc),
+                64 => return wide_token::<R, 4>(visible, span, qs, &cache, softcap, max, sum, acc),
+                128 => {
+                    return wide_token::<R, 8>(visible, span, qs, &cache, softcap, max, sum, acc)
+                }
+                256 => {
+                    return wide_token::<R, 16>(visible, span, qs, &cache, softcap, max, sum, acc)
+                }
+                _ => {}
+            }
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = wide;
+    let group = max.len() / span;
+    let per_head = group * d;
+    for s in 0..span {
+        let part = s * per_head..(s + 1) * per_head;
+        let heads = s * group..(s + 1) * group;
+        token_kv_head(
+            visible,
+            s,
+            &qs[part.clone()],
+            cache,
+            softcap,
+            (scores, &mut max[heads.clone()], &mut sum[heads]),
+            &mut acc[part],
+            d,
+        );
+    }
+}
+
+/// A decode row's softmax state against one KV head (`offset` past the rows of `visible`),
+/// portable: its G heads' queries `qs` (scaled); scratch scores; state (max, sum, acc).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn token_kv_head<R: Rows>(
+    visible: &[usize],
+    offset: usize,
+    qs: &[f32],
+    cache: R,
+    softcap: Option<f32>,
+    (scores, max, sum): (&mut [f32], &mut [f32], &mut [f32]),
+    acc: &mut [f32],
+    d: usize,
+) {
+    let group = max.len();
     acc.fill(0.0);
     max.fill(f32::NEG_INFINITY);
     sum.fill(0.0);
-    let slot = slot_of(shape, rows, block.request as usize, g);
-    let mut start = lo;
-    while start < hi {
-        let end = (start + CHUNK).min(hi);
-        for j in start..end {
-            let at = slot(j);
+    for (c, chunk_rows) in visible.chunks(CHUNK).enumerate() {
+        let n = chunk_rows.len();
+        for (i, &row) in chunk_rows.iter().enumerate() {
+            let at = (row + offset) * d;
+            if let Some(&ahead) = visible.get(c * CHUNK + i + AHEAD) {
+                cache.prefetch((ahead + offset) * d, d);
+            }
             for h in 0..group {
                 let mut s = cache.k_dot(at, &qs[h * d..(h + 1) * d]);
-                if let Some(cap) = scoring.softcap {
+                if let Some(cap) = softcap {
                     s = cap * (s / cap).tanh();
                 }
-                scores[h * CHUNK + j - start] = s;
+                scores[h * CHUNK + i] = s;
             }
         }
         for h in 0..group {
-            let chunk = &mut scores[h * CHUNK..h * CHUNK + end - start];
+            let chunk = &mut scores[h * CHUNK..h * CHUNK + n];
             let new_max = chunk.iter().fold(max[h], |m, &s| m.max(s));
             let rescale = exp(max[h] - new_max);
             for p in chunk.iter_mut() {
@@ -503,21 +829,11 @@ fn attend_token<R: Rows>(
                 *a *= rescale;
             }
         }
-        for j in start..end {
-            let at = slot(j);
+        for (i, &row) in chunk_rows.iter().enumerate() {
             for h in 0..group {
-                let p = scores[h * CHUNK + j - start];
-                cache.v_add(at, p, &mut acc[h * d..(h + 1) * d]);
+                let p = scores[h * CHUNK + i];
+                cache.v_add((row + offset) * d, p, &mut acc[h * d..(h + 1) * d]);
             }
-        }
-        start = end;
-    }
-    for h in 0..group {
-        let head = g * group + h;
-        let inverse = if sum[h] > 0.0 { 1.0 / sum[h] } else { 0.0 };
-        for (i, a) in acc[h * d..(h + 1) * d].iter().enumerate() {
-            // SAFETY: each (token, head) output row belongs to one work item.
-            unsafe { *out.get().add((t * shape.heads + head) * d + i) = a * inverse };
         }
     }
 }
@@ -728,27 +1044,27 @@ fn attend_block<R: Rows>(
 }
 
 macro_rules! compiled_for {
-    ($name:ident, $features:literal) => {
+    ($name:ident, $features:literal, $wide:literal) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $name<R: Rows>(
-            items: std::ops::Range<usize>,
+        unsafe fn $name<R: AnyRows>(
+            items: &[WorkItem],
             q: &[f32],
             cache: R,
             out: SharedMut<f32>,
+            states: SharedMut<f32>,
             shape: &PagedShape,
             rows: &StepRows,
             scoring: &Scoring,
-            blocks: &[QueryBlock],
         ) {
-            attend_items(items, q, cache, out, shape, rows, scoring, blocks)
+            attend_items(items, q, cache, out, states, shape, rows, scoring, $wide)
         }
     };
 }
 
-compiled_for!(attend_items_avx512, "avx512f,avx2,fma");
-compiled_for!(attend_items_avx2, "avx2,fma");
+compiled_for!(attend_items_avx512, "avx512f,avx2,fma", true);
+compiled_for!(attend_items_avx2, "avx2,fma", false);
 
 /// out (T, H, D) = attention of q (T, H, D) over the caches (see the module note).
 #[allow(clippy::too_many_arguments)]
@@ -803,13 +1119,17 @@ pub fn paged_attention(
     let tokens = q.len() / (heads * head_dim);
     let owners = token_rows(&rows, &shape, tokens)?;
     let blocks = balanced(query_blocks(&owners));
+    let (items, parts) = work_items(&blocks, &scoring, kv_heads, threads.get());
+    let slots = parts.iter().map(|p| p.count as usize).sum::<usize>();
+    let mut states = vec![0f32; slots * part_len(heads, head_dim)];
     let work = Work {
         q,
         out: SharedMut::new(out.as_mut_ptr()),
+        states: SharedMut::new(states.as_mut_ptr()),
         shape: &shape,
         rows: &rows,
         scoring: &scoring,
-        blocks: blocks.as_slice(),
+        items: items.as_slice(),
         isa,
         threads,
     };
@@ -842,6 +1162,7 @@ pub fn paged_attention(
             return invalid("paged attention: K's and V's scales differ in type".into())
         }
     }
+    merge_parts(&parts, &states, out, heads, head_dim);
     Ok(())
 }
 
@@ -849,39 +1170,43 @@ pub fn paged_attention(
 struct Work<'a> {
     q: &'a [f32],
     out: SharedMut<f32>,
+    /// The softmax states of decode rows' parts.
+    states: SharedMut<f32>,
     shape: &'a PagedShape,
     rows: &'a StepRows<'a>,
     scoring: &'a Scoring,
-    blocks: &'a [QueryBlock],
+    items: &'a [WorkItem],
     isa: Isa,
     threads: ThreadCount,
 }
 
 impl Work<'_> {
-    fn run<R: Rows>(&self, cache: R) {
+    fn run<R: AnyRows>(&self, cache: R) {
         let Work {
             q,
             out,
+            states,
             shape,
             rows,
             scoring,
-            blocks,
+            items,
             isa,
             threads,
         } = *self;
-        split(threads, blocks.len() * shape.kv_heads, |items| {
+        split(threads, items.len(), |range| {
+            let items = &items[range];
             #[cfg(target_arch = "x86_64")]
             match isa {
                 // SAFETY: the instruction sets were detected (`isa.supported()`).
                 Isa::Avx512Vnni => unsafe {
-                    return attend_items_avx512(items, q, cache, out, shape, rows, scoring, blocks);
+                    return attend_items_avx512(items, q, cache, out, states, shape, rows, scoring);
                 },
                 Isa::Avx2 | Isa::AvxVnni => unsafe {
-                    return attend_items_avx2(items, q, cache, out, shape, rows, scoring, blocks);
+                    return attend_items_avx2(items, q, cache, out, states, shape, rows, scoring);
                 },
                 Isa::Scalar => {}
             }
-            attend_items(items, q, cache, out, shape, rows, scoring, blocks);
+            attend_items(items, q, cache, out, states, shape, rows, scoring, false);
         });
     }
 }
@@ -1085,6 +1410,144 @@ mod tests {
     }
 
     /// Every cache kind, instruction set and thread count against the f64 reference.
+    #[test]
+    fn decode_rows_match_the_reference_at_every_head_dim() {
+        // Decode rows alone (the AVX-512 decode path where D is 32, 64, 128 or 256): contexts
+        // of 1, 15, 16, 17, 33 and 100 positions (groups of 16 keys with and without a tail),
+        // blocks in scrambled order, windows that start inside a block, GQA and MHA.
+        let lens = [1i32, 15, 16, 17, 33, 100];
+        let qsl: Vec<i32> = (0..=lens.len() as i32).collect();
+        for (heads, kv_heads, head_dim) in [(8, 2, 64), (4, 4, 32), (6, 3, 128), (2, 1, 256)] {
+            let block_size = 8;
+            let width = 13;
+            let num_blocks = lens.len() * width;
+            let shape = PagedShape {
+                heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                num_blocks,
+            };
+            let tables: Vec<i32> = (0..num_blocks as i32)
+                .map(|i| (i * 37 + 11) % num_blocks as i32)
+                .collect();
+            let rows = StepRows {
+                query_start_loc: &qsl,
+                seq_lens: &lens,
+                block_tables: &tables,
+                table_width: width,
+            };
+            check_every_cache(
+                shape,
+                rows,
+                &[
+                    Scoring {
+                        scale: 0.2,
+                        window: None,
+                        softcap: None,
+                    },
+                    Scoring {
+                        scale: 0.2,
+                        window: Some(21),
+                        softcap: None,
+                    },
+                    Scoring {
+                        scale: 0.7,
+                        window: Some(5),
+                        softcap: Some(3.0),
+                    },
+                ],
+            );
+        }
+    }
+
+    #[test]
+    fn long_decode_rows_cut_into_parts_match_the_reference() {
+        // Two decode rows with long contexts: with 3 threads each is cut into parts of
+        // consecutive positions whose softmax states are merged (with 1 thread they are not);
+        // a window keeps a part's range inside it; D 64 (AVX-512 decode) and 40 (portable).
+        let lens = [1100i32, 600];
+        let qsl = [0i32, 1, 2];
+        for (heads, kv_heads, head_dim) in [(8, 2, 64), (4, 4, 40)] {
+            let block_size = 16;
+            let width = 70;
+            let num_blocks = 2 * width;
+            let shape = PagedShape {
+                heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                num_blocks,
+            };
+            let tables: Vec<i32> = (0..num_blocks as i32)
+                .map(|i| (i * 53 + 7) % num_blocks as i32)
+                .collect();
+            let rows = StepRows {
+                query_start_loc: &qsl,
+                seq_lens: &lens,
+                block_tables: &tables,
+                table_width: width,
+            };
+            check_every_cache(
+                shape,
+                rows,
+                &[
+                    Scoring {
+                        scale: 0.15,
+                        window: None,
+                        softcap: None,
+                    },
+                    Scoring {
+                        scale: 0.15,
+                        window: Some(700),
+                        softcap: Some(4.0),
+                    },
+                ],
+            );
+        }
+    }
+
+    #[test]
+    fn work_items_cut_long_decode_rows_and_spread_short_ones() {
+        let scoring = Scoring {
+            scale: 1.0,
+            window: None,
+            softcap: None,
+        };
+        let row = |position: u32| QueryBlock {
+            token: 0,
+            count: 1,
+            position,
+            request: 0,
+        };
+        // One long row, two threads: four parts of every head, consecutive positions.
+        let (items, parts) = work_items(&[row(4095)], &scoring, 12, 2);
+        assert_eq!(items.len(), 4);
+        assert_eq!(parts.len(), 1);
+        assert_eq!(parts[0].count, 4);
+        let mut next = 0;
+        for (i, item) in items.iter().enumerate() {
+            assert_eq!((item.heads, item.partial), ((0, 12), i as u32));
+            assert_eq!(item.positions.0, next);
+            next = item.positions.1;
+        }
+        assert_eq!(next, 4096);
+        // One short row: spans of KV heads, whole.
+        let (items, parts) = work_items(&[row(100)], &scoring, 12, 2);
+        assert!(parts.is_empty());
+        let spans: Vec<_> = items.iter().map(|i| i.heads).collect();
+        assert_eq!(spans, vec![(0, 3), (3, 6), (6, 9), (9, 12)]);
+        assert!(items
+            .iter()
+            .all(|i| i.partial == WHOLE && i.positions == (0, 101)));
+        // Many rows: one item per row with every head.
+        let rows: Vec<_> = (0..8).map(|i| row(4000 + i)).collect();
+        let (items, parts) = work_items(&rows, &scoring, 12, 2);
+        assert!(parts.is_empty());
+        assert!(items.iter().all(|i| i.heads == (0, 12)));
+        assert_eq!(items.len(), 8);
+    }
+
     fn check_every_cache(shape: PagedShape, rows: StepRows, scorings: &[Scoring]) {
         let (d, kvh) = (shape.head_dim, shape.kv_heads);
         let cache = shape.num_blocks * shape.block_size * kvh * d;
