@@ -4,11 +4,13 @@ parsing (json.loads of a 4 MB body holds the GIL tens of milliseconds and stalls
 steps). The scan never refuses a body that could fit, and leaves what it cannot judge to the
 usual path."""
 
+import asyncio
 import json
 
 import httpx
 import pytest
 from server_fixtures import ThreadServer, make_model_dir
+from starlette.requests import ClientDisconnect, Request
 
 from aieng.server import offloop, oversize
 from aieng.server.tokenizing import longest_token_bytes
@@ -144,3 +146,26 @@ def test_what_strict_json_does_not_take_is_left_to_the_usual_path(server, big_lo
     assert response.status_code == 400, response.text
     assert "bytes of text" not in response.json()["error"]["message"]
     assert len(big_loads) == 1
+
+
+def _request(messages: list[dict]) -> Request:
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    return Request({"type": "http", "method": "POST", "headers": []}, receive)
+
+
+def test_a_body_in_one_message_is_not_copied():
+    body = b"x" * BIG
+    request = _request([{"type": "http.request", "body": body, "more_body": False}])
+    assert asyncio.run(offloop.whole_body(request)) is body
+    assert asyncio.run(request.body()) is body  # what FastAPI reads next
+
+
+def test_a_body_in_parts_is_joined_and_a_disconnect_is_raised():
+    parts = [{"type": "http.request", "body": b"ab", "more_body": True}]
+    request = _request([*parts, {"type": "http.request", "body": b"cd", "more_body": False}])
+    assert asyncio.run(offloop.whole_body(request)) == b"abcd"
+    request = _request([*parts, {"type": "http.disconnect"}])
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(offloop.whole_body(request))
