@@ -47,7 +47,6 @@ class OffLoopBodyRoute(APIRoute):
                     client_of(request), len(body), _parse, model, body, bound
                 )
                 if isinstance(parsed, oversize.Oversize):
-                    mark(request.scope, "scanned")
                     assert bound is not None
                     oversize.refuse(ctx, bound, parsed)
                 if parsed is not None:
