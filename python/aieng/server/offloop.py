@@ -70,7 +70,8 @@ async def whole_body(request: Request) -> bytes:
                 raise ClientDisconnect()
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
-        request._body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        one = len(chunks) == 1 and type(chunks[0]) is bytes
+        request._body = chunks[0] if one else b"".join(chunks)
     return request._body
 
 

@@ -9,7 +9,9 @@
 #[cfg(feature = "python")]
 pub(crate) mod py;
 
-use serde_json::Value;
+use std::fmt;
+
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 /// The first text of a body's field whose UTF-8 length is past the limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,30 +27,195 @@ pub struct Oversize {
 /// `body`'s first text in its top-level `field` (a string, or a list of strings) longer than
 /// `limit` UTF-8 bytes. None when there is none, and whenever the body is not a JSON object
 /// that strict JSON parsing takes (not UTF-8, a lone surrogate, NaN, nesting past 128): the
-/// caller then parses it as it always does, so the answer is never a guess.
+/// caller then parses it as it always does, so the answer is never a guess. Nothing but the
+/// field's texts' lengths and the model's name is kept: the rest is checked and skipped.
 pub fn oversize_text(body: &[u8], field: &str, limit: usize) -> Option<Oversize> {
-    let value: Value = serde_json::from_slice(body).ok()?;
-    let object = value.as_object()?;
-    let (index, size) = match object.get(field)? {
-        Value::String(text) => (None, text.len()),
-        Value::Array(items) => {
-            let mut sizes = Vec::with_capacity(items.len());
-            for item in items {
-                sizes.push(item.as_str()?.len()); // a list of token ids or mixed: not texts
-            }
-            let first = sizes.iter().position(|&size| size > limit)?;
-            ((sizes.len() > 1).then_some(first), sizes[first])
+    let mut parser = serde_json::Deserializer::from_slice(body);
+    let scanned = parser.deserialize_map(BodyVisitor { field, limit }).ok()?;
+    parser.end().ok()?; // nothing but white space after the object
+    let (index, size) = match scanned.texts? {
+        Texts::One(size) => (size > limit).then_some((None, size))?,
+        Texts::List { count, first_over } => {
+            let (index, size) = first_over?;
+            ((count > 1).then_some(index), size)
         }
-        _ => return None,
+        Texts::Other => return None,
     };
-    if size <= limit {
-        return None;
+    Some(Oversize {
+        model: scanned.model.flatten(),
+        index,
+        size,
+    })
+}
+
+/// What a body's field holds, as far as texts go.
+enum Texts {
+    One(usize),
+    List {
+        count: usize,
+        first_over: Option<(usize, usize)>,
+    },
+    Other,
+}
+
+/// The last value of each key of interest (JSON's repeated keys count as Python counts them).
+struct Scanned {
+    texts: Option<Texts>,
+    model: Option<Option<String>>,
+}
+
+struct BodyVisitor<'f> {
+    field: &'f str,
+    limit: usize,
+}
+
+impl<'de> Visitor<'de> for BodyVisitor<'_> {
+    type Value = Scanned;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object")
     }
-    let model = object
-        .get("model")
-        .and_then(Value::as_str)
-        .map(str::to_owned);
-    Some(Oversize { model, index, size })
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Scanned, A::Error> {
+        let mut scanned = Scanned {
+            texts: None,
+            model: None,
+        };
+        while let Some(key) = map.next_key::<String>()? {
+            if key == self.field {
+                scanned.texts = Some(map.next_value_seed(TextsSeed { limit: self.limit })?);
+            } else if key == "model" {
+                scanned.model = Some(map.next_value_seed(StrOr(str::to_owned))?);
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(scanned)
+    }
+}
+
+struct TextsSeed {
+    limit: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for TextsSeed {
+    type Value = Texts;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Texts, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for TextsSeed {
+    type Value = Texts;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_str<E>(self, text: &str) -> Result<Texts, E> {
+        Ok(Texts::One(text.len()))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Texts, A::Error> {
+        let (mut count, mut first_over, mut texts) = (0, None, true);
+        while let Some(item) = seq.next_element_seed(StrOr(str::len))? {
+            match item {
+                Some(size) if first_over.is_none() && size > self.limit => {
+                    first_over = Some((count, size))
+                }
+                Some(_) => {}
+                None => texts = false, // token ids, or mixed: not texts
+            }
+            count += 1;
+        }
+        Ok(if texts {
+            Texts::List { count, first_over }
+        } else {
+            Texts::Other
+        })
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Texts, A::Error> {
+        skip_map(map).map(|_| Texts::Other)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Texts, E> {
+        Ok(Texts::Other)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Texts, E> {
+        Ok(Texts::Other)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Texts, E> {
+        Ok(Texts::Other)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Texts, E> {
+        Ok(Texts::Other)
+    }
+
+    fn visit_unit<E>(self) -> Result<Texts, E> {
+        Ok(Texts::Other)
+    }
+}
+
+/// A JSON value: `Some(f(text))` for a string, None for anything else (checked and skipped).
+struct StrOr<F>(F);
+
+impl<'de, T, F: FnOnce(&str) -> T> DeserializeSeed<'de> for StrOr<F> {
+    type Value = Option<T>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<T>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de, T, F: FnOnce(&str) -> T> Visitor<'de> for StrOr<F> {
+    type Value = Option<T>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_str<E>(self, text: &str) -> Result<Option<T>, E> {
+        Ok(Some((self.0)(text)))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<T>, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Option<T>, A::Error> {
+        skip_map(map).map(|_| None)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Option<T>, E> {
+        Ok(None)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Option<T>, E> {
+        Ok(None)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Option<T>, E> {
+        Ok(None)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Option<T>, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E>(self) -> Result<Option<T>, E> {
+        Ok(None)
+    }
+}
+
+fn skip_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
+    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+    Ok(())
 }
 
 #[cfg(test)]
@@ -103,6 +270,20 @@ mod tests {
             oversize_text(b"{\"prompt\":\"\xff\xfe\"}", "prompt", 0),
             None
         );
+    }
+
+    #[test]
+    fn everything_else_in_the_body_is_checked_and_skipped() {
+        let body = r#"{"a":[1,{"b":[null,true,2.5e3,"x"]}],"model":["m"],"prompt":"abcdef"}"#;
+        let found = scan(body, 5).unwrap();
+        assert_eq!((found.model, found.size), (None, 6)); // a model that is not a string
+        assert_eq!(scan(r#"{"prompt":"abcdef","a":[1,}"#, 5), None); // invalid after the text
+        assert_eq!(scan(r#"{"prompt":"abcdef"} x"#, 5), None); // something after the object
+        assert_eq!(scan("{\"prompt\":\"abcdef\"}\n\t ", 5).unwrap().size, 6);
+        assert_eq!(scan(r#"{"pr\u006fmpt":"abcdef"}"#, 5).unwrap().size, 6); // an escaped key
+        assert_eq!(scan(r#"{"prompt":["abcdef",{"a":1}]}"#, 5), None);
+        assert_eq!(scan(r#"{"prompt":[]}"#, 0), None);
+        assert_eq!(scan(r#"{"prompt":{"a":"abcdef"}}"#, 0), None);
     }
 
     #[test]
