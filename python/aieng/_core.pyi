@@ -302,6 +302,11 @@ class Grammar:
 _U8 = npt.NDArray[np.uint8]
 _F32 = npt.NDArray[np.float32]
 
+def oversize_text(body: bytes, field: str, limit: int) -> tuple[str | None, int | None, int] | None:
+    """(model, index, size) of the first text of the JSON object `body`'s top-level `field` (a
+    string or a list of strings) past `limit` UTF-8 bytes, parsed with the GIL released; None
+    when there is none or the body is not strict JSON (index: None for a lone text)."""
+
 def cpu_isa() -> str:
     """The instruction set the CPU kernels use (detected, or lowered by AIENG_CPU_ISA)."""
 

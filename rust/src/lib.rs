@@ -6,6 +6,7 @@
 
 pub mod block_pool;
 mod block_size;
+pub mod body_scan;
 pub mod cpu_decoder;
 pub mod error;
 pub mod fair_share;

@@ -1250,6 +1250,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGrammar>()?;
     crate::kernels::py::register(m)?;
     crate::cpu_decoder::py::register(m)?;
+    crate::body_scan::py::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
