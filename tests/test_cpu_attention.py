@@ -181,7 +181,12 @@ def test_models_follow_the_torch_backend(tmp_path, arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_models_follow_the_torch_backend_through_an_int8_cache(tmp_path, arch):
     """The INT8 cache read in place by the cpu kernel and dequantized by the torch reference:
-    the same stored values, so the same greedy tokens and logprobs within float rounding."""
+    the same greedy tokens and logprobs within a quantization step. The two sum in different
+    orders (rounding-level differences, ~1e-7 relative, in every attention output), and K/V
+    are quantized again each step: a value that lands that close to a rounding boundary is
+    stored one int8 step apart (1/127 of its row's largest value), which moves later logprobs
+    by up to ~5e-4 on these random models (measured: 4.6e-4 on qwen3's prefix-hit prompt with
+    the AVX-512 decode path, 1.4e-6 on the others), so the bound is 1e-3, not float32's 1e-4."""
     folder = build_checkpoint(arch, tmp_path / arch)
     want = greedy_logprobs(folder, "torch", kv_cache_dtype="int8")
     chunked = {"max_num_batched_tokens": 8, "max_num_seqs": 2}
@@ -189,5 +194,5 @@ def test_models_follow_the_torch_backend_through_an_int8_cache(tmp_path, arch):
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
         assert tokens == want_tokens
         torch.testing.assert_close(
-            torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0
+            torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-3, rtol=0
         )
