@@ -17,8 +17,6 @@ head_dim 64, 128 / 66 = 1.94x those of float16 and 256 / 68 = 3.76x those of flo
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +104,6 @@ class KVCacheSpec:
         # Zeroed: masked context positions may be read (through padding block 0) and must be
         # finite (a zero scale dequantizes to zero).
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            if device.type == "cpu":
-                return host_zeros(shape, dtype)
             return torch.zeros(shape, dtype=dtype, device=device)
 
         if self.scale_dtype is None:
@@ -124,21 +120,3 @@ class KVCacheSpec:
             )
             for _ in range(self.num_layers)
         ]
-
-
-def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor on fresh anonymous pages: the kernel hands them out zeroed when they
-    are first written, so a cache of several GB costs nothing until its blocks are used (the
-    default CPU cache is 20% of RAM; torch.zeros wrote all of it at start-up, over a second per
-    4 GB). The pages are offered to transparent huge pages where the kernel allows it (fewer
-    TLB misses when attention walks a long context). The tensor keeps the mapping alive."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            pages.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages
-            pass
-    return torch.frombuffer(pages, dtype=dtype).view(shape)
