@@ -261,3 +261,23 @@ def test_min_tokens_is_decided_by_the_core_and_banned_in_the_sampler(llm):
     )
     [out] = llm.generate(prompt, free, use_tqdm=False)
     assert out.outputs[0].token_ids == [eos] * 4 and out.outputs[0].finish_reason == "length"
+
+
+def test_prompts_in_vllm_dict_form(llm):
+    """{"prompt": text} and {"prompt_token_ids": ids}, as vLLM takes them, give what the text and
+    the ids give; any other dict, or a prompt of another type, is refused by name."""
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    want = llm.generate([PROMPTS[1], ids], GREEDY, use_tqdm=False)
+    got = llm.generate([{"prompt": PROMPTS[1]}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    [single] = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert single.outputs[0].token_ids == want[1].outputs[0].token_ids
+    streamed = [
+        t for out in llm.stream({"prompt": PROMPTS[1]}, GREEDY) for t in out.outputs[0].token_ids
+    ]
+    assert streamed == want[0].outputs[0].token_ids
+    with pytest.raises(aieng.InvalidArgumentError, match=r"keys \['multi_modal_data', 'prompt'\]"):
+        llm.generate([{"prompt": "x", "multi_modal_data": {}}], GREEDY, use_tqdm=False)
+    with pytest.raises(aieng.InvalidArgumentError, match=r"got float: 1\.5"):
+        llm.generate([PROMPTS[1], 1.5], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import reprlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -15,7 +16,8 @@ from aieng.outputs import EmbeddingRequestOutput, RequestOutput
 from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 
-Prompt = str | Sequence[int]
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | Mapping[str, Any]
 Conversation = Sequence[Mapping[str, Any]]
 
 
@@ -95,8 +97,9 @@ class LLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yields RequestOutputs holding only what is new since the last one."""
-        [params] = self._params_for([prompt], sampling_params)
-        [rid] = self._add_all([prompt], [params], stream=True)
+        one = _one_prompt(prompt)
+        [params] = self._params_for([one], sampling_params)
+        [rid] = self._add_all([one], [params], stream=True)
         finished = False
         try:
             while not finished:
@@ -120,7 +123,7 @@ class LLM:
         if not isinstance(messages, Sequence) or not messages:
             raise InvalidArgumentError("messages must be a non-empty list")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
-        prompts: list[Prompt] = []
+        prompts: list[Sequence[int]] = []
         for conversation in conversations:
             text = self.engine.tokenizer.apply_chat_template(
                 list(conversation),
@@ -165,7 +168,10 @@ class LLM:
         return params
 
     def _add_all(
-        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], stream: bool
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: Sequence[SamplingParams],
+        stream: bool,
     ) -> list[str]:
         ids: list[str] = []
         try:
@@ -182,9 +188,9 @@ class LLM:
         return ids
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | Sequence[int]]:
+    if isinstance(prompts, (str, Mapping)):
+        return [_one_prompt(prompts)]
     if not isinstance(prompts, Sequence):
         raise InvalidArgumentError(
             f"prompts must be a string, a list of strings or token-id lists, got "
@@ -193,10 +199,26 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # one prompt as token ids
-    for p in items:
-        if not isinstance(p, (str, Sequence)):
-            raise InvalidArgumentError(f"a prompt must be a string or token ids, got {p!r}")
-    return items
+    return [_one_prompt(p) for p in items]
+
+
+def _one_prompt(p: Any) -> str | Sequence[int]:
+    """Text or token ids; vLLM's {"prompt": text} and {"prompt_token_ids": ids} as theirs."""
+    if isinstance(p, Mapping):
+        keys = set(p)
+        if keys == {"prompt"} and isinstance(p["prompt"], str):
+            return p["prompt"]
+        if keys == {"prompt_token_ids"} and isinstance(p["prompt_token_ids"], Sequence):
+            return p["prompt_token_ids"]
+        raise InvalidArgumentError(
+            "a prompt given as a dict must be {'prompt': text} or {'prompt_token_ids': ids}, "
+            f"got the keys {sorted(map(str, keys))}"
+        )
+    if not isinstance(p, (str, Sequence)):
+        raise InvalidArgumentError(
+            f"a prompt must be a string or token ids, got {type(p).__name__}: {reprlib.repr(p)}"
+        )
+    return p
 
 
 def _progress(total: int, enabled: bool):
