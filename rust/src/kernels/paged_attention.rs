@@ -616,23 +616,6 @@ fn attend_items<R: AnyRows>(
     }
 }
 
-/// Where position j's row of KV head g lies in the cache, through request r's block table.
-#[inline(always)]
-fn slot_of<'a>(
-    shape: &PagedShape,
-    rows: &StepRows<'a>,
-    r: usize,
-    g: usize,
-) -> impl Fn(usize) -> usize + 'a {
-    let table = &rows.block_tables[r * rows.table_width..];
-    let (bs, d) = (shape.block_size, shape.head_dim);
-    let row_stride = shape.kv_heads * d; // one position's K (or V) across KV heads
-    move |j: usize| {
-        let block = table[j / bs] as usize;
-        (block * bs + j % bs) * row_stride + g * d
-    }
-}
-
 /// The cache rows (in the (block, offset, KV head) grid: element `row · D`) of positions
 /// [lo, hi) of request r's KV head g, into `out`: one table read per cache block, no division
 /// per position.
@@ -907,6 +890,7 @@ fn attend_block<R: Rows>(
         block_max: max,
         block_sum: sum,
         block_acc: acc,
+        rows: visible,
         ..
     } = scratch;
     let (t0, n, p0) = (
@@ -938,13 +922,13 @@ fn attend_block<R: Rows>(
     acc.fill(0.0);
     max.fill([f32::NEG_INFINITY; QB]);
     sum.fill([0.0; QB]);
-    let slot = slot_of(shape, rows, block.request as usize, g);
+    visible_rows(shape, rows, block.request as usize, g, (lo, hi), visible);
     let mut start = lo;
     while start < hi {
         let end = (start + CHUNK).min(hi);
         let m = end - start;
         for j in start..end {
-            let at = slot(j);
+            let at = visible[j - lo] * d;
             let r = j - start;
             cache.k_row(at, &mut kbuf[r * d..(r + 1) * d]);
             cache.v_row(at, &mut vbuf[r * d..(r + 1) * d]);
