@@ -28,9 +28,12 @@ pub(super) trait Rows16: Rows {
     /// 16 values of V from element `at`.
     unsafe fn v16(&self, at: usize) -> __m512;
     /// Whether rows carry scales.
-    const SCALED: bool;
+    const SCALED: bool = false;
     /// Row `row`'s K and V scales (1 for a float cache).
-    fn scales(&self, row: usize) -> (f32, f32);
+    #[inline(always)]
+    fn scales(&self, _row: usize) -> (f32, f32) {
+        (1.0, 1.0)
+    }
 }
 
 impl Rows16 for F32Rows<'_> {
@@ -45,11 +48,6 @@ impl Rows16 for F32Rows<'_> {
     unsafe fn v16(&self, at: usize) -> __m512 {
         debug_assert!(at + 16 <= self.v.len());
         _mm512_loadu_ps(self.v.as_ptr().add(at))
-    }
-    const SCALED: bool = false;
-    #[inline(always)]
-    fn scales(&self, _row: usize) -> (f32, f32) {
-        (1.0, 1.0)
     }
 }
 
@@ -73,11 +71,6 @@ impl Rows16 for Bf16Rows<'_> {
     unsafe fn v16(&self, at: usize) -> __m512 {
         debug_assert!(at + 16 <= self.v.len());
         widen_bf16(self.v.as_ptr().add(at))
-    }
-    const SCALED: bool = false;
-    #[inline(always)]
-    fn scales(&self, _row: usize) -> (f32, f32) {
-        (1.0, 1.0)
     }
 }
 
