@@ -759,12 +759,15 @@ impl EngineCore {
         let requests = &self.requests;
         let live = self.running.iter().chain(self.waiting.iter().map(|k| &k.2));
         let live = live.map(|&slot| requests[slot as usize].as_ref().expect("live slot"));
-        for r in live.clone() {
+        // Each live request's pending tokens, None for a decode (one token of a running one).
+        let pending = |r: &Request| {
             let tokens = r.tokens.len() - r.num_computed;
-            if r.status == Status::Running && tokens == 1 {
-                decodes.add_row(r.num_computed, 1 + r.draft.len());
-            } else {
-                prefill.add_row(r.num_computed, tokens.min(chunk_cap));
+            (r.status != Status::Running || tokens != 1).then_some(tokens.min(chunk_cap))
+        };
+        for r in live.clone() {
+            match pending(r) {
+                None => decodes.add_row(r.num_computed, 1 + r.draft.len()),
+                Some(tokens) => prefill.add_row(r.num_computed, tokens),
             }
         }
         if prefill.tokens == 0 {
@@ -774,11 +777,7 @@ impl EngineCore {
         let Some(tokens) = self.shared.prefill_tokens(decodes, context) else {
             return full;
         };
-        let prefills = live.filter_map(|r| {
-            let tokens = r.tokens.len() - r.num_computed;
-            let decodes = r.status == Status::Running && tokens == 1;
-            (!decodes).then(|| (r.client, tokens.min(chunk_cap)))
-        });
+        let prefills = live.filter_map(|r| pending(r).map(|tokens| (r.client, tokens)));
         let whole_smallest = self.fair.whole_smallest_demand(prefills);
         let tokens = tokens.max(MIN_PREFILL).max(whole_smallest);
         decodes.tokens.saturating_add(tokens).min(full)
