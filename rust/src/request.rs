@@ -115,6 +115,9 @@ pub(crate) struct Request {
     pub(crate) table: Option<crate::block_pool::TableLease>,
     /// Leading blocks of `table` already handed to the runner in a plan.
     pub(crate) reported_blocks: usize,
+    /// The last block of `table` while every block of it is reported: a decode whose position
+    /// lies in it needs neither the pool nor a report (see [`Request::tail_slot`]).
+    pub(crate) tail: Option<TailBlock>,
     pub(crate) prompt_len: usize,
     pub(crate) stops: Stops,
     /// Shared with the core's id index and its [`SlotIds`]: never copied per step.
@@ -132,6 +135,13 @@ pub(crate) struct Request {
     pub(crate) draft: Vec<u32>,
     /// Its client's id in the core's `FairShare`.
     pub(crate) client: crate::fair_share::ClientId,
+}
+
+/// A request's last reported block, and the position its first token has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TailBlock {
+    pub(crate) base: usize,
+    pub(crate) block: u32,
 }
 
 /// The id of the request in each slot, as a plan names its rows' requests. A plan holds
@@ -245,6 +255,7 @@ impl Request {
             arrival,
             table: None,
             reported_blocks: 0,
+            tail: None,
             prompt_len: prompt.len(),
             stops,
             id,
@@ -265,6 +276,15 @@ impl Request {
     /// The key that orders requests: priority class, then arrival.
     pub(crate) fn order_key(&self) -> (i32, u64) {
         (self.params.priority, self.arrival)
+    }
+
+    /// The cache slot of position `pos` when it lies in the last block of the table and every
+    /// block is reported; None otherwise (the pool is asked).
+    #[inline(always)]
+    pub(crate) fn tail_slot(&self, pos: usize, block_size: usize) -> Option<usize> {
+        let tail = self.tail?;
+        let offset = pos.wrapping_sub(tail.base);
+        (offset < block_size).then(|| tail.block as usize * block_size + offset)
     }
 
     /// Whether min_tokens are out, so a stop id or string may end it.

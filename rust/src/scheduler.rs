@@ -30,7 +30,7 @@ use crate::block_size::BlockSize;
 use crate::error::{CoreError, Result};
 use crate::fair_share::FairShare;
 use crate::request::{
-    FinishReason, Request, RequestParams, SlotIds, Status, StopReason, TextState,
+    FinishReason, Request, RequestParams, SlotIds, Status, StopReason, TailBlock, TextState,
 };
 use crate::shared_step::{SharedStep, StepWork, MIN_PREFILL};
 use crate::step_plan::StepPlan;
@@ -144,7 +144,8 @@ struct Scheduled {
 #[derive(Debug, Clone, Copy)]
 struct PlainRow {
     token: u32,
-    block: u32,
+    /// The cache slot of its position: block id * block_size + offset.
+    cache_slot: i32,
 }
 
 /// The scheduler and the block pool it allocates from.
@@ -550,20 +551,17 @@ impl EngineCore {
                     continue;
                 }
                 let (start, arrival) = (r.num_computed, r.arrival);
-                let reported = r.reported_blocks;
-                let held = reported * self.config.block_size;
-                let table_id = r.table.as_ref().expect("running request has blocks").id();
-                let plain = if start < held {
-                    // Its block is held and reported: the plan reads neither it nor the pool.
-                    let blocks = &pool.table(table_id).blocks;
-                    (blocks.len() == reported && r.may_stop()).then(|| PlainRow {
+                let plain = match r.tail_slot(start, self.block_size.get()) {
+                    // Its position lies in the last block, every block reported: the plan
+                    // reads neither the pool nor the table.
+                    Some(cache_slot) if r.may_stop() => Some(PlainRow {
                         token: r.tokens[start],
-                        block: blocks[self.block_size.split(start).0],
-                    })
-                } else if !self.reserve_preempting(pool, slot, table_id, start + 1, &mut behind) {
-                    break 'requests;
-                } else {
-                    None
+                        cache_slot: cache_slot as i32,
+                    }),
+                    _ => match self.plain_or_reserve(pool, slot, start, &mut behind) {
+                        Some(plain) => plain,
+                        None => break 'requests,
+                    },
                 };
                 entries.push(Scheduled {
                     slot,
@@ -619,6 +617,33 @@ impl EngineCore {
             i += 1;
         }
         self.num_preemptions != preemptions
+    }
+
+    /// A decode row of running request `slot` at position `start` whose block is not its
+    /// reported tail: the plain row when its block is held and reported (and min_tokens are out),
+    /// else None after reserving its block; None outside when `slot` itself was preempted.
+    fn plain_or_reserve(
+        &mut self,
+        pool: &mut PoolInner,
+        slot: u32,
+        start: usize,
+        behind: &mut Option<usize>,
+    ) -> Option<Option<PlainRow>> {
+        let r = self.req(slot);
+        let reported = r.reported_blocks;
+        let table_id = r.table.as_ref().expect("running request has blocks").id();
+        if start < reported * self.block_size.get() {
+            // Its block is held and reported: the plan reads neither it nor the pool.
+            let blocks = &pool.table(table_id).blocks;
+            let (block, offset) = self.block_size.split(start);
+            let plain = (blocks.len() == reported && r.may_stop()).then(|| PlainRow {
+                token: r.tokens[start],
+                cache_slot: (blocks[block] as usize * self.block_size.get() + offset) as i32,
+            });
+            return Some(plain);
+        }
+        self.reserve_preempting(pool, slot, table_id, start + 1, behind)
+            .then_some(None)
     }
 
     /// Reserves blocks for the first `len` tokens of running request `slot`, preempting
@@ -846,6 +871,7 @@ impl EngineCore {
         r.num_cached_tokens.get_or_insert(cached);
         r.table = Some(table);
         r.reported_blocks = 0;
+        r.tail = None;
     }
 
     /// Preempts the lowest-priority running request if it ranks strictly below
@@ -879,6 +905,7 @@ impl EngineCore {
             .expect("running request has blocks")
             .release_in(pool);
         r.num_computed = 0;
+        r.tail = None;
         r.num_preemptions += 1;
         r.status = Status::Waiting;
         let key = (r.params.priority, r.arrival, slot);
@@ -952,7 +979,7 @@ impl EngineCore {
                 // One token, one sample, nothing banned, no block to report.
                 ids[first] = p.token as i32;
                 pos[first] = e.start as i32;
-                mapping[first] = (p.block as usize * bs.get() + bs.offset(e.start)) as i32;
+                mapping[first] = p.cache_slot;
                 logits[sample] = first as i32;
                 sample_rows[sample] = row as i32;
                 first += 1;
@@ -1021,6 +1048,7 @@ impl EngineCore {
                 }
                 r.reported_blocks = blocks.len();
             }
+            r.tail = tail_of(blocks, bs);
         }
     }
 
@@ -1058,11 +1086,18 @@ impl EngineCore {
             self.shared.finish();
         }
         // At most every sampled token is appended: the columns are sized once, written in
-        // place and cut to the tokens appended.
+        // place and cut to the tokens appended (resized, not `vec![0; n]`: calloc clears
+        // memory it allocates more slowly than a memset).
+        #[allow(clippy::slow_vector_initialization)] // measured: calloc is the slow one here
+        let column = || {
+            let mut column = Vec::with_capacity(sampled.len());
+            column.resize(sampled.len(), 0);
+            column
+        };
         let mut out = StepUpdate {
-            rows: vec![0; sampled.len()],
-            slots: vec![0; sampled.len()],
-            token_ids: vec![0; sampled.len()],
+            rows: column(),
+            slots: column(),
+            token_ids: column(),
             texts: Vec::new(),
             finished: Vec::new(),
         };
@@ -1159,8 +1194,11 @@ impl EngineCore {
                     // Blocks that held only rejected positions go back to the pool.
                     let table_id = r.table.as_ref().expect("scheduled").id();
                     guard.release_tail(table_id, r.tokens.len());
-                    let held = guard.table(table_id).blocks.len();
-                    r.reported_blocks = r.reported_blocks.min(held);
+                    let blocks = &guard.table(table_id).blocks;
+                    r.reported_blocks = r.reported_blocks.min(blocks.len());
+                    r.tail = (r.reported_blocks == blocks.len())
+                        .then(|| tail_of(blocks, bs))
+                        .flatten();
                 }
             }
         }
@@ -1331,8 +1369,17 @@ impl EngineCore {
             if let Err(e) = pool.check_table(table.id(), &r.tokens) {
                 return fail(format!("{:?}: {e}", r.id));
             }
-            if r.reported_blocks > pool.table(table.id()).blocks.len() {
+            let blocks = &pool.table(table.id()).blocks;
+            if r.reported_blocks > blocks.len() {
                 return fail(format!("{:?}: more blocks reported than held", r.id));
+            }
+            if r.tail.is_some()
+                && (r.reported_blocks != blocks.len() || r.tail != tail_of(blocks, self.block_size))
+            {
+                return fail(format!(
+                    "{:?}: its tail block is not its last reported",
+                    r.id
+                ));
             }
             if last_key.is_some_and(|k| k > r.order_key()) {
                 return fail("running requests are out of order".into());
@@ -1347,6 +1394,15 @@ impl EngineCore {
         }
         Ok(())
     }
+}
+
+/// The last block of a table whose blocks are all reported, and its first position.
+fn tail_of(blocks: &[u32], bs: BlockSize) -> Option<TailBlock> {
+    let (&block, before) = blocks.split_last()?;
+    Some(TailBlock {
+        base: before.len() * bs.get(),
+        block,
+    })
 }
 
 /// Why `sampled` (and `num_sampled`) cannot be the tokens of a step with
