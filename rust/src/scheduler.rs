@@ -461,7 +461,9 @@ impl EngineCore {
             self.shared.start(work);
         }
         let mut plan = std::mem::take(&mut self.spare_plan);
-        self.build_plan(&guard, &entries, &mut plan);
+        let num_tokens = self.step_budget - budget;
+        debug_assert_eq!(num_tokens, entries.iter().map(|e| e.num_new).sum::<usize>());
+        self.build_plan(&guard, &entries, num_tokens, &mut plan);
         drop(guard);
         plan.request_ids = self.slot_ids.clone();
         if self.num_grammars > 0 {
@@ -912,16 +914,18 @@ impl EngineCore {
         self.waiting.insert(key);
     }
 
-    /// Fills `plan` (cleared) with the step of `entries`; marks every block of theirs as
-    /// reported. The columns are sized once and written in one pass over the rows (each
-    /// column a slice of its own, so the loop keeps them in registers); a plain decode row
-    /// is written from its entry alone, a row of one token without the loops a chunk needs.
-    fn build_plan(&mut self, pool: &PoolInner, entries: &[Scheduled], plan: &mut StepPlan) {
+    /// Fills `plan` (cleared) with the step of `entries` (`num_tokens` tokens); marks every
+    /// block of theirs as reported. The columns are sized once; a run of plain decode rows
+    /// (one token and one sample each, read whole when scheduled) is written column by column,
+    /// any other row on its own.
+    fn build_plan(
+        &mut self,
+        pool: &PoolInner,
+        entries: &[Scheduled],
+        num_tokens: usize,
+        plan: &mut StepPlan,
+    ) {
         let bs = self.block_size;
-        let (num_tokens, num_samples) = entries.iter().fold((0, 0), |(t, s), e| {
-            let samples = if e.samples { 1 + e.num_draft } else { 0 };
-            (t + e.num_new, s + samples)
-        });
         let rows = entries.len();
         let StepPlan {
             input_ids,
@@ -948,8 +952,9 @@ impl EngineCore {
         input_ids.resize(num_tokens, 0);
         positions.resize(num_tokens, 0);
         slot_mapping.resize(num_tokens, 0);
-        logits_indices.resize(num_samples, 0);
-        sample_request_rows.resize(num_samples, 0);
+        // A step samples at most each of its tokens: cut to the samples at the end.
+        logits_indices.resize(num_tokens, 0);
+        sample_request_rows.resize(num_tokens, 0);
         let (slots, computed, lens, qsl) = (
             &mut slots[..],
             &mut num_computed_tokens[..],
@@ -966,26 +971,51 @@ impl EngineCore {
             let (block, offset) = bs.split(pos);
             (blocks[block] as usize * bs.get() + offset) as i32
         };
-        let (mut first, mut sample) = (0, 0);
-        let row_columns = slots.iter_mut().zip(computed).zip(lens).zip(qsl);
-        for ((row, e), (((slot, computed), len), end)) in
-            entries.iter().enumerate().zip(row_columns)
-        {
-            *slot = e.slot as i32;
-            *computed = e.start as i32;
-            *len = (e.start + e.num_new) as i32;
-            *end = (first + e.num_new) as i32;
-            if let Some(p) = e.plain {
-                // One token, one sample, nothing banned, no block to report.
-                ids[first] = p.token as i32;
-                pos[first] = e.start as i32;
-                mapping[first] = p.cache_slot;
-                logits[sample] = first as i32;
-                sample_rows[sample] = row as i32;
-                first += 1;
-                sample += 1;
+        let (mut first, mut sample, mut row) = (0, 0, 0);
+        while row < rows {
+            let run = entries[row..]
+                .iter()
+                .take_while(|e| e.plain.is_some())
+                .count();
+            if run > 0 {
+                let plain = &entries[row..row + run];
+                let (rows_out, tokens_out, samples_out) =
+                    (row..row + run, first..first + run, sample..sample + run);
+                for (out, e) in slots[rows_out.clone()].iter_mut().zip(plain) {
+                    *out = e.slot as i32;
+                }
+                for (out, e) in computed[rows_out.clone()].iter_mut().zip(plain) {
+                    *out = e.start as i32;
+                }
+                for (out, e) in lens[rows_out.clone()].iter_mut().zip(plain) {
+                    *out = e.start as i32 + 1;
+                }
+                for (out, end) in qsl[rows_out.clone()].iter_mut().zip(first + 1..) {
+                    *out = end as i32;
+                }
+                for (out, e) in ids[tokens_out.clone()].iter_mut().zip(plain) {
+                    *out = e.plain.map_or(0, |p| p.token as i32);
+                }
+                for (out, e) in pos[tokens_out.clone()].iter_mut().zip(plain) {
+                    *out = e.start as i32;
+                }
+                for (out, e) in mapping[tokens_out.clone()].iter_mut().zip(plain) {
+                    *out = e.plain.map_or(0, |p| p.cache_slot);
+                }
+                for (out, token) in logits[samples_out.clone()].iter_mut().zip(tokens_out) {
+                    *out = token as i32;
+                }
+                for (out, plan_row) in sample_rows[samples_out].iter_mut().zip(rows_out) {
+                    *out = plan_row as i32;
+                }
+                (row, first, sample) = (row + run, first + run, sample + run);
                 continue;
             }
+            let e = &entries[row];
+            slots[row] = e.slot as i32;
+            computed[row] = e.start as i32;
+            lens[row] = (e.start + e.num_new) as i32;
+            qsl[row] = (first + e.num_new) as i32;
             let r = self.requests[e.slot as usize].as_mut().expect("live slot");
             let blocks = &pool.table(r.table.as_ref().expect("scheduled").id()).blocks;
             let (start, end) = (e.start, e.start + e.num_new);
@@ -1049,7 +1079,10 @@ impl EngineCore {
                 r.reported_blocks = blocks.len();
             }
             r.tail = tail_of(blocks, bs);
+            row += 1;
         }
+        logits_indices.truncate(sample);
+        sample_request_rows.truncate(sample);
     }
 
     /// Applies the step in flight: `sampled[i]` is the token of the i-th sampling
