@@ -539,6 +539,14 @@ impl EngineCore {
         let mut behind: Option<usize> = None;
         let mut i = 0;
         'requests: while i < self.running.len() {
+            if !drafted {
+                let taken = self.schedule_plain_decodes(i, entries, budget);
+                if taken > 0 {
+                    behind = behind.map(|d| d - taken);
+                    i += taken;
+                    continue;
+                }
+            }
             let slot = self.running[i];
             let r = self.req(slot);
             let remaining = r.tokens.len() - r.num_computed;
@@ -619,6 +627,45 @@ impl EngineCore {
             i += 1;
         }
         self.num_preemptions != preemptions
+    }
+
+    /// Schedules the plain decode rows from the `i`-th running request on, up to the first row
+    /// that is not one (a chunk, a block to reserve, a ban, no budget left); returns how many.
+    /// Each request is read once, nothing else: the common step's rows all pass here.
+    fn schedule_plain_decodes(
+        &self,
+        i: usize,
+        entries: &mut Vec<Scheduled>,
+        budget: &mut usize,
+    ) -> usize {
+        let block_size = self.block_size.get();
+        let mut left = *budget;
+        for &slot in &self.running[i..] {
+            let r = self.requests[slot as usize].as_ref().expect("live slot");
+            let start = r.num_computed;
+            if left == 0 || r.tokens.len() - start != 1 || !r.may_stop() {
+                break;
+            }
+            let Some(cache_slot) = r.tail_slot(start, block_size) else {
+                break;
+            };
+            entries.push(Scheduled {
+                slot,
+                arrival: r.arrival,
+                start,
+                num_new: 1,
+                num_draft: 0,
+                samples: true,
+                plain: Some(PlainRow {
+                    token: r.tokens[start],
+                    cache_slot: cache_slot as i32,
+                }),
+            });
+            left -= 1;
+        }
+        let taken = *budget - left;
+        *budget = left;
+        taken
     }
 
     /// A decode row of running request `slot` at position `start` whose block is not its
@@ -1148,20 +1195,47 @@ impl EngineCore {
         let mut guard = pool.lock();
         if plain && num_sampled.is_none() && !drafted {
             // The common step: each sampling row takes one token; no text, no grammar, no draft.
+            // The columns name every sampling row, written column by column; a row whose
+            // request was aborted in flight is cut from them after.
+            if sampled.len() == entries.len() {
+                // Every row samples (a step of decodes): the rows are 0, 1, 2...
+                for (row_out, row) in out.rows.iter_mut().zip(0..) {
+                    *row_out = row;
+                }
+                for (slot_out, e) in out.slots.iter_mut().zip(&entries) {
+                    *slot_out = e.slot;
+                }
+            } else {
+                let sampling = entries.iter().enumerate().filter(|(_, e)| e.samples);
+                for ((row_out, slot_out), (row, e)) in
+                    out.rows.iter_mut().zip(&mut out.slots).zip(sampling)
+                {
+                    (*row_out, *slot_out) = (row as u32, e.slot);
+                }
+            }
+            for (out, &token) in out.token_ids.iter_mut().zip(sampled) {
+                *out = token as u32;
+            }
+            appended = sampled.len();
+            let mut aborted = false;
             let mut tokens = sampled.iter();
-            for (row, e) in entries.iter().enumerate() {
+            for e in &entries {
                 let token = e.samples.then(|| *tokens.next().expect("counted") as u32);
                 let Some(r) = Self::live_entry(&mut self.requests, e) else {
-                    continue; // aborted while in flight
+                    aborted = true;
+                    continue;
                 };
                 r.num_computed += e.num_new;
                 if let Some(token) = token {
-                    let stop = Self::append_plain(r, &mut out, &mut appended, row, e.slot, token);
-                    if let Some(stop) = stop {
+                    r.tokens.push(token);
+                    if let Some(stop) = r.check_stop() {
                         finished_slots.push((e.slot, stop));
                     }
                 }
                 Self::commit_filled(&mut guard, r, e, bs);
+            }
+            if aborted {
+                appended = Self::cut_aborted(&self.requests, &entries, &mut out);
             }
         } else {
             let mut counts = num_sampled.map(|c| c.iter());
@@ -1266,6 +1340,29 @@ impl EngineCore {
         requests[e.slot as usize]
             .as_mut()
             .filter(|r| r.arrival == e.arrival)
+    }
+
+    /// Cuts from the common step's columns (one token per sampling row) the rows whose request
+    /// was aborted while the step was in flight; returns how many tokens are left.
+    fn cut_aborted(
+        requests: &[Option<Request>],
+        entries: &[Scheduled],
+        out: &mut StepUpdate,
+    ) -> usize {
+        let mut kept = 0;
+        for k in 0..out.rows.len() {
+            let e = &entries[out.rows[k] as usize];
+            let live = requests[e.slot as usize]
+                .as_ref()
+                .is_some_and(|r| r.arrival == e.arrival);
+            if live {
+                out.rows[kept] = out.rows[k];
+                out.slots[kept] = out.slots[k];
+                out.token_ids[kept] = out.token_ids[k];
+                kept += 1;
+            }
+        }
+        kept
     }
 
     /// Appends one token to a request without text or grammar; returns its stop, if it stops.
