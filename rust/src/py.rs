@@ -20,6 +20,7 @@ use crate::structured::{Grammar, GrammarCompiler, GrammarSpec, PendingMasks};
 use crate::text::{ChatTemplate, Tokenizer};
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -386,7 +387,8 @@ struct PyStepPlan {
     buffer: Py<PyArray1<i32>>,
     /// Column k is `buffer[bounds[k]..bounds[k + 1]]`.
     bounds: [usize; COLUMNS + 1],
-    views: [OnceLock<Py<PyArray1<i32>>>; COLUMNS],
+    /// Column k's view once made (null before): the plan holds a reference to each.
+    views: [AtomicPtr<pyo3::ffi::PyObject>; COLUMNS],
     /// Each slot's request id as the core held them when it planned the step (shared,
     /// not copied): the `request_ids` list is built from them and `slots`.
     slot_ids: SlotIds,
@@ -456,12 +458,26 @@ impl PyStepPlan {
     /// the same object after. The cache never blocks: a thread that finds it set by another
     /// meanwhile drops its own view.
     fn column<'py>(&self, py: Python<'py>, k: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        if let Some(view) = self.views[k].get() {
-            return Ok(view.bind(py).clone());
+        let mut cached = self.views[k].load(Ordering::Acquire);
+        if cached.is_null() {
+            let view = self.view(py, k)?.into_ptr();
+            cached = match self.views[k].compare_exchange(
+                std::ptr::null_mut(),
+                view,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => view,
+                Err(theirs) => {
+                    // SAFETY: `view` is our own reference, never shared.
+                    drop(unsafe { Bound::from_owned_ptr(py, view) });
+                    theirs
+                }
+            };
         }
-        let view = self.view(py, k)?;
-        let _ = self.views[k].set(view.unbind());
-        Ok(self.views[k].get().expect("just set").bind(py).clone())
+        // SAFETY: the cache holds a reference to this view of column k until the plan is
+        // dropped; the caller gets one of its own.
+        Ok(unsafe { Bound::from_borrowed_ptr(py, cached).cast_into_unchecked() })
     }
 
     /// A new view of column `k`: numpy's constructor called with the buffer's own type and
@@ -499,6 +515,25 @@ impl PyStepPlan {
         // SAFETY: the buffer is contiguous and never resized; read with the GIL held.
         let data = unsafe { self.buffer.bind(py).as_slice() }.expect("the buffer is contiguous");
         &data[self.bounds[k]..self.bounds[k + 1]]
+    }
+}
+
+impl Drop for PyStepPlan {
+    fn drop(&mut self) {
+        let made = |view: &mut AtomicPtr<pyo3::ffi::PyObject>| !view.get_mut().is_null();
+        if !self.views.iter_mut().any(made) {
+            return;
+        }
+        Python::attach(|py| {
+            for view in self
+                .views
+                .iter_mut()
+                .filter_map(|v| made(v).then(|| *v.get_mut()))
+            {
+                // SAFETY: the cache's own reference to a view, given back once.
+                drop(unsafe { Bound::from_owned_ptr(py, view) });
+            }
+        });
     }
 }
 

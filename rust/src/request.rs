@@ -149,18 +149,20 @@ pub(crate) struct TailBlock {
 /// entry changes only when a new request takes the slot (the table is copied then only
 /// if a plan still holds it); a retired request's entry stays until then, read by no
 /// later plan.
+///
+/// The empty table is None: a plan cleared for reuse allocates nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct SlotIds(Arc<Vec<Arc<str>>>);
+pub struct SlotIds(Option<Arc<Vec<Arc<str>>>>);
 
 impl SlotIds {
     /// The id of the request in `slot` when the table was taken; None for a slot never used.
     pub fn get(&self, slot: u32) -> Option<&str> {
-        self.0.get(slot as usize).map(|id| &**id)
+        self.0.as_ref()?.get(slot as usize).map(|id| &**id)
     }
 
     /// Names `slot`'s new request.
     pub(crate) fn set(&mut self, slot: u32, id: Arc<str>) {
-        let ids = Arc::make_mut(&mut self.0);
+        let ids = Arc::make_mut(self.0.get_or_insert_with(Default::default));
         let slot = slot as usize;
         if slot >= ids.len() {
             ids.resize(slot + 1, Arc::from(""));
@@ -335,9 +337,9 @@ mod tests {
     fn an_unshared_table_is_updated_in_place() {
         let mut ids = SlotIds::default();
         ids.set(0, Arc::from("a"));
-        let before = Arc::as_ptr(&ids.0);
+        let before = Arc::as_ptr(ids.0.as_ref().unwrap());
         ids.set(0, Arc::from("b"));
-        assert_eq!(Arc::as_ptr(&ids.0), before);
+        assert_eq!(Arc::as_ptr(ids.0.as_ref().unwrap()), before);
         assert_eq!(ids.get(0), Some("b"));
     }
 }

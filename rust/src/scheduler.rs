@@ -631,7 +631,9 @@ impl EngineCore {
 
     /// Schedules the plain decode rows from the `i`-th running request on, up to the first row
     /// that is not one (a chunk, a block to reserve, a ban, no budget left); returns how many.
-    /// Each request is read once, nothing else: the common step's rows all pass here.
+    /// Each request is read once, nothing else: the common step's rows all pass here. Not
+    /// inlined: on its own the loop keeps its state in registers.
+    #[inline(never)]
     fn schedule_plain_decodes(
         &self,
         i: usize,
@@ -1217,23 +1219,14 @@ impl EngineCore {
                 *out = token as u32;
             }
             appended = sampled.len();
-            let mut aborted = false;
-            let mut tokens = sampled.iter();
-            for e in &entries {
-                let token = e.samples.then(|| *tokens.next().expect("counted") as u32);
-                let Some(r) = Self::live_entry(&mut self.requests, e) else {
-                    aborted = true;
-                    continue;
-                };
-                r.num_computed += e.num_new;
-                if let Some(token) = token {
-                    r.tokens.push(token);
-                    if let Some(stop) = r.check_stop() {
-                        finished_slots.push((e.slot, stop));
-                    }
-                }
-                Self::commit_filled(&mut guard, r, e, bs);
-            }
+            let aborted = Self::append_common(
+                &mut self.requests,
+                &entries,
+                sampled,
+                &mut guard,
+                bs,
+                &mut finished_slots,
+            );
             if aborted {
                 appended = Self::cut_aborted(&self.requests, &entries, &mut out);
             }
@@ -1340,6 +1333,38 @@ impl EngineCore {
         requests[e.slot as usize]
             .as_mut()
             .filter(|r| r.arrival == e.arrival)
+    }
+
+    /// Appends the common step's tokens to their requests (one per sampling row; no text, no
+    /// grammar, no draft), noting those that stop in `finished`; returns whether a row's request
+    /// was aborted in flight. Not inlined: on its own the loop keeps its state in registers.
+    #[inline(never)]
+    fn append_common(
+        requests: &mut [Option<Request>],
+        entries: &[Scheduled],
+        sampled: &[i64],
+        pool: &mut PoolInner,
+        bs: BlockSize,
+        finished: &mut Vec<(u32, (FinishReason, Option<StopReason>))>,
+    ) -> bool {
+        let mut aborted = false;
+        let mut tokens = sampled.iter();
+        for e in entries {
+            let token = e.samples.then(|| *tokens.next().expect("counted") as u32);
+            let Some(r) = Self::live_entry(requests, e) else {
+                aborted = true;
+                continue;
+            };
+            r.num_computed += e.num_new;
+            if let Some(token) = token {
+                r.tokens.push(token);
+                if let Some(stop) = r.check_stop() {
+                    finished.push((e.slot, stop));
+                }
+            }
+            Self::commit_filled(pool, r, e, bs);
+        }
+        aborted
     }
 
     /// Cuts from the common step's columns (one token per sampling row) the rows whose request
