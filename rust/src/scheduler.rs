@@ -146,6 +146,8 @@ struct PlainRow {
     token: u32,
     /// The cache slot of its position: block id * block_size + offset.
     cache_slot: i32,
+    /// Its block is new to the runner: the plan reports it (marked reported when scheduled).
+    reports: bool,
 }
 
 /// The scheduler and the block pool it allocates from.
@@ -560,18 +562,11 @@ impl EngineCore {
                     i += 1;
                     continue;
                 }
+                // Not a plain decode in its reported tail block (schedule_plain_decodes took
+                // those): its block may need reserving, or min_tokens are not out.
                 let (start, arrival) = (r.num_computed, r.arrival);
-                let plain = match r.tail_slot(start, self.block_size.get()) {
-                    // Its position lies in the last block, every block reported: the plan
-                    // reads neither the pool nor the table.
-                    Some(cache_slot) if r.may_stop() => Some(PlainRow {
-                        token: r.tokens[start],
-                        cache_slot: cache_slot as i32,
-                    }),
-                    _ => match self.plain_or_reserve(pool, slot, start, &mut behind) {
-                        Some(plain) => plain,
-                        None => break 'requests,
-                    },
+                let Some(plain) = self.plain_or_reserve(pool, slot, start, &mut behind) else {
+                    break 'requests;
                 };
                 entries.push(Scheduled {
                     slot,
@@ -661,6 +656,7 @@ impl EngineCore {
                 plain: Some(PlainRow {
                     token: r.tokens[start],
                     cache_slot: cache_slot as i32,
+                    reports: false,
                 }),
             });
             left -= 1;
@@ -670,9 +666,10 @@ impl EngineCore {
         taken
     }
 
-    /// A decode row of running request `slot` at position `start` whose block is not its
-    /// reported tail: the plain row when its block is held and reported (and min_tokens are out),
-    /// else None after reserving its block; None outside when `slot` itself was preempted.
+    /// A decode row of running request `slot` at position `start` that is not a plain decode in
+    /// its reported tail block: reserves its block if it is not held (None when `slot` itself
+    /// was preempted for it), then the plain row when min_tokens are out and every block but
+    /// the one holding its position is reported (that one is reported with the row).
     fn plain_or_reserve(
         &mut self,
         pool: &mut PoolInner,
@@ -680,21 +677,32 @@ impl EngineCore {
         start: usize,
         behind: &mut Option<usize>,
     ) -> Option<Option<PlainRow>> {
+        let bs = self.block_size;
         let r = self.req(slot);
-        let reported = r.reported_blocks;
         let table_id = r.table.as_ref().expect("running request has blocks").id();
-        if start < reported * self.block_size.get() {
-            // Its block is held and reported: the plan reads neither it nor the pool.
-            let blocks = &pool.table(table_id).blocks;
-            let (block, offset) = self.block_size.split(start);
-            let plain = (blocks.len() == reported && r.may_stop()).then(|| PlainRow {
-                token: r.tokens[start],
-                cache_slot: (blocks[block] as usize * self.block_size.get() + offset) as i32,
-            });
-            return Some(plain);
+        if start >= r.reported_blocks * bs.get()
+            && !self.reserve_preempting(pool, slot, table_id, start + 1, behind)
+        {
+            return None;
         }
-        self.reserve_preempting(pool, slot, table_id, start + 1, behind)
-            .then_some(None)
+        let r = self.requests[slot as usize].as_mut().expect("live slot");
+        let blocks = &pool.table(table_id).blocks;
+        let (block, offset) = bs.split(start);
+        let reports = match blocks.len() - r.reported_blocks {
+            0 => false,
+            1 if block + 1 == blocks.len() => true,
+            _ => return Some(None),
+        };
+        if !r.may_stop() {
+            return Some(None);
+        }
+        r.reported_blocks = blocks.len();
+        r.tail = tail_of(blocks, bs);
+        Some(Some(PlainRow {
+            token: r.tokens[start],
+            cache_slot: (blocks[block] as usize * bs.get() + offset) as i32,
+            reports,
+        }))
     }
 
     /// Reserves blocks for the first `len` tokens of running request `slot`, preempting
@@ -1042,14 +1050,28 @@ impl EngineCore {
                 for (out, end) in qsl[rows_out.clone()].iter_mut().zip(first + 1..) {
                     *out = end as i32;
                 }
-                for (out, e) in ids[tokens_out.clone()].iter_mut().zip(plain) {
-                    *out = e.plain.map_or(0, |p| p.token as i32);
+                let token_columns = ids[tokens_out.clone()]
+                    .iter_mut()
+                    .zip(&mut mapping[tokens_out.clone()]);
+                for ((id, cache_slot), e) in token_columns.zip(plain) {
+                    if let Some(p) = e.plain {
+                        (*id, *cache_slot) = (p.token as i32, p.cache_slot);
+                    }
                 }
                 for (out, e) in pos[tokens_out.clone()].iter_mut().zip(plain) {
                     *out = e.start as i32;
                 }
-                for (out, e) in mapping[tokens_out.clone()].iter_mut().zip(plain) {
-                    *out = e.plain.map_or(0, |p| p.cache_slot);
+                for e in plain {
+                    if let Some(PlainRow {
+                        cache_slot,
+                        reports: true,
+                        ..
+                    }) = e.plain
+                    {
+                        new_block_slots.push(e.slot as i32);
+                        new_block_indices.push(bs.split(e.start).0 as i32);
+                        new_block_ids.push(bs.split(cache_slot as usize).0 as i32);
+                    }
                 }
                 for (out, token) in logits[samples_out.clone()].iter_mut().zip(tokens_out) {
                     *out = token as i32;
