@@ -542,7 +542,7 @@ impl EngineCore {
         let mut i = 0;
         'requests: while i < self.running.len() {
             if !drafted {
-                let taken = self.schedule_plain_decodes(i, entries, budget);
+                let taken = self.schedule_plain_decodes(pool, i, entries, budget);
                 if taken > 0 {
                     behind = behind.map(|d| d - taken);
                     i += taken;
@@ -625,26 +625,51 @@ impl EngineCore {
     }
 
     /// Schedules the plain decode rows from the `i`-th running request on, up to the first row
-    /// that is not one (a chunk, a block to reserve, a ban, no budget left); returns how many.
-    /// Each request is read once, nothing else: the common step's rows all pass here. Not
-    /// inlined: on its own the loop keeps its state in registers.
+    /// that is not one (a chunk, a ban, no budget left, a block the pool cannot give without
+    /// preempting); returns how many. Each request is read once: the common step's rows all
+    /// pass here, a row that starts a new block taking it from the pool. Not inlined: on its
+    /// own the loop keeps its state in registers.
     #[inline(never)]
     fn schedule_plain_decodes(
-        &self,
+        &mut self,
+        pool: &mut PoolInner,
         i: usize,
         entries: &mut Vec<Scheduled>,
         budget: &mut usize,
     ) -> usize {
-        let block_size = self.block_size.get();
+        let EngineCore {
+            requests,
+            running,
+            block_size: bs,
+            ..
+        } = self;
+        let block_size = bs.get();
         let mut left = *budget;
-        for &slot in &self.running[i..] {
-            let r = self.requests[slot as usize].as_ref().expect("live slot");
+        for &slot in &running[i..] {
+            let r = requests[slot as usize].as_mut().expect("live slot");
             let start = r.num_computed;
             if left == 0 || r.tokens.len() - start != 1 || !r.may_stop() {
                 break;
             }
-            let Some(cache_slot) = r.tail_slot(start, block_size) else {
-                break;
+            let (cache_slot, reports) = match r.tail_slot(start, block_size) {
+                Some(cache_slot) => (cache_slot, false),
+                None => {
+                    // Its position starts the block after its tail: the block is reserved and
+                    // reported with the row (every block before it was).
+                    match r.tail {
+                        Some(tail) if start == tail.base + block_size => {}
+                        _ => break,
+                    }
+                    let table_id = r.table.as_ref().expect("running request has blocks").id();
+                    if pool.reserve(table_id, start + 1).is_err() {
+                        break; // the general path preempts for it
+                    }
+                    let blocks = &pool.table(table_id).blocks;
+                    r.reported_blocks = blocks.len();
+                    r.tail = tail_of(blocks, *bs);
+                    let cache_slot = r.tail_slot(start, block_size);
+                    (cache_slot.expect("its position starts the new tail"), true)
+                }
             };
             entries.push(Scheduled {
                 slot,
@@ -656,7 +681,7 @@ impl EngineCore {
                 plain: Some(PlainRow {
                     token: r.tokens[start],
                     cache_slot: cache_slot as i32,
-                    reports: false,
+                    reports,
                 }),
             });
             left -= 1;
