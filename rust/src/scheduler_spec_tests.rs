@@ -220,3 +220,34 @@ fn drafts_stop_at_max_tokens_and_the_budget() {
     assert!(core.set_draft("a", &[1]).is_err(), "a is gone");
     core.check_invariants().unwrap();
 }
+
+#[test]
+fn decodes_after_rejected_drafts_map_into_the_blocks_kept() {
+    let mut core = EngineCore::new(config(64, 4, 64)).unwrap();
+    core.add_request("a", &[1, 2, 3], params(20)).unwrap();
+    core.schedule().unwrap();
+    core.update(&[4]).unwrap();
+    core.set_draft("a", &[5, 6, 7, 8, 9, 10]).unwrap();
+    core.schedule().unwrap();
+    core.update_with_counts(&[9], &[1]).unwrap(); // 5 tokens: 2 of the 3 blocks kept
+    assert_eq!(core.block_ids("a").unwrap().len(), 2);
+    // Plain decodes from position 4 on: in the kept last block, then one that starts the
+    // next block and reports it (index 2), then in that block.
+    for pos in 4..11 {
+        let plan = core.schedule().unwrap();
+        let blocks = core.block_ids("a").unwrap();
+        assert_eq!(plan.positions, vec![pos as i32]);
+        assert_eq!(
+            plan.slot_mapping,
+            vec![(blocks[pos / 4] as usize * 4 + pos % 4) as i32]
+        );
+        let reported = if pos == 8 { vec![2] } else { vec![] };
+        assert_eq!(plan.new_block_indices, reported, "position {pos}");
+        assert_eq!(plan.new_block_ids.len(), reported.len());
+        if pos == 8 {
+            assert_eq!(plan.new_block_ids, vec![blocks[2] as i32]);
+        }
+        core.update(&[11]).unwrap();
+        core.check_invariants().unwrap();
+    }
+}
