@@ -524,7 +524,10 @@ impl Drop for PyStepPlan {
         if !self.views.iter_mut().any(made) {
             return;
         }
-        Python::attach(|py| {
+        // A plan is dropped by Python (its deallocation holds the GIL), so this attaches at
+        // once; a destructor never panics: when Python cannot be attached (at its shutdown)
+        // the views are left to it.
+        Python::try_attach(|py| {
             for view in self
                 .views
                 .iter_mut()
