@@ -1069,8 +1069,11 @@ impl EngineCore {
                 for (out, e) in computed[rows_out.clone()].iter_mut().zip(plain) {
                     *out = e.start as i32;
                 }
-                for (out, e) in lens[rows_out.clone()].iter_mut().zip(plain) {
-                    *out = e.start as i32 + 1;
+                // One token a row: its position is its computed count, its length one more.
+                let starts = &computed[rows_out.clone()];
+                pos[tokens_out.clone()].copy_from_slice(starts);
+                for (out, &start) in lens[rows_out.clone()].iter_mut().zip(starts) {
+                    *out = start + 1;
                 }
                 for (out, end) in qsl[rows_out.clone()].iter_mut().zip(first + 1..) {
                     *out = end as i32;
@@ -1079,23 +1082,12 @@ impl EngineCore {
                     .iter_mut()
                     .zip(&mut mapping[tokens_out.clone()]);
                 for ((id, cache_slot), e) in token_columns.zip(plain) {
-                    if let Some(p) = e.plain {
-                        (*id, *cache_slot) = (p.token as i32, p.cache_slot);
-                    }
-                }
-                for (out, e) in pos[tokens_out.clone()].iter_mut().zip(plain) {
-                    *out = e.start as i32;
-                }
-                for e in plain {
-                    if let Some(PlainRow {
-                        cache_slot,
-                        reports: true,
-                        ..
-                    }) = e.plain
-                    {
+                    let Some(p) = e.plain else { continue };
+                    (*id, *cache_slot) = (p.token as i32, p.cache_slot);
+                    if p.reports {
                         new_block_slots.push(e.slot as i32);
                         new_block_indices.push(bs.split(e.start).0 as i32);
-                        new_block_ids.push(bs.split(cache_slot as usize).0 as i32);
+                        new_block_ids.push(bs.split(p.cache_slot as usize).0 as i32);
                     }
                 }
                 for (out, token) in logits[samples_out.clone()].iter_mut().zip(tokens_out) {
@@ -1394,24 +1386,45 @@ impl EngineCore {
         bs: BlockSize,
         finished: &mut Vec<(u32, (FinishReason, Option<StopReason>))>,
     ) -> bool {
-        let mut aborted = false;
-        let mut tokens = sampled.iter();
-        for e in entries {
-            let token = e.samples.then(|| *tokens.next().expect("counted") as u32);
-            let Some(r) = Self::live_entry(requests, e) else {
-                aborted = true;
-                continue;
-            };
-            r.num_computed += e.num_new;
-            if let Some(token) = token {
-                r.tokens.push(token);
-                if let Some(stop) = r.check_stop() {
-                    finished.push((e.slot, stop));
-                }
+        let mut live = true;
+        if sampled.len() == entries.len() {
+            // Every row samples (a step of decodes): row i takes token i.
+            for (e, &token) in entries.iter().zip(sampled) {
+                live &= Self::append_row(requests, e, Some(token as u32), pool, bs, finished);
             }
-            Self::commit_filled(pool, r, e, bs);
+        } else {
+            let mut tokens = sampled.iter();
+            for e in entries {
+                let token = e.samples.then(|| *tokens.next().expect("counted") as u32);
+                live &= Self::append_row(requests, e, token, pool, bs, finished);
+            }
         }
-        aborted
+        !live
+    }
+
+    /// One row of the common step: its request takes its token, if it samples; false when
+    /// the request was aborted in flight.
+    #[inline(always)]
+    fn append_row(
+        requests: &mut [Option<Request>],
+        e: &Scheduled,
+        token: Option<u32>,
+        pool: &mut PoolInner,
+        bs: BlockSize,
+        finished: &mut Vec<(u32, (FinishReason, Option<StopReason>))>,
+    ) -> bool {
+        let Some(r) = Self::live_entry(requests, e) else {
+            return false;
+        };
+        r.num_computed += e.num_new;
+        if let Some(token) = token {
+            r.tokens.push(token);
+            if let Some(stop) = r.check_stop() {
+                finished.push((e.slot, stop));
+            }
+        }
+        Self::commit_filled(pool, r, e, bs);
+        true
     }
 
     /// Cuts from the common step's columns (one token per sampling row) the rows whose request
