@@ -70,8 +70,9 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-async def light_ttft(http: httpx.AsyncClient, model: str, request_id: str) -> float:
-    """Seconds to the first content of a short streamed chat turn."""
+async def light_ttft(http: httpx.AsyncClient, model: str, request_id: str) -> tuple[float, float]:
+    """When a short streamed chat turn was sent (time.monotonic(), the server's clock on this
+    machine) and the seconds to its first content."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "In the beginning"}],
@@ -79,20 +80,20 @@ async def light_ttft(http: httpx.AsyncClient, model: str, request_id: str) -> fl
         "temperature": 0,
         "stream": True,
     }
-    start = time.perf_counter()
+    start = time.monotonic()
     headers = {"x-request-id": request_id}
     async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                return time.perf_counter() - start
+                return start, time.monotonic() - start
     raise RuntimeError("the stream ended without output")
 
 
 async def light_client(
     url: str, model: str, count: int, pause: float, phase: str
-) -> dict[str, float]:
-    """TTFT seconds by request id (`light-<phase>-<n>`)."""
+) -> dict[str, tuple[float, float]]:
+    """(sent at, TTFT seconds) by request id (`light-<phase>-<n>`)."""
     async with client(LIGHT, url) as http:
         await light_ttft(http, model, f"light-{phase}-warm")
         times = {}
@@ -258,7 +259,8 @@ async def measure(args: argparse.Namespace, url: str, pid: int) -> dict:
 
 
 def report(result: dict) -> None:
-    idle, loaded = list(result["idle"].values()), list(result["loaded"].values())
+    idle = [ttft for _, ttft in result["idle"].values()]
+    loaded = [ttft for _, ttft in result["loaded"].values()]
     rows = [
         ("light TTFT p50, alone (ms)", f"{1000 * statistics.median(idle):.1f}"),
         ("light TTFT p99, alone (ms)", f"{1000 * percentile(idle, 0.99):.1f}"),

@@ -5,8 +5,9 @@ The server runs with `--log-level debug`, its log in a file: each request's line
 engine thread logs each step (`step tokens= step_s= cpu_s= turn_s=`). The light client names
 its requests (`X-Request-Id: light-<phase>-<n>`), so each of its lines is matched with the
 TTFT the client measured; what the client saw beyond the server's span from arrival to the
-first chunk sent (`outside`) is time before the server's app saw the request (the event loop
-busy, the request in the socket) and after it sent the chunk (the client's process).
+first chunk sent is split, on the machine's monotonic clock, into the time before the server's
+app saw the request (`to_server`: the request in the socket, uvicorn reading it) and after it
+sent the chunk (`to_client`: the client's process reading it).
 
 The server's threads are also sampled from /proc (`schedstat`: CPU time and time runnable but
 waiting for a core) over each phase: the event loop, the engine thread and the kernels' pool
@@ -36,10 +37,10 @@ _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ [\w.]+: (.*)$")
 _TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%f"
 
 
-def parse_log(text: str) -> tuple[dict[str, dict[str, float]], list[tuple[datetime, dict]]]:
-    """The stage seconds of each request line by request id, and the steps' lines (their
-    time and fields)."""
-    requests: dict[str, dict[str, float]] = {}
+def parse_log(text: str) -> tuple[dict[str, tuple[dict, float]], list[tuple[datetime, dict]]]:
+    """By request id, each request line's stage seconds and arrival (time.monotonic()); and
+    the steps' lines (their time and fields)."""
+    requests: dict[str, tuple[dict, float]] = {}
     steps: list[tuple[datetime, dict]] = []
     for line in text.splitlines():
         match = _LINE.match(line)
@@ -51,7 +52,8 @@ def parse_log(text: str) -> tuple[dict[str, dict[str, float]], list[tuple[dateti
             steps.append((at, {k: float(v) for k, v in fields.items()}))
         elif "stages" in fields and "request_id" in fields:
             stages = dict(part.split(":") for part in fields["stages"].split(","))
-            requests[fields["request_id"]] = {k: float(v) for k, v in stages.items()}
+            seconds = {k: float(v) for k, v in stages.items()}
+            requests[fields["request_id"]] = (seconds, float(fields["arrival"]))
     return requests, steps
 
 
@@ -106,18 +108,25 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def stage_rows(phase_ttft: dict[str, dict[str, float]], requests: dict) -> dict[str, dict]:
-    """Per phase: per stage (and `outside`, `ttft`), the seconds of each light request."""
+COLUMNS = ("to_server", *ORDER, "to_client", "ttft")
+
+
+def stage_rows(phase_ttft: dict[str, dict], requests: dict) -> dict[str, dict]:
+    """Per phase: per stage, the seconds of each light request: `to_server` from the client's
+    send to the server's arrival (the request in the socket, uvicorn reading its headers: the
+    event loop's turns), the server's stages, then `to_client` from its first chunk sent to the
+    client's reading it (the client's process)."""
     table: dict[str, dict[str, list[float]]] = {}
-    for phase, ttfts in phase_ttft.items():
-        columns: dict[str, list[float]] = {name: [] for name in (*ORDER, "outside", "ttft")}
-        for request_id, ttft in ttfts.items():
-            stages = requests.get(request_id)
-            if stages is None:
+    for phase, sent in phase_ttft.items():
+        columns: dict[str, list[float]] = {name: [] for name in COLUMNS}
+        for request_id, (start, ttft) in sent.items():
+            if request_id not in requests:
                 continue
+            stages, arrival = requests[request_id]
+            columns["to_server"].append(max(0.0, arrival - start))
             for name in ORDER:
                 columns[name].append(stages.get(name, 0.0))
-            columns["outside"].append(max(0.0, ttft - sum(stages.values())))
+            columns["to_client"].append(max(0.0, start + ttft - arrival - sum(stages.values())))
             columns["ttft"].append(ttft)
         table[phase] = columns
     return table
@@ -143,7 +152,7 @@ def markdown(
     if not loaded["ttft"] or not alone["ttft"]:
         return "\n".join(lines[:1]) + "\n"
     total = statistics.fmean(loaded["ttft"])
-    for name in (*ORDER, "outside", "ttft"):
+    for name in COLUMNS:
         a, b = alone[name], loaded[name]
         added = statistics.fmean(b) - statistics.fmean(a)
         lines.append(

@@ -4,6 +4,7 @@ loop, a stream's first chunk sent) with its seconds, and the token budget of the
 ran it, and the engine's thread logs each step's times; at info neither."""
 
 import logging
+import time
 
 import httpx
 import pytest
@@ -62,7 +63,9 @@ def test_stage_times_are_each_from_the_stage_before():
 def test_the_debug_request_log_names_each_stage(server, records, stream):
     REQUESTS.setLevel(logging.DEBUG)
     body = {"prompt": "The", "max_tokens": 2, "temperature": 0, "stream": stream}
+    sent_at = time.monotonic()
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    answered_at = time.monotonic()
     assert response.status_code == 200, response.text
     server.wait_idle()
     (fields,) = [f for f in records.fields if f["endpoint"] == "/v1/completions"]
@@ -75,6 +78,8 @@ def test_the_debug_request_log_names_each_stage(server, records, stream):
     assert all(seconds >= 0 for seconds in stages.values())
     to_first = sum(seconds for name, seconds in stages.items() if name != "sent")
     assert to_first == pytest.approx(fields["ttft"], abs=1e-5)
+    # its arrival on the machine's monotonic clock: a client on the machine places it too
+    assert sent_at < fields["arrival"] < answered_at
     # The budget of the step that first ran it: one client alone, the full budget.
     metrics = httpx.get(f"{server.url}/metrics", timeout=60).text
     (gauge,) = [
@@ -109,5 +114,5 @@ def test_the_info_request_log_has_no_stages(server, records):
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
     server.wait_idle()
     (fields,) = [f for f in records.fields if f["endpoint"] == "/v1/completions"]
-    assert fields["stages"] is None and fields["step_budget"] is None
+    assert fields["stages"] is None and fields["step_budget"] is None and fields["arrival"] is None
     assert fields["ttft"] is not None

@@ -413,6 +413,7 @@ class Generation:
                 finish_reason=",".join(reasons) or None,
                 error=self.error,
                 stages=stage_times(self.http.scope.get("state", {})) if debug_stages() else None,
+                arrival=self.arrival if debug_stages() else None,
                 step_budget=self.step_budget if debug_stages() else None,
                 **self._cost(),
             )
