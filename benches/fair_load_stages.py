@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 import statistics
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 ORDER = (
@@ -162,8 +162,8 @@ def markdown(
             f"{1000 * added:+.2f} |"
         )
     lines += ["", "| engine steps | alone | under load |", "|---|---|---|"]
-    by_phase = {
-        phase: [f for at, f in steps if start <= at <= end]
+    by_phase = {  # the steps that started in the phase (its log line comes at the end)
+        phase: [f for at, f in steps if start <= at - timedelta(seconds=f["turn_s"]) <= end]
         for phase, (start, end) in windows.items()
     }
 
