@@ -31,16 +31,19 @@ ORDER = (
     "scheduled",
     "first_token",
     "delivered",
+    "engine",  # a server before the engine's own stages: queued to delivered in one
     "sent",
 )
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ [\w.]+: (.*)$")
 _TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%f"
 
 
-def parse_log(text: str) -> tuple[dict[str, tuple[dict, float]], list[tuple[datetime, dict]]]:
+def parse_log(
+    text: str,
+) -> tuple[dict[str, tuple[dict, float | None]], list[tuple[datetime, dict]]]:
     """By request id, each request line's stage seconds and arrival (time.monotonic()); and
     the steps' lines (their time and fields)."""
-    requests: dict[str, tuple[dict, float]] = {}
+    requests: dict[str, tuple[dict, float | None]] = {}
     steps: list[tuple[datetime, dict]] = []
     for line in text.splitlines():
         match = _LINE.match(line)
@@ -53,7 +56,8 @@ def parse_log(text: str) -> tuple[dict[str, tuple[dict, float]], list[tuple[date
         elif "stages" in fields and "request_id" in fields:
             stages = dict(part.split(":") for part in fields["stages"].split(","))
             seconds = {k: float(v) for k, v in stages.items()}
-            requests[fields["request_id"]] = (seconds, float(fields["arrival"]))
+            arrival = float(fields["arrival"]) if "arrival" in fields else None
+            requests[fields["request_id"]] = (seconds, arrival)
     return requests, steps
 
 
@@ -123,6 +127,8 @@ def stage_rows(phase_ttft: dict[str, dict], requests: dict) -> dict[str, dict]:
             if request_id not in requests:
                 continue
             stages, arrival = requests[request_id]
+            if arrival is None:  # a server that does not log it: all the time outside here
+                arrival = start + ttft - sum(stages.values())
             columns["to_server"].append(max(0.0, arrival - start))
             for name in ORDER:
                 columns[name].append(stages.get(name, 0.0))
@@ -154,6 +160,8 @@ def markdown(
     total = statistics.fmean(loaded["ttft"])
     for name in COLUMNS:
         a, b = alone[name], loaded[name]
+        if not any(a) and not any(b):  # a stage this server does not mark
+            continue
         added = statistics.fmean(b) - statistics.fmean(a)
         lines.append(
             f"| {name} | {1000 * statistics.median(a):.2f} | {1000 * _pct(a, 0.99):.2f} | "
