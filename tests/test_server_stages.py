@@ -94,7 +94,7 @@ def test_the_debug_log_times_each_engine_step(server):
     engine_log.addHandler(handler)
     engine_log.setLevel(logging.DEBUG)
     try:
-        body = {"prompt": "The", "max_tokens": 3, "temperature": 0}
+        body = {"prompt": "The", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
         server.wait_idle()
     finally:
