@@ -16,6 +16,14 @@ run once more with `--server-arg=--shared-step-ms --server-arg=0` for the unboun
 
     .venv/bin/python benches/fair_load.py            # the bundled model, about 2 minutes
     .venv/bin/python benches/fair_load.py --quick    # a short check that it runs
+
+Where the light client's time goes: `--stages LOG` runs the server at debug level (its log to
+LOG) and adds the light requests' stage times alone and under load (p50/p99, each stage's
+share), the engine's steps, and the CPU time of the server's threads, the clients' processes and
+the whole machine over each phase (fair_load_stages.py); `--clients flood` or `--clients heavy`
+runs one background client alone, to see its own part:
+
+    .venv/bin/python benches/fair_load.py --stages /tmp/fair_load.log
 """
 
 from __future__ import annotations
@@ -24,13 +32,17 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 import httpx
+from fair_load_stages import machine_busy, process_cpu, thread_delta, thread_times
+from fair_load_stages import markdown as stages_markdown
 
 from aieng.benchmarks.load_test import spawn, wait_idle
 
@@ -58,8 +70,9 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-async def light_ttft(http: httpx.AsyncClient, model: str) -> float:
-    """Seconds to the first content of a short streamed chat turn."""
+async def light_ttft(http: httpx.AsyncClient, model: str, request_id: str) -> tuple[float, float]:
+    """When a short streamed chat turn was sent (time.monotonic(), the server's clock on this
+    machine) and the seconds to its first content."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "In the beginning"}],
@@ -67,23 +80,54 @@ async def light_ttft(http: httpx.AsyncClient, model: str) -> float:
         "temperature": 0,
         "stream": True,
     }
-    start = time.perf_counter()
-    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+    start = time.monotonic()
+    headers = {"x-request-id": request_id}
+    async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                return time.perf_counter() - start
+                return start, time.monotonic() - start
     raise RuntimeError("the stream ended without output")
 
 
-async def light_client(url: str, model: str, count: int, pause: float) -> list[float]:
+async def light_client(
+    url: str, model: str, count: int, pause: float, phase: str
+) -> dict[str, tuple[float, float]]:
+    """(sent at, TTFT seconds) by request id (`light-<phase>-<n>`)."""
     async with client(LIGHT, url) as http:
-        await light_ttft(http, model)  # warm
-        times = []
-        for _ in range(count):
-            times.append(await light_ttft(http, model))
+        await light_ttft(http, model, f"light-{phase}-warm")
+        times = {}
+        for n in range(count):
+            request_id = f"light-{phase}-{n}"
+            times[request_id] = await light_ttft(http, model, request_id)
             await asyncio.sleep(pause)
         return times
+
+
+class Phases:
+    """Each light phase's wall-clock window, and over it the server threads' times, the
+    processes' (`others`: name -> pid) and the whole machine's CPU (other work on it too)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.others: dict[str, int] = {"bench (light client)": os.getpid()}
+        self.windows: dict[str, tuple[datetime, datetime]] = {}
+        self.threads: dict[str, dict] = {}
+
+    def _sample(self) -> dict[str, tuple[float, float]]:
+        sample = thread_times(self.pid)
+        for name, pid in {"server": self.pid, **self.others}.items():
+            sample[f"process: {name}"] = (process_cpu(pid), 0.0)
+        sample["process: the whole machine (all cores)"] = (machine_busy(), 0.0)
+        return sample
+
+    async def run(self, phase: str, work):
+        start, before, started = datetime.now(), self._sample(), time.perf_counter()
+        result = await work
+        seconds = time.perf_counter() - started
+        self.windows[phase] = (start, datetime.now())
+        self.threads[phase] = thread_delta(before, self._sample(), seconds)
+        return result
 
 
 async def flood(url: str, stop: asyncio.Event, statuses: Counter) -> None:
@@ -161,7 +205,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def measure(args: argparse.Namespace, url: str, pid: int) -> dict:
-    idle = await light_client(url, args.model_name, args.light_requests, args.pause)
+    phases = Phases(pid)
+    light = (url, args.model_name, args.light_requests, args.pause)
+    idle = await phases.run("alone", light_client(*light, "alone"))
     rss_before = rss_bytes(pid)
     processes = multiprocessing.get_context("spawn")
     stop, answers = processes.Event(), processes.Queue()
@@ -180,20 +226,21 @@ async def measure(args: argparse.Namespace, url: str, pid: int) -> dict:
 
     clients = [
         processes.Process(target=background_client, args=(n, url, args.heavy_inputs, stop, answers))
-        for n in ("flood", "heavy")
+        for n in args.clients
     ]
     loading = asyncio.Event()
     for process in clients:
         process.start()
+    phases.others.update({f"{n} client": p.pid for n, p in zip(args.clients, clients, strict=True)})
     started = time.perf_counter()
     watcher = asyncio.create_task(watch_rss())
     await asyncio.sleep(args.warmup)  # the flood and the heavy client fill the server first
     loading.set()
-    loaded = await light_client(url, args.model_name, args.light_requests, args.pause)
+    loaded = await phases.run("load", light_client(*light, "load"))
     stop.set()
     seconds = time.perf_counter() - started
     await watcher
-    statuses = dict(await asyncio.to_thread(lambda: [answers.get(), answers.get()]))
+    statuses = dict(await asyncio.to_thread(lambda: [answers.get() for _ in clients]))
     for process in clients:
         await asyncio.to_thread(process.join)
     await asyncio.to_thread(wait_idle, url)
@@ -202,16 +249,18 @@ async def measure(args: argparse.Namespace, url: str, pid: int) -> dict:
     return {
         "idle": idle,
         "loaded": loaded,
-        "flood": statuses["flood"],
-        "heavy": statuses["heavy"],
-        "heavy_inputs_per_s": statuses["heavy"].get(200, 0) * args.heavy_inputs / seconds,
+        "flood": statuses.get("flood", {}),
+        "heavy": statuses.get("heavy", {}),
+        "heavy_inputs_per_s": statuses.get("heavy", {}).get(200, 0) * args.heavy_inputs / seconds,
         "step_budgets": budgets,
         "rss": (rss_before, rss_peak, rss_after),
+        "phases": phases,
     }
 
 
 def report(result: dict) -> None:
-    idle, loaded = result["idle"], result["loaded"]
+    idle = [ttft for _, ttft in result["idle"].values()]
+    loaded = [ttft for _, ttft in result["loaded"].values()]
     rows = [
         ("light TTFT p50, alone (ms)", f"{1000 * statistics.median(idle):.1f}"),
         ("light TTFT p99, alone (ms)", f"{1000 * percentile(idle, 0.99):.1f}"),
@@ -252,17 +301,46 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before the last RSS")
     ap.add_argument("--quick", action="store_true", help="20 light requests, short phases")
     ap.add_argument("--server-arg", action="append", default=[], help="passed to aieng serve")
+    ap.add_argument(
+        "--clients",
+        type=lambda text: tuple(text.split(",")),
+        default=("flood", "heavy"),
+        help="the background clients, comma-separated (default: flood,heavy); one alone "
+        "shows its own part of the light client's delay",
+    )
+    ap.add_argument(
+        "--stages",
+        metavar="LOG",
+        type=Path,
+        default=None,
+        help="the server at --log-level debug, its log to this file: also break the light "
+        "client's TTFT into the server's stages, its steps and its threads' CPU, alone and "
+        "under load (fair_load_stages.py)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.light_requests, args.warmup, args.settle, args.heavy_inputs = 20, 2.0, 1.0, 32
-    proc, url = spawn(args.model, args.server_arg)
+    server_args, log = list(args.server_arg), None
+    if args.stages is not None:
+        server_args += ["--log-level", "debug"]
+        log = args.stages.open("w")
+    proc, url = spawn(args.model, server_args, stderr=log)
     try:
         if args.model_name is None:
             args.model_name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        report(asyncio.run(measure(args, url, proc.pid)))
+        result = asyncio.run(measure(args, url, proc.pid))
+        report(result)
     finally:
         proc.terminate()
         proc.wait(60)
+        if log is not None:
+            log.close()
+    if args.stages is not None:
+        phases = result["phases"]
+        ttfts = {"alone": result["idle"], "load": result["loaded"]}
+        text = args.stages.read_text()
+        print()
+        print(stages_markdown(ttfts, text, phases.windows, phases.threads), end="")
     return 0
 
 

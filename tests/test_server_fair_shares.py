@@ -11,7 +11,7 @@ import pytest
 from server_fixtures import ThreadServer, make_model_dir
 
 from aieng.server.fair_queue import FairQueue
-from aieng.server.tokenizing import TokenizerPool, longest_token_bytes
+from aieng.server.tokenizing import INLINE_COST, TokenizerPool, longest_token_bytes
 
 HEAVY, LIGHT = ("10.0.0.1", ""), ("10.0.0.2", "")
 
@@ -107,9 +107,12 @@ def test_the_pool_serves_a_light_client_before_a_heavy_clients_queue():
     async def scenario():
         pool = TokenizerPool(threads=1)
         try:
-            heavy = [asyncio.create_task(pool.run(HEAVY, 1000, job, f"h{i}")) for i in range(5)]
+            heavy = [
+                asyncio.create_task(pool.run(HEAVY, 100 * INLINE_COST, job, f"h{i}"))
+                for i in range(5)
+            ]
             await asyncio.sleep(0.05)  # h0 holds the only thread; h1..h4 wait
-            light = asyncio.create_task(pool.run(LIGHT, 10, job, "l0"))
+            light = asyncio.create_task(pool.run(LIGHT, INLINE_COST + 1, job, "l0"))
             await asyncio.sleep(0.05)
             release.set()
             return await asyncio.gather(*heavy, light)
@@ -126,9 +129,9 @@ def test_a_cancelled_job_leaves_the_pool():
     async def scenario():
         pool = TokenizerPool(threads=1)
         try:
-            busy = asyncio.create_task(pool.run(HEAVY, 1, release.wait, 10))
+            busy = asyncio.create_task(pool.run(HEAVY, INLINE_COST + 1, release.wait, 10))
             await asyncio.sleep(0.05)
-            waiting = asyncio.create_task(pool.run(LIGHT, 1, lambda: "never"))
+            waiting = asyncio.create_task(pool.run(LIGHT, INLINE_COST + 1, lambda: "never"))
             await asyncio.sleep(0.05)
             assert pool.num_waiting == 1
             waiting.cancel()
@@ -137,6 +140,29 @@ def test_a_cancelled_job_leaves_the_pool():
             release.set()
             assert await busy is True
             assert await pool.run(LIGHT, 1, lambda: "next") == "next"
+        finally:
+            pool.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_job_of_at_most_inline_cost_runs_on_the_event_loop_at_once():
+    release = threading.Event()
+
+    async def scenario():
+        pool = TokenizerPool(threads=1)
+        try:
+            busy = asyncio.create_task(pool.run(HEAVY, INLINE_COST + 1, release.wait, 10))
+            await asyncio.sleep(0.05)  # the only thread is taken
+            here = threading.get_ident()
+            # no thread hop (nor a wait for the busy thread) for a small job
+            assert await pool.run(LIGHT, INLINE_COST, threading.get_ident) == here
+            assert pool.num_waiting == 0
+            waiting = asyncio.create_task(pool.run(LIGHT, INLINE_COST + 1, threading.get_ident))
+            await asyncio.sleep(0.05)
+            assert pool.num_waiting == 1  # a larger one goes to the pool
+            release.set()
+            assert await busy is True and await waiting != here
         finally:
             pool.shutdown()
 

@@ -38,6 +38,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 import numpy as np
@@ -396,14 +397,16 @@ def end_state(url: str, model: str, idle: dict[str, float]) -> dict:
     return state
 
 
-def spawn(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def spawn(model: str, extra: list[str], stderr: IO | None = None) -> tuple[subprocess.Popen, str]:
+    """`aieng serve` on a free port (its stderr to `stderr`, default: this process's), once
+    ready."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "aieng.server", "--port", str(port), *extra]
     if model != "default":
         command.insert(3, model)
-    proc = subprocess.Popen(command)
+    proc = subprocess.Popen(command, stderr=stderr)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 300
     while time.monotonic() < end:

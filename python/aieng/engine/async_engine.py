@@ -31,6 +31,7 @@ from aieng._core import Grammar
 from aieng.config.engine_args import EngineArgs
 from aieng.engine.engine_client import EngineStats, ModelInfo
 from aieng.engine.llm_engine import EngineDeadError, LLMEngine
+from aieng.engine.thread_names import name_os_thread
 from aieng.outputs import RequestOutput
 from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
@@ -205,6 +206,7 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ loop thread
 
     def _run(self) -> None:
+        name_os_thread()
         try:
             while not self._stopping and self._dead_reason() is None:
                 self._turn()
@@ -226,15 +228,26 @@ class AsyncLLMEngine:
         if not self.engine.has_unfinished():
             self._wake.wait(IDLE_WAKE_S)
         self._wake.clear()
+        timed = logger.isEnabledFor(logging.DEBUG)
+        if timed:
+            turn_start = time.monotonic()
         items = self._apply_commands()
         if self.engine.has_unfinished():
+            if timed:
+                step_start, cpu_start = time.monotonic(), time.thread_time()
             # A request whose step failed comes back finished with finish_reason "error".
             items += [(out.request_id, out) for out in self.engine.step()]
+            if timed:
+                step_s, cpu_s = time.monotonic() - step_start, time.thread_time() - cpu_start
             if self.on_step is not None:
                 self.on_step(self.engine.last_step_num_tokens)
+        else:
+            timed = False
         self.stats = self.engine.stats()
         if items:
             self._post(items)
+        if timed:
+            _log_step(self.engine.last_step_num_tokens, step_s, cpu_s, turn_start)
 
     def _dead_reason(self) -> str | None:
         return getattr(self.engine, "dead_reason", None)
@@ -297,3 +310,12 @@ async def _get(stream: asyncio.Queue, deadline: float | None):
         return await asyncio.wait_for(stream.get(), max(remaining, 0.0))
     except asyncio.TimeoutError:
         return None
+
+
+def _log_step(tokens: int, step_s: float, cpu_s: float, turn_start: float) -> None:
+    """At debug level, one line per step: its tokens, its wall time, the CPU time this thread
+    had in it (the rest it was off its core: preempted, or waiting for the GIL; a wait for the
+    kernels' workers spins, on the core), and the
+    whole turn's wall time (the step with the loop's own work around it)."""
+    turn_s = time.monotonic() - turn_start
+    logger.debug("step tokens=%d step_s=%.6f cpu_s=%.6f turn_s=%.6f", tokens, step_s, cpu_s, turn_s)

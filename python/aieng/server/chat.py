@@ -33,7 +33,7 @@ from aieng.server.protocol import (
 )
 from aieng.server.streaming import Shapes, respond
 from aieng.server.structured import compile_constraint
-from aieng.server.tokenizing import too_long, utf8_size
+from aieng.server.tokenizing import INLINE_COST, too_long, utf8_size
 from aieng.server.tool_call_output import ToolCallDeltas, assistant_message
 from aieng.server.tool_calls import constrain_to_calls, plan_tools
 from aieng.server.tool_parsers import ToolParser
@@ -121,6 +121,8 @@ async def render_chat(
         return tokenizer.encode(text, False)
 
     cost = sum(utf8_size(m.text) for m in messages)
+    if tools is not None:  # the tools' rendering is not counted: never on the event loop
+        cost = max(cost, INLINE_COST + 1)
     try:  # in the tokenizer pool: a long conversation stalls neither the loop nor other clients
         ids = await ctx.tokenizing.run(client, cost, render)
     except ChatTemplateError as error:

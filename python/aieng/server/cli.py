@@ -101,6 +101,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="request bodies received at once; past it new ones get 503 (default: %(default)s)",
     )
     server.add_argument(
+        "--small-first-ms",
+        type=non_negative_float,
+        default=100.0,
+        help="while a request with a small body (64 KiB or less) or none waits for its first "
+        "answer, larger bodies are not read, for at most this long (and each of their chunks "
+        "waits at most this long), so a flood of large bodies does not delay light requests; "
+        "0 turns it off (default: %(default)s)",
+    )
+    server.add_argument(
         "--max-body-reads-per-client",
         type=non_negative_int,
         default=16,
@@ -181,6 +190,7 @@ def server_config(
         request_body_timeout=args.request_body_timeout or None,
         max_concurrent_body_reads=args.max_concurrent_body_reads,
         max_body_reads_per_client=args.max_body_reads_per_client or None,
+        small_first_ms=args.small_first_ms,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         log_format=args.log_format,
         cost_per_hour=args.cost_per_hour,

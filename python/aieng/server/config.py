@@ -24,6 +24,8 @@ class ServerConfig:
     request_body_timeout: float | None = 30.0  # seconds a whole body may take; past it 408
     max_concurrent_body_reads: int = 64  # bodies read at once; past it 503
     max_body_reads_per_client: int | None = 16  # of those, from one peer address; past it 429
+    # how long a small request holds large bodies' reads back (until its first answer); 0: off
+    small_first_ms: float = 100.0
     allowed_origins: tuple[str, ...] = field(default_factory=tuple)
     log_format: str = "text"
     cost_per_hour: float | None = None  # the machine's price in USD, for the cost metrics
@@ -52,6 +54,8 @@ class ServerConfig:
             raise ValueError(
                 f"max_body_reads_per_client must be >= 1, got {self.max_body_reads_per_client}"
             )
+        if self.small_first_ms < 0:
+            raise ValueError(f"small_first_ms must be >= 0, got {self.small_first_ms}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.admin_key is not None and self.admin_key == self.api_key:

@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from aieng.engine.thread_names import name_os_thread
 from aieng.server.fair_queue import FairQueue
 
 T = TypeVar("T")
@@ -29,7 +30,9 @@ class _Job:
 class FairPool:
     def __init__(self, threads: int, name: str) -> None:
         self.threads = threads
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._executor = ThreadPoolExecutor(
+            threads, thread_name_prefix=name, initializer=name_os_thread
+        )
         self._waiting: FairQueue[_Job] = FairQueue(depth=2)
         self._running = 0
 

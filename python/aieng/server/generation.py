@@ -25,7 +25,7 @@ from fastapi import Request
 from aieng.engine.engine_client import EngineClient
 from aieng.engine.llm_engine import NO_VALID_TOKEN, EngineDeadError
 from aieng.errors import AiengError, InvalidArgumentError, error_field
-from aieng.outputs import RequestOutput
+from aieng.outputs import RequestMetrics, RequestOutput
 from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
 from aieng.server.admission import ServerState
@@ -247,8 +247,9 @@ class Generation:
         self.ctx.admission.started(self.engine_ids[index])
         if self.first_output is None:
             self.first_output = now
-            mark(self.http.scope, "engine", now)
+            mark(self.http.scope, "delivered", now)
             if out.metrics is not None:
+                self._mark_engine_stages(out.metrics, now)
                 self.queue_time = out.metrics.queue_time
                 self._note_step_budget(out.metrics.first_step_token_budget)
         if any(c.token_ids for c in out.outputs):
@@ -282,6 +283,19 @@ class Generation:
                 Delta(index * self.n + c.index, c.text, c.token_ids, logprobs, new_finish)
             )
         return deltas
+
+    def _mark_engine_stages(self, metrics: RequestMetrics, now: float) -> None:
+        """The engine's own times of the first output: it took the request (`queued`), first
+        scheduled it, produced its first token. They are time.monotonic() of the engine's
+        thread; an engine in another process on this machine has the same clock, one on
+        another machine not (its times, outside this request's span, are left out)."""
+        for name, at in (
+            ("queued", metrics.arrival_time),
+            ("scheduled", metrics.first_scheduled_time),
+            ("first_token", metrics.first_token_time),
+        ):
+            if at is not None and self.arrival <= at <= now:
+                mark(self.http.scope, name, at)
 
     async def _or_disconnect(self, work) -> None:
         task = asyncio.ensure_future(work)
@@ -399,6 +413,7 @@ class Generation:
                 finish_reason=",".join(reasons) or None,
                 error=self.error,
                 stages=stage_times(self.http.scope.get("state", {})) if debug_stages() else None,
+                arrival=self.arrival if debug_stages() else None,
                 step_budget=self.step_budget if debug_stages() else None,
                 **self._cost(),
             )

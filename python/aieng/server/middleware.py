@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aieng.server.errors import error_bytes
+from aieng.server.small_first import SMALL_BODY_BYTES, SmallFirst
 from aieng.server.stages import mark
 
 REQUEST_ID_HEADER = b"x-request-id"
@@ -115,7 +116,9 @@ class BodyLimitMiddleware:
     `max_reads_per_client` of them from one peer address (past it 429), so one client cannot
     hold every place. Runs inside the API key check, so an unauthenticated request is refused
     before its body is read. Each 503/429 it answers is reported to `on_refused` by reason, so
-    the server's refusal counter holds every refusal a client sees.
+    the server's refusal counter holds every refusal a client sees. With `small_first`, a large
+    body waits before each chunk while small requests are on their way to their first answer
+    (see `small_first`).
     """
 
     def __init__(
@@ -127,8 +130,10 @@ class BodyLimitMiddleware:
         body_timeout: float | None = None,
         max_reads_per_client: int | None = None,
         on_refused: Callable[[str], None] | None = None,
+        small_first: SmallFirst | None = None,
     ):
         self.app, self.max_bytes = app, max_bytes
+        self.small_first = small_first
         self.on_refused = on_refused
         self.read_timeout, self.body_timeout = read_timeout, body_timeout
         self.max_concurrent_reads = max_concurrent_reads
@@ -149,6 +154,28 @@ class BodyLimitMiddleware:
             if int(declared) > self.max_bytes:
                 await self._too_large(send)
                 return
+        large = _has_body(scope) and (declared is None or int(declared) > SMALL_BODY_BYTES)
+        if self.small_first is not None and not large:
+            await self._small(scope, receive, send, self.small_first.hold())
+            return
+        await self._with_body(scope, receive, send, large)
+
+    async def _small(
+        self, scope: Scope, receive: Receive, send: Send, release: Callable[[], None]
+    ) -> None:
+        """A small request: large bodies wait until its first answer is sent."""
+
+        async def send_then_release(message: Message) -> None:
+            await send(message)
+            if message["type"] == "http.response.body":
+                release()
+
+        try:
+            await self._with_body(scope, receive, send_then_release, large=False)
+        finally:
+            release()
+
+    async def _with_body(self, scope: Scope, receive: Receive, send: Send, large: bool) -> None:
         if not _has_body(scope):
             await self.app(scope, receive, send)
             return
@@ -158,7 +185,7 @@ class BodyLimitMiddleware:
         self.reading += 1
         self.reading_by_client[client] += 1
         try:
-            body = await self._read(receive, send)
+            body = await self._read(receive, send, large)
         finally:
             self.reading -= 1
             self.reading_by_client[client] -= 1
@@ -215,12 +242,15 @@ class BodyLimitMiddleware:
         if self.on_refused is not None:
             self.on_refused(reason)
 
-    async def _read(self, receive: Receive, send: Send) -> bytes | None:
-        """The body, or None once an error was answered or the client left."""
+    async def _read(self, receive: Receive, send: Send, large: bool) -> bytes | None:
+        """The body, or None once an error was answered or the client left. A large body's
+        chunks wait for small requests (`small_first`)."""
         chunks: list[bytes] = []
         size = 0
         deadline = None if self.body_timeout is None else time.monotonic() + self.body_timeout
         while True:
+            if large and self.small_first is not None:
+                await self.small_first.turn()
             wait, whole = self.read_timeout, False
             if deadline is not None:
                 left = max(0.0, deadline - time.monotonic())

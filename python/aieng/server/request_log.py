@@ -27,6 +27,7 @@ class RequestRecord:
     engine_s: float | None = None  # its share of the engine's step time
     cost_usd: float | None = None  # engine_s at --cost-per-hour
     stages: str | None = None  # at debug level: seconds in each stage (see server.stages)
+    arrival: float | None = None  # at debug level: its arrival, time.monotonic() (this machine's)
     # at debug level: the smallest token budget of the steps that first scheduled its prompts
     # (below max_num_batched_tokens when clients shared the engine: shared_step_ms)
     step_budget: int | None = None

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from aieng.server.errors import ApiError, error_body
 from aieng.server.generation import ClientGone, Delta, Generation
+from aieng.server.stages import mark
 
 DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499  # nginx's code: nobody reads it, the logs and metrics do
@@ -103,6 +104,7 @@ async def _events(
         return sse({**shapes.head, "choices": choices, **usage})
 
     yield chunk(first)
+    mark(generation.http.scope, "sent")  # resumed once the first chunk was handed to the socket
     try:
         async for deltas in generation.remaining_deltas():
             yield chunk(deltas)

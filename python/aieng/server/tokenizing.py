@@ -8,21 +8,29 @@ longest token (plus `DECODER_MARGIN`, for the leading space a decoder drops), so
 default pool, whose waiting jobs are served in fair shares of bytes between clients
 (`FairQueue`), so a flood of large bodies from one client queues behind itself while another
 client's short prompt is tokenized next. A batch of texts is tokenized in parts of about
-`PART_BYTES`, each queued on its own, so no client holds a thread for long.
+`PART_BYTES`, each queued on its own, so no client holds a thread for long; a job of at most
+`INLINE_COST` bytes runs on the event loop, cheaper than the two thread wake-ups.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from aieng._core import Tokenizer
 from aieng.server.errors import ApiError, invalid
 from aieng.server.fair_pool import FairPool
 
+T = TypeVar("T")
+
 THREADS = 2
 PART_BYTES = 64 * 1024
 DECODER_MARGIN = 4
+# A job this small (its cost: bytes of text, or token ids) runs on the event loop: to a pool
+# thread and back is two wake-ups, each waiting for a core on a busy machine (milliseconds under
+# load, issue 37: most of a light chat turn's `prepared` stage) for tens of microseconds of work.
+INLINE_COST = 1024
 
 
 def longest_token_bytes(tokenizer: Tokenizer) -> int:
@@ -42,6 +50,13 @@ class TokenizerPool(FairPool):
     def __init__(self, threads: int = THREADS) -> None:
         super().__init__(threads, "aieng-tokenize")
         self._bytes_per_token: dict[int, tuple[Tokenizer, asyncio.Future]] = {}
+
+    async def run(self, client: tuple[str, str], cost: int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args): on the event loop at a cost of at most `INLINE_COST`, else in a pool
+        thread once the client's fair share comes (`FairPool.run`)."""
+        if cost <= INLINE_COST:
+            return fn(*args)
+        return await super().run(client, cost, fn, *args)
 
     async def bytes_per_token(self, tokenizer: Tokenizer) -> int:
         """The most bytes of text one token of `tokenizer` covers (worked out once, in a
@@ -75,7 +90,14 @@ class TokenizerPool(FairPool):
         its length (400 naming `param` and the limit) before anything is tokenized."""
         sizes = await self.check_sizes(tokenizer, texts, param, max_tokens)
         parts = [
-            self.run(client, sum(sizes[a:b]), tokenizer.encode_batch, list(texts[a:b]), add_special)
+            # each text at least a byte's work: many empty texts are not free
+            self.run(
+                client,
+                sum(sizes[a:b]) + b - a,
+                tokenizer.encode_batch,
+                list(texts[a:b]),
+                add_special,
+            )
             for a, b in _parts(sizes)
         ]
         return [ids for part in await asyncio.gather(*parts) for ids in part]
