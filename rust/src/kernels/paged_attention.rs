@@ -118,8 +118,16 @@ pub(super) trait Rows: Copy + Sync {
     fn k_row(&self, at: usize, buf: &mut [f32]);
     /// The V row's values as float32 (an int8 row times its scale) into `buf` (D values).
     fn v_row(&self, at: usize, buf: &mut [f32]);
+    /// Asks the memory system for the K row at `at` (D values) ahead of its use.
+    fn prefetch_k(&self, at: usize, d: usize);
+    /// Asks the memory system for the V row at `at` (D values) ahead of its use.
+    fn prefetch_v(&self, at: usize, d: usize);
     /// Asks the memory system for the K and V rows at `at` (D values each) ahead of their use.
-    fn prefetch(&self, at: usize, d: usize);
+    #[inline(always)]
+    fn prefetch(&self, at: usize, d: usize) {
+        self.prefetch_k(at, d);
+        self.prefetch_v(at, d);
+    }
 }
 
 /// Asks for the cache lines of `count` elements from `first` (a hint: never faults).
@@ -168,8 +176,11 @@ impl Rows for F32Rows<'_> {
         buf.copy_from_slice(&self.v[at..][..buf.len()]);
     }
     #[inline(always)]
-    fn prefetch(&self, at: usize, d: usize) {
+    fn prefetch_k(&self, at: usize, d: usize) {
         prefetch_lines(&self.k[at..], d);
+    }
+    #[inline(always)]
+    fn prefetch_v(&self, at: usize, d: usize) {
         prefetch_lines(&self.v[at..], d);
     }
 }
@@ -207,8 +218,11 @@ impl Rows for Bf16Rows<'_> {
         }
     }
     #[inline(always)]
-    fn prefetch(&self, at: usize, d: usize) {
+    fn prefetch_k(&self, at: usize, d: usize) {
         prefetch_lines(&self.k[at..], d);
+    }
+    #[inline(always)]
+    fn prefetch_v(&self, at: usize, d: usize) {
         prefetch_lines(&self.v[at..], d);
     }
 }
@@ -273,8 +287,11 @@ impl<S: Scale> Rows for Int8Rows<'_, S> {
         }
     }
     #[inline(always)]
-    fn prefetch(&self, at: usize, d: usize) {
+    fn prefetch_k(&self, at: usize, d: usize) {
         prefetch_lines(&self.k[at..], d);
+    }
+    #[inline(always)]
+    fn prefetch_v(&self, at: usize, d: usize) {
         prefetch_lines(&self.v[at..], d);
     }
 }

@@ -1,24 +1,26 @@
 //! A decode row's paged attention with AVX-512: one query token of one request against its
-//! context, for the G query heads that share a KV head, 16 keys at a time.
+//! context, up to 16 query heads (a tile) at a time, 16 positions at a time.
 //!
-//! - Each key's D products are summed lane-wise in one register, and the 16 registers of a
-//!   group of keys are folded into one vector of 16 scores by a tree of shuffles and adds
-//!   (45 instructions per 16 keys) instead of a horizontal sum per key.
-//! - The softmax's running max and sum are updated once per 16 keys, its exponentials taken
-//!   on a whole vector.
-//! - A head's output (D values) stays in registers while the 16 keys' V rows are added to it.
-//! - Each K/V row is requested `AHEAD` positions before its use: a head's rows lie a
-//!   position's width apart (H_kv · D values) and its blocks anywhere in the pool, which no
-//!   hardware prefetcher follows; without the hint every row costs a miss's full latency.
+//! - K is read in the cache's address order: at each position the rows of the tile's KV heads
+//!   lie side by side (a block is (position, KV head, D)), so the hardware's stream prefetcher
+//!   follows the reads through a block. (Read head by head, a head's rows a position's width
+//!   apart, one thread drew 7 GB/s from memory; in address order 11.5, with the same sums.)
+//! - At each position the tile's dot products (each summed lane-wise in one register) are
+//!   folded into one vector of scores, lane j holding head j, by a tree of shuffles and adds:
+//!   the softmax's running max, exponentials and sums are then lane-wise operations on
+//!   whole vectors, once per 16 positions.
+//! - V rows are requested while K is read, then read head by head over the 16 positions from
+//!   the nearer caches, each head's output (D values) in registers.
 //!
-//! Rows are named by their index in the (block, offset, KV head) grid, so an int8 cache's
-//! scale is read without a division. The arithmetic is float32 throughout, like the portable
-//! path; only the order of the additions differs.
+//! Each head's sums are taken in the order of the kernel this one replaced (a dot product's
+//! lanes by the fold's tree, positions in order) and `exp16` repeats `exp`'s operations
+//! lane-wise, so the results are that kernel's bit for bit; against the portable path only the
+//! order of the additions differs. Rows are named by their index in the (block, offset, KV
+//! head) grid, so an int8 cache's scale is read without a division.
 
 use std::arch::x86_64::*;
 
-use super::elementwise::exp;
-use super::paged_attention::{Bf16Rows, F32Rows, Int8Rows, Rows, Scale, AHEAD};
+use super::paged_attention::{Bf16Rows, F32Rows, Int8Rows, Rows, Scale};
 
 /// Reads cached rows 16 values at a time as float32 (an int8 row unscaled; `scales` gives its
 /// K and V scale).
@@ -135,11 +137,35 @@ unsafe fn fold16(v: &[__m512; 16]) -> __m512 {
     )
 }
 
-/// One head's softmax state and output between groups of keys.
-struct HeadState<'a> {
-    max: &'a mut f32,
-    sum: &'a mut f32,
-    acc: &'a mut [f32],
+/// float32 e^x on 16 lanes: the same operations, in the same order, as `elementwise::exp`
+/// (so each lane's result is that function's, bit for bit).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp16(x: __m512) -> __m512 {
+    let x = _mm512_min_ps(
+        _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
+        _mm512_set1_ps(88.0),
+    );
+    let magic = _mm512_set1_ps(12_582_912.0);
+    let t = _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E));
+    let n = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
+    let r = _mm512_sub_ps(
+        _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693_145_75))),
+        _mm512_mul_ps(n, _mm512_set1_ps(1.428_606_8e-6)),
+    );
+    let c = |v: f32| _mm512_set1_ps(v);
+    let mut p = _mm512_div_ps(r, c(720.0));
+    p = _mm512_mul_ps(r, _mm512_add_ps(c(1.0 / 120.0), p));
+    p = _mm512_mul_ps(r, _mm512_add_ps(c(1.0 / 24.0), p));
+    p = _mm512_mul_ps(r, _mm512_add_ps(c(1.0 / 6.0), p));
+    p = _mm512_mul_ps(r, _mm512_add_ps(c(0.5), p));
+    p = _mm512_mul_ps(r, _mm512_add_ps(c(1.0), p));
+    p = _mm512_add_ps(c(1.0), p);
+    let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvttps_epi32(n),
+        _mm512_set1_epi32(127),
+    ));
+    _mm512_mul_ps(p, _mm512_castsi512_ps(bits))
 }
 
 /// One decode row against its context for `span` consecutive KV heads and their query heads.
@@ -148,6 +174,10 @@ struct HeadState<'a> {
 /// already multiplied by the score scale (heads x D). Leaves each head's softmax state: its
 /// running max and sum in `max` and `sum` (heads) and its unnormalised output in `acc`
 /// (heads x D). D must be 16 · NV.
+///
+/// The query heads are taken 16 at a time (a tile); a tile reads its positions in the cache's
+/// address order — at each position the rows of its KV heads, which lie side by side — so the
+/// hardware's stream prefetcher follows the reads within a block.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn attend_token_avx512<R: Rows16, const NV: usize>(
@@ -164,119 +194,175 @@ pub(super) unsafe fn attend_token_avx512<R: Rows16, const NV: usize>(
     let heads = max.len();
     let group = heads / span;
     debug_assert!(qs.len() == heads * d && acc.len() == heads * d);
-    max.fill(f32::NEG_INFINITY);
-    sum.fill(0.0);
     acc.fill(0.0);
-    for r in rows.iter().take(AHEAD) {
-        cache.prefetch(r * d, span * d);
+    for first in (0..heads).step_by(16) {
+        let last = (first + 16).min(heads);
+        let tile = Tile {
+            first,
+            count: last - first,
+            group,
+        };
+        let state = TileState {
+            max: &mut max[first..last],
+            sum: &mut sum[first..last],
+            acc: &mut acc[first * d..last * d],
+        };
+        attend_tile::<R, NV>(rows, &tile, &qs[first * d..last * d], cache, softcap, state);
     }
-    let mut kscale = [1f32; 16];
-    let mut vscale = [1f32; 16];
-    let mut kv_rows = [0usize; 16];
-    for (c, keys) in rows.chunks(16).enumerate() {
-        let n = keys.len();
-        for r in rows.iter().skip(c * 16 + AHEAD).take(16) {
-            cache.prefetch(r * d, span * d);
+}
+
+/// Up to 16 query heads of a decode row: the first (within the row's span), how many, and the
+/// query heads per KV head.
+struct Tile {
+    first: usize,
+    count: usize,
+    group: usize,
+}
+
+impl Tile {
+    /// The KV head (within the span) of the tile's j-th query head.
+    #[inline(always)]
+    fn kv(&self, j: usize) -> usize {
+        (self.first + j) / self.group
+    }
+}
+
+/// A tile's softmax state: per head its running max and sum, and its output (count x D).
+struct TileState<'a> {
+    max: &'a mut [f32],
+    sum: &'a mut [f32],
+    acc: &'a mut [f32],
+}
+
+/// One tile's heads against every position of `rows`, 16 positions at a time. K is read in
+/// the cache's address order: at each position the tile's dot products are folded into one
+/// vector of scores (lane j: head j), so the softmax's max, exponentials and sums are taken
+/// lane-wise on whole vectors, and the position's V rows are requested meanwhile. V is then
+/// read head by head over the 16 positions (from the nearer caches), each head's output in
+/// registers.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn attend_tile<R: Rows16, const NV: usize>(
+    rows: &[usize],
+    tile: &Tile,
+    qs: &[f32],
+    cache: &R,
+    softcap: Option<f32>,
+    state: TileState,
+) {
+    let d = 16 * NV;
+    let count = tile.count;
+    let (kv_first, kv_len) = (tile.kv(0), tile.kv(count - 1) + 1 - tile.kv(0));
+    let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut sum = _mm512_setzero_ps();
+    let mut scores = [_mm512_setzero_ps(); 16];
+    // weights[j][i]: head j's weight of the chunk's i-th position (times V's scale).
+    let mut weights = [[0f32; 16]; 16];
+    let mut rescale = [0f32; 16];
+    for keys in rows.chunks(16) {
+        for (score, &r) in scores.iter_mut().zip(keys) {
+            cache.prefetch_v((r + kv_first) * d, kv_len * d);
+            *score = tile_scores::<R, NV>(r, tile, qs, cache, softcap);
         }
-        for s in 0..span {
-            for (k, &r) in kv_rows.iter_mut().zip(keys) {
-                *k = r + s;
+        let n = keys.len();
+        let mut new_max = max;
+        for s in &scores[..n] {
+            new_max = _mm512_max_ps(new_max, *s);
+        }
+        let r = exp16(_mm512_sub_ps(max, new_max));
+        let mut total = _mm512_setzero_ps();
+        let mut chunk = [[0f32; 16]; 16];
+        for ((s, w), &row) in scores.iter().zip(chunk.iter_mut()).zip(keys) {
+            let p = exp16(_mm512_sub_ps(*s, new_max));
+            total = _mm512_add_ps(total, p);
+            let p = if R::SCALED {
+                let mut vscale = [1f32; 16];
+                for (j, v) in vscale[..count].iter_mut().enumerate() {
+                    *v = cache.scales(row + tile.kv(j)).1;
+                }
+                _mm512_mul_ps(p, _mm512_loadu_ps(vscale.as_ptr()))
+            } else {
+                p
+            };
+            _mm512_storeu_ps(w.as_mut_ptr(), p);
+        }
+        sum = _mm512_add_ps(_mm512_mul_ps(sum, r), total);
+        max = new_max;
+        _mm512_storeu_ps(rescale.as_mut_ptr(), r);
+        transpose_into(&chunk, n, count, &mut weights);
+        for (j, w) in weights[..count].iter().enumerate() {
+            let out = state.acc.as_mut_ptr().add(j * d);
+            let scale = _mm512_set1_ps(rescale[j]);
+            let mut o = [_mm512_setzero_ps(); NV];
+            for (c, o) in o.iter_mut().enumerate() {
+                *o = _mm512_mul_ps(scale, _mm512_loadu_ps(out.add(16 * c)));
             }
-            if R::SCALED {
-                for (i, &r) in kv_rows[..n].iter().enumerate() {
-                    (kscale[i], vscale[i]) = cache.scales(r);
+            let kv = tile.kv(j);
+            for (&p, &row) in w.iter().zip(keys) {
+                let (p, at) = (_mm512_set1_ps(p), (row + kv) * d);
+                for (c, o) in o.iter_mut().enumerate() {
+                    *o = _mm512_fmadd_ps(p, cache.v16(at + 16 * c), *o);
                 }
             }
-            for h in s * group..(s + 1) * group {
-                let q = &qs[h * d..(h + 1) * d];
-                let state = HeadState {
-                    max: &mut max[h],
-                    sum: &mut sum[h],
-                    acc: &mut acc[h * d..(h + 1) * d],
-                };
-                attend_keys::<R, NV>(&kv_rows[..n], q, cache, softcap, &kscale, &vscale, state);
+            for (c, o) in o.iter().enumerate() {
+                _mm512_storeu_ps(out.add(16 * c), *o);
             }
+        }
+    }
+    let (mut m, mut s) = ([0f32; 16], [0f32; 16]);
+    _mm512_storeu_ps(m.as_mut_ptr(), max);
+    _mm512_storeu_ps(s.as_mut_ptr(), sum);
+    state.max.copy_from_slice(&m[..count]);
+    state.sum.copy_from_slice(&s[..count]);
+}
+
+/// `to[j][i] = from[i][j]` for the first `n` positions i and `count` heads j.
+#[inline(always)]
+fn transpose_into(from: &[[f32; 16]; 16], n: usize, count: usize, to: &mut [[f32; 16]; 16]) {
+    for (j, t) in to[..count].iter_mut().enumerate() {
+        for (i, f) in from[..n].iter().enumerate() {
+            t[i] = f[j];
         }
     }
 }
 
-/// Up to 16 keys (the rows `keys`) for one head: scores, the softmax update, V rows added.
-#[inline]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_keys<R: Rows16, const NV: usize>(
-    keys: &[usize],
-    q: &[f32],
+/// The tile's scores at one position (cache row `row` of the span's first KV head): lane j is
+/// query head j's dot product with its KV head's K row (times the row's scale, soft-capped).
+#[inline(always)]
+unsafe fn tile_scores<R: Rows16, const NV: usize>(
+    row: usize,
+    tile: &Tile,
+    qs: &[f32],
     cache: &R,
     softcap: Option<f32>,
-    kscale: &[f32; 16],
-    vscale: &[f32; 16],
-    state: HeadState,
-) {
+) -> __m512 {
     let d = 16 * NV;
-    let n = keys.len();
-    let mut qv = [_mm512_setzero_ps(); NV];
-    for (c, v) in qv.iter_mut().enumerate() {
-        *v = _mm512_loadu_ps(q.as_ptr().add(16 * c));
-    }
     let mut parts = [_mm512_setzero_ps(); 16];
-    for (part, &row) in parts.iter_mut().zip(keys) {
-        let at = row * d;
-        let mut a = _mm512_mul_ps(qv[0], cache.k16(at));
-        for (c, &qc) in qv.iter().enumerate().skip(1) {
-            a = _mm512_fmadd_ps(qc, cache.k16(at + 16 * c), a);
+    for (j, part) in parts.iter_mut().enumerate().take(tile.count) {
+        let (q, at) = (qs.as_ptr().add(j * d), (row + tile.kv(j)) * d);
+        let mut a = _mm512_mul_ps(_mm512_loadu_ps(q), cache.k16(at));
+        for c in 1..NV {
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(16 * c)), cache.k16(at + 16 * c), a);
         }
         *part = a;
     }
-    let mut s = [0f32; 16];
-    _mm512_storeu_ps(s.as_mut_ptr(), fold16(&parts));
+    let mut s = fold16(&parts);
     if R::SCALED {
-        for (x, k) in s.iter_mut().zip(kscale) {
-            *x *= k;
+        let mut kscale = [1f32; 16];
+        for (j, k) in kscale[..tile.count].iter_mut().enumerate() {
+            *k = cache.scales(row + tile.kv(j)).0;
         }
+        s = _mm512_mul_ps(s, _mm512_loadu_ps(kscale.as_ptr()));
     }
     if let Some(cap) = softcap {
-        for x in s.iter_mut() {
-            *x = cap * (*x / cap).tanh();
+        let mut x = [0f32; 16];
+        _mm512_storeu_ps(x.as_mut_ptr(), s);
+        for v in x.iter_mut() {
+            *v = cap * (*v / cap).tanh();
         }
+        s = _mm512_loadu_ps(x.as_ptr());
     }
-    let mut new_max = *state.max;
-    for &x in &s[..n] {
-        new_max = new_max.max(x);
-    }
-    let rescale = exp(*state.max - new_max);
-    let mut p = [0f32; 16];
-    for (pi, &x) in p.iter_mut().zip(&s) {
-        *pi = exp(x - new_max);
-    }
-    let mut total = 0f32;
-    for (i, pi) in p.iter_mut().enumerate() {
-        if i >= n {
-            *pi = 0.0;
-        }
-        total += *pi;
-    }
-    *state.sum = *state.sum * rescale + total;
-    *state.max = new_max;
-    if R::SCALED {
-        for (x, v) in p.iter_mut().zip(vscale) {
-            *x *= v;
-        }
-    }
-    let mut out = [_mm512_setzero_ps(); NV];
-    let r = _mm512_set1_ps(rescale);
-    for (c, o) in out.iter_mut().enumerate() {
-        *o = _mm512_mul_ps(r, _mm512_loadu_ps(state.acc.as_ptr().add(16 * c)));
-    }
-    for (&pi, &row) in p.iter().zip(keys) {
-        let (w, at) = (_mm512_set1_ps(pi), row * d);
-        for (c, o) in out.iter_mut().enumerate() {
-            *o = _mm512_fmadd_ps(w, cache.v16(at + 16 * c), *o);
-        }
-    }
-    for (c, o) in out.iter().enumerate() {
-        _mm512_storeu_ps(state.acc.as_mut_ptr().add(16 * c), *o);
-    }
+    s
 }
 
 #[cfg(test)]
