@@ -148,7 +148,9 @@ def test_a_row_whose_sampling_raises_ends_alone_and_the_others_match_their_solo_
     llm, monkeypatch
 ):
     prompts = ["The", "The sea", "And", "In"]
-    solo = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(5), use_tqdm=False)]
+    # Rows through the sampler (asked-for logprobs): a plain greedy row only takes its argmax.
+    params = greedy(5, logprobs=1)
+    solo = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     sampler = llm.engine.runner.sampler
     real = type(sampler).__call__
 
@@ -168,7 +170,7 @@ def test_a_row_whose_sampling_raises_ends_alone_and_the_others_match_their_solo_
 
     monkeypatch.setattr(engine, "_add_sequence", mark)
     monkeypatch.setattr(type(sampler), "__call__", failing)
-    outs = llm.generate(prompts, greedy(5), use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.undo()
     reasons = [o.outputs[0].finish_reason for o in outs]
     assert reasons == ["length", "length", "error", "length"]

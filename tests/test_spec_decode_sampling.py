@@ -89,3 +89,43 @@ def test_speculative_and_plain_sampling_draw_the_same_distribution(params):
         # accepted draft counts for the penalty gives another second token
         _, unpenalised = plain_samples(params, count_the_draft=False)
         assert distance(spec_second, unpenalised) > 0.1
+
+
+def test_a_plain_greedy_step_takes_the_samplers_tokens_without_its_batch():
+    """The common decode step (greedy rows without drafts, rules or logprobs) is sampled by
+    argmax alone: the same tokens as the sampler's, -1 where the argmax's logit is not finite,
+    and the table counts the taken tokens as the sampler's path does."""
+    rng = np.random.default_rng(0)
+    logits = torch.from_numpy(rng.standard_normal((5, VOCAB)).astype(np.float32))
+    logits[1, 3] = float("nan")  # a NaN row: its argmax is there, and it fails
+    logits[2] = float("-inf")  # nothing can be drawn
+    logits[4, :] = 0.25  # ties: the first
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    fast, slow = table(greedy), table(greedy)
+    slots = np.arange(5)
+    one_each = (np.arange(5), np.ones(5, np.int64))
+    tokens, taken, logprobs, failed = verify_and_sample(
+        Sampler(seed=0), fast, logits, slots, np.full(5, -1), one_each, RowRules(), to_host
+    )
+    reference = Sampler(seed=0)(logits, slow.batch(slots)).tokens.numpy()
+    assert tokens.tolist() == reference.tolist()
+    assert tokens[1] == -1 and tokens[2] == -1 and tokens[4] == 0
+    assert taken.tolist() == [1] * 5 and not failed and len(logprobs.rows) == 0
+    slow.append_tokens(slots[reference >= 0], reference[reference >= 0])
+    assert fast.num_output[:5].tolist() == slow.num_output[:5].tolist() == [1, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, logprobs=1),
+        SamplingParams(temperature=0, repetition_penalty=1.3),
+        SamplingParams(temperature=0, logit_bias={2: 5.0}),
+        SamplingParams(temperature=0.7, seed=3),
+    ],
+    ids=["logprobs", "penalty", "bias", "sampled"],
+)
+def test_rows_that_process_their_logits_take_the_samplers_path(params):
+    state = table(params)
+    assert not state.plain_greedy(np.arange(3))
+    assert table(SamplingParams(temperature=0)).plain_greedy(np.arange(3))

@@ -312,6 +312,17 @@ class SamplingTable:
                 banned.append(word[-1])
         return banned
 
+    def plain_greedy(self, slots: np.ndarray) -> bool:
+        """Whether every row of `slots` takes its argmax of the raw logits: greedy, without
+        penalties, token rules (logit bias, allowed ids, bad words), a grammar or logprobs."""
+        return bool(
+            self.greedy[slots].all()
+            and not self.has_penalty[slots].any()
+            and not self.has_token_rules[slots].any()
+            and not self.has_grammar[slots].any()
+            and (self.num_logprobs[slots] < 0).all()
+        )
+
     def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
         """Record accepted tokens: token i belongs to slots[i] (a slot may repeat)."""
         slots = np.asarray(slots, dtype=np.int64)
@@ -437,11 +448,7 @@ class Sampler:
                 (batch.blocked_rows, batch.blocked_ids),
                 torch.tensor(-math.inf, device=logits.device),
             )
-        # A token is valid only if it could have been drawn: its processed logit finite (not
-        # masked, not NaN — a row holding a NaN has its argmax there).
-        tokens = row_argmax(logits)
-        valid = torch.isfinite(logits.gather(1, tokens[:, None])[:, 0])
-        tokens = torch.where(valid, tokens, torch.full_like(tokens, -1))
+        tokens = greedy_tokens(logits)
         if not batch.all_greedy:
             tokens = torch.where(batch.greedy, tokens, self._sample(logits, batch))
         return SamplerOutput(tokens, _logprobs(raw_logprobs, tokens, batch))
@@ -504,6 +511,20 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     tokens = row_argmax(race)
     drawn = race.gather(1, tokens[:, None])[:, 0] > 0  # False for NaN and masked (0)
     return torch.where(drawn, tokens, torch.full_like(tokens, -1))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token: its argmax, or -1 where that could not have been drawn — its
+    logit not finite (masked, or NaN: a row holding a NaN has its argmax there). On the CPU
+    in numpy, where each torch op's dispatch costs more than the work."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        values = logits.contiguous().numpy()
+        ids = values.argmax(axis=-1)
+        valid = np.isfinite(values[np.arange(len(ids)), ids])
+        return torch.from_numpy(np.where(valid, ids, -1))
+    tokens = row_argmax(logits)
+    valid = torch.isfinite(logits.gather(1, tokens[:, None])[:, 0])
+    return torch.where(valid, tokens, torch.full_like(tokens, -1))
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 
 from aieng.worker.isolated_sampling import RowRules, ToHost, sample_rows
 from aieng.worker.runner_io import SampledLogprobs
-from aieng.worker.sampler import Sampler, SamplingTable
+from aieng.worker.sampler import Sampler, SamplerOutput, SamplingTable, greedy_tokens
 
 
 def sampling_groups(sample_request_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -82,6 +82,8 @@ def verify_and_sample(
     request (G,), their logprobs (rows index the flat tokens) and {slot: cause} of failed
     requests. Records the taken tokens in `table`."""
     starts, sizes = groups
+    if _plain_greedy_step(table, slots, sizes, rules, proposals):
+        return _greedy_step(table, logits, slots, to_host)
     if proposals is not None and len(proposals[0]):
         rows = np.asarray(proposals[0], np.int64)
         rules = dataclasses.replace(
@@ -116,6 +118,37 @@ def verify_and_sample(
     flat = np.concatenate([t for _, t in taken]).astype(np.int64)[order]
     counts = np.bincount(owners, minlength=num_groups).astype(np.int32)
     return flat, counts, _flat_logprobs(pieces, counts), failed
+
+
+def _plain_greedy_step(
+    table: SamplingTable,
+    slots: np.ndarray,
+    sizes: np.ndarray,
+    rules: RowRules,
+    proposals: tuple[np.ndarray, np.ndarray] | None,
+) -> bool:
+    """Whether each request has one logits row (no drafts), no core rule (grammar mask,
+    min_tokens ban) and takes the argmax of its raw logits: the common decode step."""
+    return (
+        proposals is None
+        and rules.grammar is None
+        and rules.banned is None
+        and rules.draft_ids is None
+        and int(sizes.max(initial=1)) == 1
+        and table.plain_greedy(slots)
+    )
+
+
+def _greedy_step(
+    table: SamplingTable, logits: torch.Tensor, slots: np.ndarray, to_host: ToHost
+) -> tuple[np.ndarray, np.ndarray, SampledLogprobs, dict[int, str]]:
+    """verify_and_sample of a plain greedy step: each row's argmax in one pass, without
+    building a sampling batch (the same tokens as the sampler's)."""
+    tokens, _ = to_host(SamplerOutput(greedy_tokens(logits.float()), None))
+    tokens = tokens.astype(np.int64, copy=False)
+    ok = tokens >= 0
+    table.append_tokens(slots[ok], tokens[ok])
+    return tokens, np.ones(len(tokens), np.int32), SampledLogprobs.empty(), {}
 
 
 def _depends_on_history(table: SamplingTable, slots: np.ndarray) -> bool:

@@ -11,6 +11,8 @@
 //! `vpdpbusd` (unsigned × signed bytes summed four at a time into int32): no −128 edge, the zero
 //! point leaves the int8 loop and is paid once per block with the activation sum.
 
+#[cfg(target_arch = "x86_64")]
+mod decode_lanes;
 pub mod dense_gemv;
 pub mod elementwise;
 mod isa;

@@ -118,8 +118,16 @@ pub(super) trait Rows: Copy + Sync {
     fn k_row(&self, at: usize, buf: &mut [f32]);
     /// The V row's values as float32 (an int8 row times its scale) into `buf` (D values).
     fn v_row(&self, at: usize, buf: &mut [f32]);
+    /// Asks the memory system for the K row at `at` (D values) ahead of its use.
+    fn prefetch_k(&self, at: usize, d: usize);
+    /// Asks the memory system for the V row at `at` (D values) ahead of its use.
+    fn prefetch_v(&self, at: usize, d: usize);
     /// Asks the memory system for the K and V rows at `at` (D values each) ahead of their use.
-    fn prefetch(&self, at: usize, d: usize);
+    #[inline(always)]
+    fn prefetch(&self, at: usize, d: usize) {
+        self.prefetch_k(at, d);
+        self.prefetch_v(at, d);
+    }
 }
 
 /// Asks for the cache lines of `count` elements from `first` (a hint: never faults).
@@ -168,8 +176,11 @@ impl Rows for F32Rows<'_> {
         buf.copy_from_slice(&self.v[at..][..buf.len()]);
     }
     #[inline(always)]
-    fn prefetch(&self, at: usize, d: usize) {
+    fn prefetch_k(&self, at: usize, d: usize) {
         prefetch_lines(&self.k[at..], d);
+    }
+    #[inline(always)]
+    fn prefetch_v(&self, at: usize, d: usize) {
         prefetch_lines(&self.v[at..], d);
     }
 }
@@ -207,8 +218,11 @@ impl Rows for Bf16Rows<'_> {
         }
     }
     #[inline(always)]
-    fn prefetch(&self, at: usize, d: usize) {
+    fn prefetch_k(&self, at: usize, d: usize) {
         prefetch_lines(&self.k[at..], d);
+    }
+    #[inline(always)]
+    fn prefetch_v(&self, at: usize, d: usize) {
         prefetch_lines(&self.v[at..], d);
     }
 }
@@ -273,17 +287,39 @@ impl<S: Scale> Rows for Int8Rows<'_, S> {
         }
     }
     #[inline(always)]
-    fn prefetch(&self, at: usize, d: usize) {
+    fn prefetch_k(&self, at: usize, d: usize) {
         prefetch_lines(&self.k[at..], d);
+    }
+    #[inline(always)]
+    fn prefetch_v(&self, at: usize, d: usize) {
         prefetch_lines(&self.v[at..], d);
     }
 }
 
-/// The rows every cache kind offers: on x86-64 also read 16 values at a time (AVX-512 decode).
+/// The rows every cache kind offers: on x86-64 also read 16 or 8 values at a time (decode).
 #[cfg(target_arch = "x86_64")]
-pub(super) trait AnyRows: super::paged_decode_x86::Rows16 {}
+pub(super) trait AnyRows:
+    super::decode_lanes::LaneRows<super::decode_lanes::W16>
+    + super::decode_lanes::LaneRows<super::decode_lanes::W8>
+{
+}
 #[cfg(target_arch = "x86_64")]
-impl<T: super::paged_decode_x86::Rows16> AnyRows for T {}
+impl<T> AnyRows for T where
+    T: super::decode_lanes::LaneRows<super::decode_lanes::W16>
+        + super::decode_lanes::LaneRows<super::decode_lanes::W8>
+{
+}
+
+/// The vector width a decode row's attention is compiled for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Simd {
+    /// 16 float32 lanes (AVX-512F).
+    Lanes16,
+    /// 8 float32 lanes (AVX2 + FMA).
+    Lanes8,
+    /// The portable path.
+    Portable,
+}
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) trait AnyRows: Rows {}
 #[cfg(not(target_arch = "x86_64"))]
@@ -591,7 +627,7 @@ fn attend_items<R: AnyRows>(
     shape: &PagedShape,
     rows: &StepRows,
     scoring: &Scoring,
-    wide: bool,
+    simd: Simd,
 ) {
     let (d, kvh) = (shape.head_dim, shape.kv_heads);
     let mut scratch = Scratch::new(shape.heads / kvh, kvh, d);
@@ -607,7 +643,7 @@ fn attend_items<R: AnyRows>(
                 rows,
                 scoring,
                 &mut scratch,
-                wide,
+                simd,
             );
         } else {
             let (block, g) = (item.block, item.heads.0 as usize);
@@ -655,7 +691,7 @@ fn attend_token<R: AnyRows>(
     rows: &StepRows,
     scoring: &Scoring,
     scratch: &mut Scratch,
-    wide: bool,
+    simd: Simd,
 ) {
     let (block, (g0, g1)) = (item.block, item.heads);
     let (g0, span) = (g0 as usize, (g1 - g0) as usize);
@@ -689,7 +725,7 @@ fn attend_token<R: AnyRows>(
         scores,
         (max, sum, acc),
         d,
-        wide,
+        simd,
     );
     if item.partial == WHOLE {
         // SAFETY: the item's (token, head) output rows are consecutive and belong to it alone.
@@ -726,28 +762,45 @@ fn token_state<R: AnyRows>(
     scores: &mut [f32],
     (max, sum, acc): (&mut [f32], &mut [f32], &mut [f32]),
     d: usize,
-    wide: bool,
+    simd: Simd,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if wide {
-        use super::paged_decode_x86::attend_token_avx512 as wide_token;
-        // SAFETY: `wide` is set only where AVX-512F was detected.
+    {
+        use super::paged_decode_x86::{attend_token_avx2, attend_token_avx512};
+        let (v, m, a) = (visible, &mut *max, &mut *acc);
+        // SAFETY: `simd` names a width only where its instructions were detected.
         unsafe {
-            match d {
-                32 => return wide_token::<R, 2>(visible, span, qs, &cache, softcap, max, sum, acc),
-                64 => return wide_token::<R, 4>(visible, span, qs, &cache, softcap, max, sum, acc),
-                128 => {
-                    return wide_token::<R, 8>(visible, span, qs, &cache, softcap, max, sum, acc)
+            match (simd, d) {
+                (Simd::Lanes16, 32) => {
+                    return attend_token_avx512::<R, 2>(v, span, qs, &cache, softcap, m, sum, a)
                 }
-                256 => {
-                    return wide_token::<R, 16>(visible, span, qs, &cache, softcap, max, sum, acc)
+                (Simd::Lanes16, 64) => {
+                    return attend_token_avx512::<R, 4>(v, span, qs, &cache, softcap, m, sum, a)
+                }
+                (Simd::Lanes16, 128) => {
+                    return attend_token_avx512::<R, 8>(v, span, qs, &cache, softcap, m, sum, a)
+                }
+                (Simd::Lanes16, 256) => {
+                    return attend_token_avx512::<R, 16>(v, span, qs, &cache, softcap, m, sum, a)
+                }
+                (Simd::Lanes8, 32) => {
+                    return attend_token_avx2::<R, 4>(v, span, qs, &cache, softcap, m, sum, a)
+                }
+                (Simd::Lanes8, 64) => {
+                    return attend_token_avx2::<R, 8>(v, span, qs, &cache, softcap, m, sum, a)
+                }
+                (Simd::Lanes8, 128) => {
+                    return attend_token_avx2::<R, 16>(v, span, qs, &cache, softcap, m, sum, a)
+                }
+                (Simd::Lanes8, 256) => {
+                    return attend_token_avx2::<R, 32>(v, span, qs, &cache, softcap, m, sum, a)
                 }
                 _ => {}
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = wide;
+    let _ = simd;
     let group = max.len() / span;
     let per_head = group * d;
     for s in 0..span {
@@ -1028,7 +1081,7 @@ fn attend_block<R: Rows>(
 }
 
 macro_rules! compiled_for {
-    ($name:ident, $features:literal, $wide:literal) => {
+    ($name:ident, $features:literal, $simd:expr) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
@@ -1042,13 +1095,13 @@ macro_rules! compiled_for {
             rows: &StepRows,
             scoring: &Scoring,
         ) {
-            attend_items(items, q, cache, out, states, shape, rows, scoring, $wide)
+            attend_items(items, q, cache, out, states, shape, rows, scoring, $simd)
         }
     };
 }
 
-compiled_for!(attend_items_avx512, "avx512f,avx2,fma", true);
-compiled_for!(attend_items_avx2, "avx2,fma", false);
+compiled_for!(attend_items_avx512, "avx512f,avx2,fma", Simd::Lanes16);
+compiled_for!(attend_items_avx2, "avx2,fma", Simd::Lanes8);
 
 /// out (T, H, D) = attention of q (T, H, D) over the caches (see the module note).
 #[allow(clippy::too_many_arguments)]
@@ -1190,7 +1243,17 @@ impl Work<'_> {
                 },
                 Isa::Scalar => {}
             }
-            attend_items(items, q, cache, out, states, shape, rows, scoring, false);
+            attend_items(
+                items,
+                q,
+                cache,
+                out,
+                states,
+                shape,
+                rows,
+                scoring,
+                Simd::Portable,
+            );
         });
     }
 }
@@ -1398,10 +1461,17 @@ mod tests {
     fn decode_rows_match_the_reference_at_every_head_dim() {
         // Decode rows alone (the AVX-512 decode path where D is 32, 64, 128 or 256): contexts
         // of 1, 15, 16, 17, 33 and 100 positions (groups of 16 keys with and without a tail),
-        // blocks in scrambled order, windows that start inside a block, GQA and MHA.
+        // blocks in scrambled order, windows that start inside a block, GQA and MHA; 20 heads
+        // span tiles of 16 + 4 and 8 + 8 + 4 query heads, cut inside a KV head's group.
         let lens = [1i32, 15, 16, 17, 33, 100];
         let qsl: Vec<i32> = (0..=lens.len() as i32).collect();
-        for (heads, kv_heads, head_dim) in [(8, 2, 64), (4, 4, 32), (6, 3, 128), (2, 1, 256)] {
+        for (heads, kv_heads, head_dim) in [
+            (8, 2, 64),
+            (4, 4, 32),
+            (6, 3, 128),
+            (2, 1, 256),
+            (20, 4, 64),
+        ] {
             let block_size = 8;
             let width = 13;
             let num_blocks = lens.len() * width;

@@ -1,156 +1,35 @@
-//! A decode row's paged attention with AVX-512: one query token of one request against its
-//! context, for the G query heads that share a KV head, 16 keys at a time.
+//! A decode row's paged attention with SIMD lanes (16 with AVX-512, 8 with AVX2 + FMA; the
+//! lanes in `decode_lanes.rs`): one query token of one request against its context, up to N
+//! query heads (a tile) at a time, 16 positions at a time.
 //!
-//! - Each key's D products are summed lane-wise in one register, and the 16 registers of a
-//!   group of keys are folded into one vector of 16 scores by a tree of shuffles and adds
-//!   (45 instructions per 16 keys) instead of a horizontal sum per key.
-//! - The softmax's running max and sum are updated once per 16 keys, its exponentials taken
-//!   on a whole vector.
-//! - A head's output (D values) stays in registers while the 16 keys' V rows are added to it.
-//! - Each K/V row is requested `AHEAD` positions before its use: a head's rows lie a
-//!   position's width apart (H_kv · D values) and its blocks anywhere in the pool, which no
-//!   hardware prefetcher follows; without the hint every row costs a miss's full latency.
+//! - K is read in the cache's address order: at each position the rows of the tile's KV heads
+//!   lie side by side (a block is (position, KV head, D)), so the hardware's stream prefetcher
+//!   follows the reads through a block. (Read head by head, a head's rows a position's width
+//!   apart, one thread drew 7 GB/s from memory; in address order 11.5.)
+//! - At each position the tile's dot products (each summed lane-wise in one register) are
+//!   folded into one vector of scores, lane j holding head j, by a tree of shuffles and adds:
+//!   the softmax's running max, exponentials and sums are then lane-wise operations on
+//!   whole vectors, once per 16 positions.
+//! - V rows are requested while K is read, then read head by head over the 16 positions from
+//!   the nearer caches, each head's output (D values) in registers.
 //!
-//! Rows are named by their index in the (block, offset, KV head) grid, so an int8 cache's
-//! scale is read without a division. The arithmetic is float32 throughout, like the portable
-//! path; only the order of the additions differs.
+//! With AVX-512, each head's sums are taken in the order of the kernel this one replaced (a
+//! dot product's lanes by the fold's tree, positions in order) and `exp_lanes` repeats `exp`'s
+//! operations lane-wise, so the results are that kernel's bit for bit; against the portable
+//! path only the order of the additions differs. Rows are named by their index in the (block,
+//! offset, KV head) grid, so an int8 cache's scale is read without a division.
 
-use std::arch::x86_64::*;
-
-use super::elementwise::exp;
-use super::paged_attention::{Bf16Rows, F32Rows, Int8Rows, Rows, Scale, AHEAD};
-
-/// Reads cached rows 16 values at a time as float32 (an int8 row unscaled; `scales` gives its
-/// K and V scale).
-pub(super) trait Rows16: Rows {
-    /// 16 values of K from element `at`.
-    unsafe fn k16(&self, at: usize) -> __m512;
-    /// 16 values of V from element `at`.
-    unsafe fn v16(&self, at: usize) -> __m512;
-    /// Whether rows carry scales.
-    const SCALED: bool = false;
-    /// Row `row`'s K and V scales (1 for a float cache).
-    #[inline(always)]
-    fn scales(&self, _row: usize) -> (f32, f32) {
-        (1.0, 1.0)
-    }
-}
-
-impl Rows16 for F32Rows<'_> {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn k16(&self, at: usize) -> __m512 {
-        debug_assert!(at + 16 <= self.k.len());
-        _mm512_loadu_ps(self.k.as_ptr().add(at))
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn v16(&self, at: usize) -> __m512 {
-        debug_assert!(at + 16 <= self.v.len());
-        _mm512_loadu_ps(self.v.as_ptr().add(at))
-    }
-}
-
-/// 16 bfloat16 values from `p` widened to float32 (bits shifted into the high half).
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn widen_bf16(p: *const u16) -> __m512 {
-    let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
-    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
-}
-
-impl Rows16 for Bf16Rows<'_> {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn k16(&self, at: usize) -> __m512 {
-        debug_assert!(at + 16 <= self.k.len());
-        widen_bf16(self.k.as_ptr().add(at))
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn v16(&self, at: usize) -> __m512 {
-        debug_assert!(at + 16 <= self.v.len());
-        widen_bf16(self.v.as_ptr().add(at))
-    }
-}
-
-/// 16 int8 values from `p` as float32.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn widen_i8(p: *const i8) -> __m512 {
-    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
-}
-
-impl<S: Scale> Rows16 for Int8Rows<'_, S> {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn k16(&self, at: usize) -> __m512 {
-        debug_assert!(at + 16 <= self.k.len());
-        widen_i8(self.k.as_ptr().add(at))
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn v16(&self, at: usize) -> __m512 {
-        debug_assert!(at + 16 <= self.v.len());
-        widen_i8(self.v.as_ptr().add(at))
-    }
-    const SCALED: bool = true;
-    #[inline(always)]
-    fn scales(&self, row: usize) -> (f32, f32) {
-        (self.k_scale.at(row), self.v_scale.at(row))
-    }
-}
-
-/// Lane i of the result is the sum of v[i]'s 16 lanes.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn fold16(v: &[__m512; 16]) -> __m512 {
-    // Pairs of keys: per 128-bit lane, key a's partial sums at 0 and 2, key b's at 1 and 3.
-    let mut b = [_mm512_setzero_ps(); 8];
-    for i in 0..8 {
-        let (x, y) = (v[2 * i], v[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-    }
-    // Fours: per 128-bit lane, keys 4i..4i+4 in order (one partial sum per 128-bit lane).
-    let mut c = [_mm512_setzero_ps(); 4];
-    for i in 0..4 {
-        let (x, y) = (b[2 * i], b[2 * i + 1]);
-        c[i] = _mm512_add_ps(
-            _mm512_shuffle_ps::<0x44>(x, y),
-            _mm512_shuffle_ps::<0xEE>(x, y),
-        );
-    }
-    // Eights: 128-bit lanes (keys 8i..8i+4: half of the sums, the other half; keys 8i+4..8i+8: ...).
-    let mut d = [_mm512_setzero_ps(); 2];
-    for i in 0..2 {
-        let (x, y) = (c[2 * i], c[2 * i + 1]);
-        d[i] = _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x88>(x, y),
-            _mm512_shuffle_f32x4::<0xDD>(x, y),
-        );
-    }
-    _mm512_add_ps(
-        _mm512_shuffle_f32x4::<0x88>(d[0], d[1]),
-        _mm512_shuffle_f32x4::<0xDD>(d[0], d[1]),
-    )
-}
-
-/// One head's softmax state and output between groups of keys.
-struct HeadState<'a> {
-    max: &'a mut f32,
-    sum: &'a mut f32,
-    acc: &'a mut [f32],
-}
+use super::decode_lanes::{exp_lanes, LaneRows, Lanes, W16, W8};
 
 /// One decode row against its context for `span` consecutive KV heads and their query heads.
 /// `rows[i]` is the cache row (in the (block, offset, KV head) grid) of the first KV head at
 /// the i-th visible position (the span's rows follow it); `qs` holds the query heads' queries
 /// already multiplied by the score scale (heads x D). Leaves each head's softmax state: its
 /// running max and sum in `max` and `sum` (heads) and its unnormalised output in `acc`
-/// (heads x D). D must be 16 · NV.
-#[target_feature(enable = "avx512f")]
+/// (heads x D). D must be N · NV.
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn attend_token_avx512<R: Rows16, const NV: usize>(
+#[inline(always)]
+unsafe fn attend_token<V: Lanes, R: LaneRows<V>, const NV: usize>(
     rows: &[usize],
     span: usize,
     qs: &[f32],
@@ -160,146 +39,208 @@ pub(super) unsafe fn attend_token_avx512<R: Rows16, const NV: usize>(
     sum: &mut [f32],
     acc: &mut [f32],
 ) {
-    let d = 16 * NV;
+    let d = V::N * NV;
     let heads = max.len();
     let group = heads / span;
     debug_assert!(qs.len() == heads * d && acc.len() == heads * d);
-    max.fill(f32::NEG_INFINITY);
-    sum.fill(0.0);
     acc.fill(0.0);
-    for r in rows.iter().take(AHEAD) {
-        cache.prefetch(r * d, span * d);
+    for first in (0..heads).step_by(V::N) {
+        let last = (first + V::N).min(heads);
+        let tile = Tile {
+            first,
+            count: last - first,
+            group,
+        };
+        let state = TileState {
+            max: &mut max[first..last],
+            sum: &mut sum[first..last],
+            acc: &mut acc[first * d..last * d],
+        };
+        attend_tile::<V, R, NV>(rows, &tile, &qs[first * d..last * d], cache, softcap, state);
     }
-    let mut kscale = [1f32; 16];
-    let mut vscale = [1f32; 16];
-    let mut kv_rows = [0usize; 16];
-    for (c, keys) in rows.chunks(16).enumerate() {
-        let n = keys.len();
-        for r in rows.iter().skip(c * 16 + AHEAD).take(16) {
-            cache.prefetch(r * d, span * d);
+}
+
+/// `attend_token` with 16 lanes.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn attend_token_avx512<R: LaneRows<W16>, const NV: usize>(
+    rows: &[usize],
+    span: usize,
+    qs: &[f32],
+    cache: &R,
+    softcap: Option<f32>,
+    max: &mut [f32],
+    sum: &mut [f32],
+    acc: &mut [f32],
+) {
+    attend_token::<W16, R, NV>(rows, span, qs, cache, softcap, max, sum, acc)
+}
+
+/// `attend_token` with 8 lanes.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn attend_token_avx2<R: LaneRows<W8>, const NV: usize>(
+    rows: &[usize],
+    span: usize,
+    qs: &[f32],
+    cache: &R,
+    softcap: Option<f32>,
+    max: &mut [f32],
+    sum: &mut [f32],
+    acc: &mut [f32],
+) {
+    attend_token::<W8, R, NV>(rows, span, qs, cache, softcap, max, sum, acc)
+}
+
+/// Up to N query heads of a decode row: the first (within the row's span), how many, and the
+/// query heads per KV head.
+struct Tile {
+    first: usize,
+    count: usize,
+    group: usize,
+}
+
+impl Tile {
+    /// The KV head (within the span) of the tile's j-th query head.
+    #[inline(always)]
+    fn kv(&self, j: usize) -> usize {
+        (self.first + j) / self.group
+    }
+}
+
+/// A tile's softmax state: per head its running max and sum, and its output (count x D).
+struct TileState<'a> {
+    max: &'a mut [f32],
+    sum: &'a mut [f32],
+    acc: &'a mut [f32],
+}
+
+/// One tile's heads against every position of `rows`, 16 positions at a time. K is read in
+/// the cache's address order: at each position the tile's dot products are folded into one
+/// vector of scores (lane j: head j), so the softmax's max, exponentials and sums are taken
+/// lane-wise on whole vectors, and the position's V rows are requested meanwhile. V is then
+/// read head by head over the 16 positions (from the nearer caches), each head's output in
+/// registers.
+#[inline(always)]
+unsafe fn attend_tile<V: Lanes, R: LaneRows<V>, const NV: usize>(
+    rows: &[usize],
+    tile: &Tile,
+    qs: &[f32],
+    cache: &R,
+    softcap: Option<f32>,
+    state: TileState,
+) {
+    let d = V::N * NV;
+    let count = tile.count;
+    let (kv_first, kv_len) = (tile.kv(0), tile.kv(count - 1) + 1 - tile.kv(0));
+    let mut max = V::splat(f32::NEG_INFINITY);
+    let mut sum = V::zero();
+    let mut scores = [V::zero(); 16];
+    // weights[j][i]: head j's weight of the chunk's i-th position (times V's scale).
+    let mut weights = [[0f32; 16]; 16];
+    let mut rescale = [0f32; 16];
+    for keys in rows.chunks(16) {
+        for (score, &r) in scores.iter_mut().zip(keys) {
+            cache.prefetch_v((r + kv_first) * d, kv_len * d);
+            *score = tile_scores::<V, R, NV>(r, tile, qs, cache, softcap);
         }
-        for s in 0..span {
-            for (k, &r) in kv_rows.iter_mut().zip(keys) {
-                *k = r + s;
+        let n = keys.len();
+        let mut new_max = max;
+        for s in &scores[..n] {
+            new_max = new_max.max(*s);
+        }
+        let r = exp_lanes(max.sub(new_max));
+        let mut total = V::zero();
+        let mut chunk = [[0f32; 16]; 16];
+        for ((s, w), &row) in scores.iter().zip(chunk.iter_mut()).zip(keys) {
+            let p = exp_lanes(s.sub(new_max));
+            total = total.add(p);
+            let p = if R::SCALED {
+                let mut vscale = [1f32; 16];
+                for (j, v) in vscale[..count].iter_mut().enumerate() {
+                    *v = cache.scales(row + tile.kv(j)).1;
+                }
+                p.mul(V::load(vscale.as_ptr()))
+            } else {
+                p
+            };
+            p.store(w.as_mut_ptr());
+        }
+        sum = sum.mul(r).add(total);
+        max = new_max;
+        r.store(rescale.as_mut_ptr());
+        transpose_into(&chunk, n, count, &mut weights);
+        for (j, w) in weights[..count].iter().enumerate() {
+            let out = state.acc.as_mut_ptr().add(j * d);
+            let scale = V::splat(rescale[j]);
+            let mut o = [V::zero(); NV];
+            for (c, o) in o.iter_mut().enumerate() {
+                *o = scale.mul(V::load(out.add(V::N * c)));
             }
-            if R::SCALED {
-                for (i, &r) in kv_rows[..n].iter().enumerate() {
-                    (kscale[i], vscale[i]) = cache.scales(r);
+            let kv = tile.kv(j);
+            for (&p, &row) in w.iter().zip(keys) {
+                let (p, at) = (V::splat(p), (row + kv) * d);
+                for (c, o) in o.iter_mut().enumerate() {
+                    *o = p.fma(cache.v(at + V::N * c), *o);
                 }
             }
-            for h in s * group..(s + 1) * group {
-                let q = &qs[h * d..(h + 1) * d];
-                let state = HeadState {
-                    max: &mut max[h],
-                    sum: &mut sum[h],
-                    acc: &mut acc[h * d..(h + 1) * d],
-                };
-                attend_keys::<R, NV>(&kv_rows[..n], q, cache, softcap, &kscale, &vscale, state);
+            for (c, o) in o.iter().enumerate() {
+                o.store(out.add(V::N * c));
             }
+        }
+    }
+    let (mut m, mut s) = ([0f32; 16], [0f32; 16]);
+    max.store(m.as_mut_ptr());
+    sum.store(s.as_mut_ptr());
+    state.max.copy_from_slice(&m[..count]);
+    state.sum.copy_from_slice(&s[..count]);
+}
+
+/// `to[j][i] = from[i][j]` for the first `n` positions i and `count` heads j.
+#[inline(always)]
+fn transpose_into(from: &[[f32; 16]; 16], n: usize, count: usize, to: &mut [[f32; 16]; 16]) {
+    for (j, t) in to[..count].iter_mut().enumerate() {
+        for (i, f) in from[..n].iter().enumerate() {
+            t[i] = f[j];
         }
     }
 }
 
-/// Up to 16 keys (the rows `keys`) for one head: scores, the softmax update, V rows added.
-#[inline]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_keys<R: Rows16, const NV: usize>(
-    keys: &[usize],
-    q: &[f32],
+/// The tile's scores at one position (cache row `row` of the span's first KV head): lane j is
+/// query head j's dot product with its KV head's K row (times the row's scale, soft-capped).
+#[inline(always)]
+unsafe fn tile_scores<V: Lanes, R: LaneRows<V>, const NV: usize>(
+    row: usize,
+    tile: &Tile,
+    qs: &[f32],
     cache: &R,
     softcap: Option<f32>,
-    kscale: &[f32; 16],
-    vscale: &[f32; 16],
-    state: HeadState,
-) {
-    let d = 16 * NV;
-    let n = keys.len();
-    let mut qv = [_mm512_setzero_ps(); NV];
-    for (c, v) in qv.iter_mut().enumerate() {
-        *v = _mm512_loadu_ps(q.as_ptr().add(16 * c));
-    }
-    let mut parts = [_mm512_setzero_ps(); 16];
-    for (part, &row) in parts.iter_mut().zip(keys) {
-        let at = row * d;
-        let mut a = _mm512_mul_ps(qv[0], cache.k16(at));
-        for (c, &qc) in qv.iter().enumerate().skip(1) {
-            a = _mm512_fmadd_ps(qc, cache.k16(at + 16 * c), a);
+) -> V {
+    let d = V::N * NV;
+    let mut parts = [V::zero(); 16];
+    for (j, part) in parts.iter_mut().enumerate().take(tile.count) {
+        let (q, at) = (qs.as_ptr().add(j * d), (row + tile.kv(j)) * d);
+        let mut a = V::load(q).mul(cache.k(at));
+        for c in 1..NV {
+            a = V::load(q.add(V::N * c)).fma(cache.k(at + V::N * c), a);
         }
         *part = a;
     }
-    let mut s = [0f32; 16];
-    _mm512_storeu_ps(s.as_mut_ptr(), fold16(&parts));
+    let mut s = V::fold(&parts);
     if R::SCALED {
-        for (x, k) in s.iter_mut().zip(kscale) {
-            *x *= k;
+        let mut kscale = [1f32; 16];
+        for (j, k) in kscale[..tile.count].iter_mut().enumerate() {
+            *k = cache.scales(row + tile.kv(j)).0;
         }
+        s = s.mul(V::load(kscale.as_ptr()));
     }
     if let Some(cap) = softcap {
-        for x in s.iter_mut() {
-            *x = cap * (*x / cap).tanh();
+        let mut x = [0f32; 16];
+        s.store(x.as_mut_ptr());
+        for v in x.iter_mut() {
+            *v = cap * (*v / cap).tanh();
         }
+        s = V::load(x.as_ptr());
     }
-    let mut new_max = *state.max;
-    for &x in &s[..n] {
-        new_max = new_max.max(x);
-    }
-    let rescale = exp(*state.max - new_max);
-    let mut p = [0f32; 16];
-    for (pi, &x) in p.iter_mut().zip(&s) {
-        *pi = exp(x - new_max);
-    }
-    let mut total = 0f32;
-    for (i, pi) in p.iter_mut().enumerate() {
-        if i >= n {
-            *pi = 0.0;
-        }
-        total += *pi;
-    }
-    *state.sum = *state.sum * rescale + total;
-    *state.max = new_max;
-    if R::SCALED {
-        for (x, v) in p.iter_mut().zip(vscale) {
-            *x *= v;
-        }
-    }
-    let mut out = [_mm512_setzero_ps(); NV];
-    let r = _mm512_set1_ps(rescale);
-    for (c, o) in out.iter_mut().enumerate() {
-        *o = _mm512_mul_ps(r, _mm512_loadu_ps(state.acc.as_ptr().add(16 * c)));
-    }
-    for (&pi, &row) in p.iter().zip(keys) {
-        let (w, at) = (_mm512_set1_ps(pi), row * d);
-        for (c, o) in out.iter_mut().enumerate() {
-            *o = _mm512_fmadd_ps(w, cache.v16(at + 16 * c), *o);
-        }
-    }
-    for (c, o) in out.iter().enumerate() {
-        _mm512_storeu_ps(state.acc.as_mut_ptr().add(16 * c), *o);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fold16_sums_each_register() {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            return;
-        }
-        let values: Vec<[f32; 16]> = (0..16)
-            .map(|i| std::array::from_fn(|l| (i * 16 + l) as f32 * 0.5 - (l * l) as f32))
-            .collect();
-        // SAFETY: AVX-512F was detected above.
-        let got = unsafe {
-            let regs: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(values[i].as_ptr()));
-            let mut out = [0f32; 16];
-            _mm512_storeu_ps(out.as_mut_ptr(), fold16(&regs));
-            out
-        };
-        for (i, v) in values.iter().enumerate() {
-            assert_eq!(got[i], v.iter().sum::<f32>(), "register {i}");
-        }
-    }
+    s
 }
