@@ -768,34 +768,25 @@ fn token_state<R: AnyRows>(
     {
         use super::paged_decode_x86::{attend_token_avx2, attend_token_avx512};
         let (v, m, a) = (visible, &mut *max, &mut *acc);
+        // The entry for this head dim: D = lanes · NV.
+        macro_rules! by_head_dim {
+            ($entry:ident, $($dim:literal => $nv:literal),*) => {
+                match d {
+                    $($dim => return $entry::<R, $nv>(v, span, qs, &cache, softcap, m, sum, a),)*
+                    _ => {}
+                }
+            };
+        }
         // SAFETY: `simd` names a width only where its instructions were detected.
         unsafe {
-            match (simd, d) {
-                (Simd::Lanes16, 32) => {
-                    return attend_token_avx512::<R, 2>(v, span, qs, &cache, softcap, m, sum, a)
+            match simd {
+                Simd::Lanes16 => {
+                    by_head_dim!(attend_token_avx512, 32 => 2, 64 => 4, 128 => 8, 256 => 16)
                 }
-                (Simd::Lanes16, 64) => {
-                    return attend_token_avx512::<R, 4>(v, span, qs, &cache, softcap, m, sum, a)
+                Simd::Lanes8 => {
+                    by_head_dim!(attend_token_avx2, 32 => 4, 64 => 8, 128 => 16, 256 => 32)
                 }
-                (Simd::Lanes16, 128) => {
-                    return attend_token_avx512::<R, 8>(v, span, qs, &cache, softcap, m, sum, a)
-                }
-                (Simd::Lanes16, 256) => {
-                    return attend_token_avx512::<R, 16>(v, span, qs, &cache, softcap, m, sum, a)
-                }
-                (Simd::Lanes8, 32) => {
-                    return attend_token_avx2::<R, 4>(v, span, qs, &cache, softcap, m, sum, a)
-                }
-                (Simd::Lanes8, 64) => {
-                    return attend_token_avx2::<R, 8>(v, span, qs, &cache, softcap, m, sum, a)
-                }
-                (Simd::Lanes8, 128) => {
-                    return attend_token_avx2::<R, 16>(v, span, qs, &cache, softcap, m, sum, a)
-                }
-                (Simd::Lanes8, 256) => {
-                    return attend_token_avx2::<R, 32>(v, span, qs, &cache, softcap, m, sum, a)
-                }
-                _ => {}
+                Simd::Portable => {}
             }
         }
     }

@@ -60,37 +60,39 @@ unsafe fn attend_token<V: Lanes, R: LaneRows<V>, const NV: usize>(
     }
 }
 
-/// `attend_token` with 16 lanes.
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn attend_token_avx512<R: LaneRows<W16>, const NV: usize>(
-    rows: &[usize],
-    span: usize,
-    qs: &[f32],
-    cache: &R,
-    softcap: Option<f32>,
-    max: &mut [f32],
-    sum: &mut [f32],
-    acc: &mut [f32],
-) {
-    attend_token::<W16, R, NV>(rows, span, qs, cache, softcap, max, sum, acc)
+/// A `pub(super)` entry to `attend_token` compiled for one width's instructions.
+macro_rules! compiled_with {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $lanes:ty) => {
+        $(#[$doc])*
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        pub(super) unsafe fn $name<R: LaneRows<$lanes>, const NV: usize>(
+            rows: &[usize],
+            span: usize,
+            qs: &[f32],
+            cache: &R,
+            softcap: Option<f32>,
+            max: &mut [f32],
+            sum: &mut [f32],
+            acc: &mut [f32],
+        ) {
+            attend_token::<$lanes, R, NV>(rows, span, qs, cache, softcap, max, sum, acc)
+        }
+    };
 }
 
-/// `attend_token` with 8 lanes.
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn attend_token_avx2<R: LaneRows<W8>, const NV: usize>(
-    rows: &[usize],
-    span: usize,
-    qs: &[f32],
-    cache: &R,
-    softcap: Option<f32>,
-    max: &mut [f32],
-    sum: &mut [f32],
-    acc: &mut [f32],
-) {
-    attend_token::<W8, R, NV>(rows, span, qs, cache, softcap, max, sum, acc)
-}
+compiled_with!(
+    /// `attend_token` with 16 lanes.
+    attend_token_avx512,
+    "avx512f",
+    W16
+);
+compiled_with!(
+    /// `attend_token` with 8 lanes.
+    attend_token_avx2,
+    "avx2,fma",
+    W8
+);
 
 /// Up to N query heads of a decode row: the first (within the row's span), how many, and the
 /// query heads per KV head.
