@@ -1233,15 +1233,10 @@ impl EngineCore {
         if self.shared.learning() {
             self.shared.finish();
         }
-        // At most every sampled token is appended: the columns are sized once, written in
-        // place and cut to the tokens appended (resized, not `vec![0; n]`: calloc clears
-        // memory it allocates more slowly than a memset).
-        #[allow(clippy::slow_vector_initialization)] // measured: calloc is the slow one here
-        let column = || {
-            let mut column = Vec::with_capacity(sampled.len());
-            column.resize(sampled.len(), 0);
-            column
-        };
+        // At most every sampled token is appended: the columns are allocated once, filled
+        // (the common step: a token per sampling row, every one written, nothing cleared
+        // first) or sized and written in place, and cut to the tokens appended.
+        let column = || Vec::with_capacity(sampled.len());
         let mut out = StepUpdate {
             rows: column(),
             slots: column(),
@@ -1267,23 +1262,15 @@ impl EngineCore {
             // request was aborted in flight is cut from them after.
             if sampled.len() == entries.len() {
                 // Every row samples (a step of decodes): the rows are 0, 1, 2...
-                for (row_out, row) in out.rows.iter_mut().zip(0..) {
-                    *row_out = row;
-                }
-                for (slot_out, e) in out.slots.iter_mut().zip(&entries) {
-                    *slot_out = e.slot;
-                }
+                out.rows.extend(0..sampled.len() as u32);
+                out.slots.extend(entries.iter().map(|e| e.slot));
             } else {
-                let sampling = entries.iter().enumerate().filter(|(_, e)| e.samples);
-                for ((row_out, slot_out), (row, e)) in
-                    out.rows.iter_mut().zip(&mut out.slots).zip(sampling)
-                {
-                    (*row_out, *slot_out) = (row as u32, e.slot);
+                for (row, e) in entries.iter().enumerate().filter(|(_, e)| e.samples) {
+                    out.rows.push(row as u32);
+                    out.slots.push(e.slot);
                 }
             }
-            for (out, &token) in out.token_ids.iter_mut().zip(sampled) {
-                *out = token as u32;
-            }
+            out.token_ids.extend(sampled.iter().map(|&t| t as u32));
             appended = sampled.len();
             let aborted = Self::append_common(
                 &mut self.requests,
@@ -1297,6 +1284,11 @@ impl EngineCore {
                 appended = Self::cut_aborted(&self.requests, &entries, &mut out);
             }
         } else {
+            // Resized, not `vec![0; n]`: calloc clears memory it allocates more slowly than a
+            // memset (measured).
+            for column in [&mut out.rows, &mut out.slots, &mut out.token_ids] {
+                column.resize(sampled.len(), 0);
+            }
             let mut counts = num_sampled.map(|c| c.iter());
             let mut rest = sampled;
             for (row, e) in entries.iter().enumerate() {
