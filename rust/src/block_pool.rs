@@ -390,15 +390,24 @@ impl PoolInner {
         if !self.prefix_caching || num_computed < (self.table(id).hashed_blocks + 1) * bs {
             return;
         }
-        let mut state = self.tables[id as usize].take().expect("live table");
+        // The fields borrowed apart: the table is updated in place, not moved out and back.
+        let PoolInner {
+            block: block_state,
+            block_tokens,
+            index,
+            tables,
+            hash_fn,
+            ..
+        } = self;
+        let state = tables[id as usize].as_mut().expect("live table");
         let full = num_computed.min(tokens.len()).min(state.blocks.len() * bs) / bs;
         for i in state.hashed_blocks..full {
             let chunk = &tokens[i * bs..(i + 1) * bs];
-            let hash = (self.hash_fn)(state.last_hash, chunk);
+            let hash = hash_fn(state.last_hash, chunk);
             let block = state.blocks[i];
             // Indexed unless it already is, or another block holds the same contents.
-            let indexed = self.block[block as usize].cached.is_none()
-                && match self.index.entry(hash) {
+            let indexed = block_state[block as usize].cached.is_none()
+                && match index.entry(hash) {
                     Entry::Vacant(slot) => {
                         slot.insert(block);
                         true
@@ -408,20 +417,19 @@ impl PoolInner {
             if indexed {
                 let parent = (i > 0).then(|| {
                     let p = state.blocks[i - 1];
-                    (p, self.block[p as usize].generation)
+                    (p, block_state[p as usize].generation)
                 });
-                self.block[block as usize].cached = Some(CachedBlock {
+                block_state[block as usize].cached = Some(CachedBlock {
                     hash,
                     parent_hash: state.last_hash,
                     parent,
                 });
                 let start = block as usize * bs;
-                self.block_tokens[start..start + bs].copy_from_slice(chunk);
+                block_tokens[start..start + bs].copy_from_slice(chunk);
             }
             state.last_hash = hash;
         }
         state.hashed_blocks = state.hashed_blocks.max(full);
-        self.tables[id as usize] = Some(state);
     }
 
     /// Gives back the blocks of table `id` past the first `num_slots` slots' (the lookahead

@@ -169,6 +169,11 @@ pub struct EngineCore {
     running: Vec<u32>,
     next_arrival: u64,
     in_flight: Option<Vec<Scheduled>>,
+    /// The in-flight step's sampling rows (entries that sample), counted as its plan is built.
+    in_flight_sampling_rows: usize,
+    /// The step being scheduled's plain decode rows, counted as they are scheduled: when
+    /// every row is one, the plan is written in one run without looking for where runs end.
+    step_plain_rows: usize,
     /// The last applied step's entries and the last plan handed back (`recycle`), kept
     /// for their buffers: a step in the steady state allocates none of them.
     spare_entries: Vec<Scheduled>,
@@ -217,6 +222,8 @@ impl EngineCore {
             running: Vec::new(),
             next_arrival: 0,
             in_flight: None,
+            in_flight_sampling_rows: 0,
+            step_plain_rows: 0,
             spare_entries: Vec::new(),
             spare_plan: StepPlan::default(),
             in_flight_masks: None,
@@ -465,7 +472,7 @@ impl EngineCore {
         let mut plan = std::mem::take(&mut self.spare_plan);
         let num_tokens = self.step_budget - budget;
         debug_assert_eq!(num_tokens, entries.iter().map(|e| e.num_new).sum::<usize>());
-        self.build_plan(&guard, &entries, num_tokens, &mut plan);
+        self.in_flight_sampling_rows = self.build_plan(&guard, &entries, num_tokens, &mut plan);
         drop(guard);
         plan.request_ids = self.slot_ids.clone();
         if self.num_grammars > 0 {
@@ -491,9 +498,9 @@ impl EngineCore {
     }
 
     /// Takes back a plan its caller is done with: the next schedule() refills its
-    /// buffers instead of allocating new ones.
+    /// buffers instead of allocating new ones (build_plan sizes and writes over each one).
     pub fn recycle(&mut self, mut plan: StepPlan) {
-        plan.clear();
+        plan.clear_for_reuse();
         self.spare_plan = plan;
     }
 
@@ -536,6 +543,7 @@ impl EngineCore {
     ) -> bool {
         let preemptions = self.num_preemptions;
         let drafted = self.num_drafted > 0;
+        self.step_plain_rows = 0;
         // Decoding requests behind the current one, counted the first time a row reads it
         // (a chunk or a draft reserves their budget; a step of plain decodes never does).
         let mut behind: Option<usize> = None;
@@ -543,6 +551,7 @@ impl EngineCore {
         'requests: while i < self.running.len() {
             if !drafted {
                 let taken = self.schedule_plain_decodes(pool, i, entries, budget);
+                self.step_plain_rows += taken;
                 if taken > 0 {
                     behind = behind.map(|d| d - taken);
                     i += taken;
@@ -568,6 +577,7 @@ impl EngineCore {
                 let Some(plain) = self.plain_or_reserve(pool, slot, start, &mut behind) else {
                     break 'requests;
                 };
+                self.step_plain_rows += usize::from(plain.is_some());
                 entries.push(Scheduled {
                     slot,
                     arrival,
@@ -974,7 +984,9 @@ impl EngineCore {
             return false;
         }
         if let Some(at) = entries.iter().position(|e| e.slot == victim) {
-            *budget += entries.remove(at).num_new;
+            let taken_back = entries.remove(at);
+            *budget += taken_back.num_new;
+            self.step_plain_rows -= usize::from(taken_back.plain.is_some());
         }
         self.preempt(pool, victim);
         true
@@ -996,17 +1008,18 @@ impl EngineCore {
         self.waiting.insert(key);
     }
 
-    /// Fills `plan` (cleared) with the step of `entries` (`num_tokens` tokens); marks every
-    /// block of theirs as reported. The columns are sized once; a run of plain decode rows
+    /// Fills `plan` (cleared, or readied by `clear_for_reuse`) with the step of `entries`
+    /// (`num_tokens` tokens); marks every block of theirs as reported. The columns are sized
+    /// once (written over whole, every entry); a run of plain decode rows
     /// (one token and one sample each, read whole when scheduled) is written column by column,
-    /// any other row on its own.
+    /// any other row on its own. Returns the step's sampling rows.
     fn build_plan(
         &mut self,
         pool: &PoolInner,
         entries: &[Scheduled],
         num_tokens: usize,
         plan: &mut StepPlan,
-    ) {
+    ) -> usize {
         let bs = self.block_size;
         let rows = entries.len();
         let StepPlan {
@@ -1053,12 +1066,22 @@ impl EngineCore {
             let (block, offset) = bs.split(pos);
             (blocks[block] as usize * bs.get() + offset) as i32
         };
-        let (mut first, mut sample, mut row) = (0, 0, 0);
+        let (mut first, mut sample, mut row, mut sampling_rows) = (0, 0, 0, 0);
+        debug_assert_eq!(
+            self.step_plain_rows,
+            entries.iter().filter(|e| e.plain.is_some()).count()
+        );
+        // Every row plain (the common step): one run, not looked for.
+        let all_plain = self.step_plain_rows == rows;
         while row < rows {
-            let run = entries[row..]
-                .iter()
-                .take_while(|e| e.plain.is_some())
-                .count();
+            let run = if all_plain {
+                rows
+            } else {
+                entries[row..]
+                    .iter()
+                    .take_while(|e| e.plain.is_some())
+                    .count()
+            };
             if run > 0 {
                 let plain = &entries[row..row + run];
                 let (rows_out, tokens_out, samples_out) =
@@ -1097,6 +1120,7 @@ impl EngineCore {
                     *out = plan_row as i32;
                 }
                 (row, first, sample) = (row + run, first + run, sample + run);
+                sampling_rows += run;
                 continue;
             }
             let e = &entries[row];
@@ -1135,6 +1159,7 @@ impl EngineCore {
             }
             first += e.num_new;
             if e.samples {
+                sampling_rows += 1;
                 // Position j (0: the row's own next token, then one per draft) samples the
                 // output token that follows j more; it may not end the request while
                 // min_tokens are not out.
@@ -1171,6 +1196,7 @@ impl EngineCore {
         }
         logits_indices.truncate(sample);
         sample_request_rows.truncate(sample);
+        sampling_rows
     }
 
     /// Applies the step in flight: `sampled[i]` is the token of the i-th sampling
@@ -1198,7 +1224,8 @@ impl EngineCore {
                 "update() was called without a scheduled step".into(),
             ));
         };
-        let sampling_rows = entries.iter().filter(|e| e.samples).count();
+        let sampling_rows = self.in_flight_sampling_rows;
+        debug_assert_eq!(sampling_rows, entries.iter().filter(|e| e.samples).count());
         if let Some(message) = check_sampled(sampled, num_sampled, sampling_rows) {
             self.in_flight = Some(entries);
             return Err(CoreError::InvalidArgument(message));
@@ -1206,15 +1233,10 @@ impl EngineCore {
         if self.shared.learning() {
             self.shared.finish();
         }
-        // At most every sampled token is appended: the columns are sized once, written in
-        // place and cut to the tokens appended (resized, not `vec![0; n]`: calloc clears
-        // memory it allocates more slowly than a memset).
-        #[allow(clippy::slow_vector_initialization)] // measured: calloc is the slow one here
-        let column = || {
-            let mut column = Vec::with_capacity(sampled.len());
-            column.resize(sampled.len(), 0);
-            column
-        };
+        // At most every sampled token is appended: the columns are allocated once, filled
+        // (the common step: a token per sampling row, every one written, nothing cleared
+        // first) or sized and written in place, and cut to the tokens appended.
+        let column = || Vec::with_capacity(sampled.len());
         let mut out = StepUpdate {
             rows: column(),
             slots: column(),
@@ -1240,23 +1262,15 @@ impl EngineCore {
             // request was aborted in flight is cut from them after.
             if sampled.len() == entries.len() {
                 // Every row samples (a step of decodes): the rows are 0, 1, 2...
-                for (row_out, row) in out.rows.iter_mut().zip(0..) {
-                    *row_out = row;
-                }
-                for (slot_out, e) in out.slots.iter_mut().zip(&entries) {
-                    *slot_out = e.slot;
-                }
+                out.rows.extend(0..sampled.len() as u32);
+                out.slots.extend(entries.iter().map(|e| e.slot));
             } else {
-                let sampling = entries.iter().enumerate().filter(|(_, e)| e.samples);
-                for ((row_out, slot_out), (row, e)) in
-                    out.rows.iter_mut().zip(&mut out.slots).zip(sampling)
-                {
-                    (*row_out, *slot_out) = (row as u32, e.slot);
+                for (row, e) in entries.iter().enumerate().filter(|(_, e)| e.samples) {
+                    out.rows.push(row as u32);
+                    out.slots.push(e.slot);
                 }
             }
-            for (out, &token) in out.token_ids.iter_mut().zip(sampled) {
-                *out = token as u32;
-            }
+            out.token_ids.extend(sampled.iter().map(|&t| t as u32));
             appended = sampled.len();
             let aborted = Self::append_common(
                 &mut self.requests,
@@ -1270,6 +1284,11 @@ impl EngineCore {
                 appended = Self::cut_aborted(&self.requests, &entries, &mut out);
             }
         } else {
+            // Resized, not `vec![0; n]`: calloc clears memory it allocates more slowly than a
+            // memset (measured).
+            for column in [&mut out.rows, &mut out.slots, &mut out.token_ids] {
+                column.resize(sampled.len(), 0);
+            }
             let mut counts = num_sampled.map(|c| c.iter());
             let mut rest = sampled;
             for (row, e) in entries.iter().enumerate() {

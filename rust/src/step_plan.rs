@@ -83,6 +83,24 @@ impl StepPlan {
         self.grammar_masks = None;
     }
 
+    /// Readies a plan handed back for the next step's: empties the columns a plan pushes to
+    /// and drops its ids and masks; the columns a plan writes by index whole (every entry up
+    /// to the lengths it sets) keep their lengths and stale entries, so that sizing them
+    /// again clears no memory that is written over anyway.
+    pub fn clear_for_reuse(&mut self) {
+        for column in [
+            &mut self.new_block_slots,
+            &mut self.new_block_indices,
+            &mut self.new_block_ids,
+            &mut self.banned_rows,
+            &mut self.banned_ids,
+        ] {
+            column.clear();
+        }
+        self.request_ids = SlotIds::default();
+        self.grammar_masks = None;
+    }
+
     pub fn num_requests(&self) -> usize {
         self.seq_lens.len()
     }
