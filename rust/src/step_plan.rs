@@ -71,16 +71,10 @@ impl StepPlan {
             &mut self.logits_indices,
             &mut self.sample_request_rows,
             &mut self.slots,
-            &mut self.new_block_slots,
-            &mut self.new_block_indices,
-            &mut self.new_block_ids,
-            &mut self.banned_rows,
-            &mut self.banned_ids,
         ] {
             column.clear();
         }
-        self.request_ids = SlotIds::default();
-        self.grammar_masks = None;
+        self.clear_for_reuse();
     }
 
     /// Readies a plan handed back for the next step's: empties the columns a plan pushes to
