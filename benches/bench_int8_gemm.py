@@ -11,9 +11,10 @@ second) and the int8 operations executed (x 2 for `int8x2`) as a % of `_core.int
 measured at the start of the run with the same threads (the best of three). The bench uses only
 the public binding, so the same command on an older checkout times the kernel it had (old
 design vs new).
-Nothing is recorded: the table is printed with the CPU it ran on.
+The table is printed with the CPU it ran on, and with `--out DIR` recorded as
+DIR/bench_int8_gemm.md.
 
-    .venv/bin/python benches/bench_int8_gemm.py [--threads 2] [--quick]
+    .venv/bin/python benches/bench_int8_gemm.py [--threads 2] [--quick] [--out benches/results]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -75,22 +77,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and rows, short timing")
+    parser.add_argument("--out", type=Path, help="folder to record bench_int8_gemm.md in")
     args = parser.parse_args()
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
     torch.set_num_threads(args.threads)
     # The best of three runs: a peak, and a busy machine only ever lowers it.
     iterations = 2_000_000 if args.quick else 20_000_000
     peaks = [_core.int8_peak_ops(args.threads, iterations) for _ in range(3)]
     peak = None if peaks[0] is None else max(peaks)
     info = machine(args.threads)
-    print(f"{info['cpu']} ({info['cpu_features']}), {args.threads} threads, ISA {_core.cpu_isa()}")
+    say(f"{info['cpu']} ({info['cpu_features']}), {args.threads} threads, ISA {_core.cpu_isa()}")
     if peak is None:
-        print("no AVX-512 VNNI here: rates are printed without a % of peak")
+        say("no AVX-512 VNNI here: rates are printed without a % of peak")
     else:
-        print(f"measured vpdpbusd peak: {peak / 1e9:.1f} G int8 ops/s")
+        say(f"measured vpdpbusd peak: {peak / 1e9:.1f} G int8 ops/s")
     shapes = dict(list(SHAPES.items())[::2]) if args.quick else SHAPES
     sizes = [1, 128] if args.quick else [1, 8, 128, 512]
     budget = 0.05 if args.quick else 0.5
-    print(
+    say(
         f"{'layer':>13} {'N x K':>10} {'M':>4} | "
         + " | ".join(f"{k:>22}" for k in KERNELS)
         + " | fp32 matmul"
@@ -113,7 +122,13 @@ def main() -> None:
                 cells.append(f"{ops / seconds / 1e9:7.1f} G/s {share} peak")
             seconds = timed(budget, partial(torch.matmul, x, dense.t(), out=out))
             cells.append(f"{ops / seconds / 1e9:7.1f} GFLOP/s")
-            print(f"{name:>13} {f'{n}x{k}':>10} {m:>4} | " + " | ".join(cells), flush=True)
+            say(f"{name:>13} {f'{n}x{k}':>10} {m:>4} | " + " | ".join(cells))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        title = "# The int8 matmul against the measured vpdpbusd peak (benches/bench_int8_gemm.py)"
+        note = "(--quick: a smoke run, not a result)" if args.quick else ""
+        body = "\n".join(lines)
+        (args.out / "bench_int8_gemm.md").write_text(f"{title}\n\n```\n{body}\n```\n{note}\n")
 
 
 if __name__ == "__main__":
