@@ -17,7 +17,7 @@ use crate::text::{ChatTemplate, Tokenizer};
 
 mod plan_arrays;
 
-use plan_arrays::{PlanArrays, SpareArrays, COLUMNS};
+use plan_arrays::*;
 use std::borrow::Cow;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, OnceLock};
@@ -369,22 +369,19 @@ impl PyBlockTable {
 
 // ---------------------------------------------------------------- EngineCore
 
-/// The arrays of one engine step (see `_core.pyi` for their meaning). Every column lies in
-/// one int32 buffer, filled in one pass: a step hands Python one buffer, not fourteen arrays.
-/// Each named column is a view of it, made when first read (then the same object); the
-/// `request_ids` list is built when first read. A dropped plan gives its buffer and views
-/// back to the core for a later step (`plan_arrays`).
+/// The arrays of one engine step (see `_core.pyi` for their meaning): the core's plan, its
+/// columns read in place. Each named column is a numpy view of one of them, made when first
+/// read (then the same object); the `request_ids` list is built when first read. A dropped
+/// plan gives its columns and views back to the core for a later step (`plan_arrays`).
 #[pyclass(name = "StepPlan", module = "aieng._core", frozen)]
 struct PyStepPlan {
     #[pyo3(get)]
     num_requests: usize,
     #[pyo3(get)]
     num_tokens: usize,
-    /// The buffer and the views made; given back to `spare` when the plan is dropped.
+    /// The columns and the views made; given back to `spare` when the plan is dropped.
     arrays: ManuallyDrop<PlanArrays>,
     spare: Arc<SpareArrays>,
-    /// Column k is `buffer[bounds[k]..bounds[k + 1]]`.
-    bounds: [usize; COLUMNS + 1],
     /// Each slot's request id as the core held them when it planned the step (shared,
     /// not copied): the `request_ids` list is built from them and `slots`.
     slot_ids: SlotIds,
@@ -392,66 +389,44 @@ struct PyStepPlan {
     grammar_masks: Option<PendingMasks>,
 }
 
-const INPUT_IDS: usize = 0;
-const POSITIONS: usize = 1;
-const SLOT_MAPPING: usize = 2;
-const QUERY_START_LOC: usize = 3;
-const NUM_COMPUTED_TOKENS: usize = 4;
-const SEQ_LENS: usize = 5;
-const LOGITS_INDICES: usize = 6;
-const SAMPLE_REQUEST_ROWS: usize = 7;
-const SLOTS: usize = 8;
-const NEW_BLOCK_SLOTS: usize = 9;
-const NEW_BLOCK_INDICES: usize = 10;
-const NEW_BLOCK_IDS: usize = 11;
-const BANNED_ROWS: usize = 12;
-const BANNED_IDS: usize = 13;
-
 impl PyStepPlan {
-    /// The arrays of `plan`, copied into one buffer (a spare one when free); its ids and
-    /// masks are taken, its buffers left for the core to reuse.
-    fn new(py: Python<'_>, plan: &mut StepPlan, spare: &Arc<SpareArrays>) -> PyResult<Self> {
-        let columns: [&[i32]; COLUMNS] = [
-            &plan.input_ids,
-            &plan.positions,
-            &plan.slot_mapping,
-            &plan.query_start_loc,
-            &plan.num_computed_tokens,
-            &plan.seq_lens,
-            &plan.logits_indices,
-            &plan.sample_request_rows,
-            &plan.slots,
-            &plan.new_block_slots,
-            &plan.new_block_indices,
-            &plan.new_block_ids,
-            &plan.banned_rows,
-            &plan.banned_ids,
-        ];
-        let mut bounds = [0; COLUMNS + 1];
-        for (k, column) in columns.iter().enumerate() {
-            bounds[k + 1] = bounds[k] + column.len();
-        }
-        let arrays = spare.fill(py, &columns, &bounds)?;
+    /// The arrays of `plan`: its columns held as they are, in `reused` (arrays no one else
+    /// holds) or new ones; its ids and masks taken apart.
+    fn new(
+        py: Python<'_>,
+        mut plan: StepPlan,
+        reused: Option<PlanArrays>,
+        spare: &Arc<SpareArrays>,
+    ) -> PyResult<Self> {
+        let slot_ids = std::mem::take(&mut plan.request_ids);
+        let grammar_masks = plan.grammar_masks.take();
+        let (num_requests, num_tokens) = (plan.num_requests(), plan.num_tokens());
+        let arrays = match reused {
+            Some(mut arrays) => {
+                arrays.put_plan(plan);
+                arrays
+            }
+            None => PlanArrays::new(py, plan)?,
+        };
         Ok(PyStepPlan {
-            num_requests: plan.seq_lens.len(),
-            num_tokens: plan.input_ids.len(),
+            num_requests,
+            num_tokens,
             arrays: ManuallyDrop::new(arrays),
             spare: Arc::clone(spare),
-            bounds,
-            slot_ids: std::mem::take(&mut plan.request_ids),
+            slot_ids,
             id_list: PyOnceLock::new(),
-            grammar_masks: plan.grammar_masks.take(),
+            grammar_masks,
         })
     }
 
-    /// Column `k` as a numpy view of the buffer, made on first read and the same object after.
+    /// Column `k` as a numpy view, made on first read and the same object after.
     fn column<'py>(&self, py: Python<'py>, k: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        self.arrays.column(py, k, &self.bounds)
+        self.arrays.column(py, k)
     }
 
     /// Column `k`, read in place.
-    fn column_slice<'a>(&'a self, py: Python<'a>, k: usize) -> &'a [i32] {
-        self.arrays.slice(py, self.bounds[k], self.bounds[k + 1])
+    fn column_slice(&self, k: usize) -> &[i32] {
+        self.arrays.slice(k)
     }
 }
 
@@ -540,7 +515,7 @@ impl PyStepPlan {
         once(py, &self.id_list, || {
             PyList::new(
                 py,
-                self.column_slice(py, SLOTS).iter().map(|&slot| {
+                self.column_slice(SLOTS).iter().map(|&slot| {
                     self.slot_ids
                         .get(slot as u32)
                         .expect("a planned slot is named")
@@ -820,14 +795,17 @@ impl PyEngineCore {
 
     /// Plans the next step. The GIL is released only for a step that may be long.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
+        // A dropped plan's columns that no one holds any more are planned into again.
+        let mut reused = self.spare_arrays.take(py);
+        if let Some(arrays) = &mut reused {
+            self.core.recycle(arrays.take_plan());
+        }
         let core = &mut self.core;
-        let mut plan = match core.schedule_may_be_long() {
+        let plan = match core.schedule_may_be_long() {
             true => py.detach(|| core.schedule()),
             false => core.schedule(),
         }?;
-        let step = PyStepPlan::new(py, &mut plan, &self.spare_arrays);
-        self.core.recycle(plan);
-        step
+        PyStepPlan::new(py, plan, reused, &self.spare_arrays)
     }
 
     /// Applies the tokens sampled for the last plan: one per sampling row, or

@@ -1,15 +1,15 @@
 //! The memory under a plan's numpy columns, and its reuse from step to step.
 //!
-//! A plan's columns lie one after another in one int32 buffer (a [`PlanBuffer`], opaque to
-//! Python: the `base` of every column), each column a numpy view of it made when first read.
-//! When a plan is dropped its buffer and views come back to the core ([`SpareArrays`]); a
-//! later step refills them in place, moving each view to its column's new place, but only
-//! while nothing outside the core holds the buffer or any view (reference counts, read with
-//! the GIL held) and each view is as it was made: an array someone still holds never
-//! changes. Otherwise the step takes a new buffer, as it would with no reuse at all.
+//! A plan's columns are the core's own `StepPlan` columns, held by a [`PlanBuffer`] (opaque to
+//! Python: the `base` of every column) and each read through a numpy view made when first read:
+//! no copy. When a plan is dropped its buffer and views come back to the core ([`SpareArrays`]);
+//! a later step hands the buffer's `StepPlan` to the core to plan into (its columns' memory
+//! reused) and moves each view to its column's new place, but only while nothing outside the
+//! core holds the buffer or any view (reference counts, read with the GIL held) and each view is
+//! as it was made: an array someone still holds never changes. Otherwise the step plans into new
+//! columns, as it would with no reuse at all.
 
-use std::mem::MaybeUninit;
-use std::ptr::NonNull;
+use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use numpy::npyffi::{self, PY_ARRAY_API};
@@ -18,8 +18,24 @@ use parking_lot::Mutex;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-/// The columns of a plan, in the order they lie in its buffer.
+use crate::step_plan::StepPlan;
+
+/// The columns of a plan, numbered.
 pub(super) const COLUMNS: usize = 14;
+pub(super) const INPUT_IDS: usize = 0;
+pub(super) const POSITIONS: usize = 1;
+pub(super) const SLOT_MAPPING: usize = 2;
+pub(super) const QUERY_START_LOC: usize = 3;
+pub(super) const NUM_COMPUTED_TOKENS: usize = 4;
+pub(super) const SEQ_LENS: usize = 5;
+pub(super) const LOGITS_INDICES: usize = 6;
+pub(super) const SAMPLE_REQUEST_ROWS: usize = 7;
+pub(super) const SLOTS: usize = 8;
+pub(super) const NEW_BLOCK_SLOTS: usize = 9;
+pub(super) const NEW_BLOCK_INDICES: usize = 10;
+pub(super) const NEW_BLOCK_IDS: usize = 11;
+pub(super) const BANNED_ROWS: usize = 12;
+pub(super) const BANNED_IDS: usize = 13;
 
 /// The flags of a view as made: contiguous both ways, aligned, writeable (no others).
 const VIEW_FLAGS: i32 = npyffi::NPY_ARRAY_C_CONTIGUOUS
@@ -27,38 +43,41 @@ const VIEW_FLAGS: i32 = npyffi::NPY_ARRAY_C_CONTIGUOUS
     | npyffi::NPY_ARRAY_ALIGNED
     | npyffi::NPY_ARRAY_WRITEABLE;
 
-/// The int32 memory of one plan's columns: the base of each column's view, with no methods.
+/// The core's plan whose columns a step's views read: the base of each view, with no methods.
 #[pyclass(name = "PlanBuffer", module = "aieng._core", frozen)]
 pub(super) struct PlanBuffer {
-    /// `capacity` elements, allocated as a boxed slice; written only through views and while
-    /// the core holds the buffer alone.
-    data: NonNull<MaybeUninit<i32>>,
-    capacity: usize,
+    /// Its columns, read through views; the plan is taken out and put back only while no one
+    /// else refers to the buffer or a view ([`PlanArrays::reusable`]).
+    plan: UnsafeCell<StepPlan>,
 }
 
-// SAFETY: the memory is owned by the buffer alone; it is written only with the GIL held, by
-// the core while nothing else refers to the buffer, or through numpy views (as any array).
-unsafe impl Send for PlanBuffer {}
-// SAFETY: as above.
+// SAFETY: the plan is mutated only with the GIL held and while nothing but the core refers to
+// the buffer (its views included); otherwise it is read, or written through numpy views (as
+// any array's memory is).
 unsafe impl Sync for PlanBuffer {}
 
 impl PlanBuffer {
-    fn new(capacity: usize) -> Self {
-        let data = Box::<[i32]>::new_uninit_slice(capacity);
-        let data = NonNull::new(Box::into_raw(data).cast()).expect("a box is not null");
-        PlanBuffer { data, capacity }
-    }
-
-    fn ptr(&self) -> *mut i32 {
-        self.data.as_ptr().cast()
-    }
-}
-
-impl Drop for PlanBuffer {
-    fn drop(&mut self) {
-        let slice = std::ptr::slice_from_raw_parts_mut(self.data.as_ptr(), self.capacity);
-        // SAFETY: the boxed slice made in `new`, given back once.
-        drop(unsafe { Box::from_raw(slice) });
+    /// Column k of the plan (numbered above).
+    fn column(&self, k: usize) -> &[i32] {
+        // SAFETY: see `Sync` above: no one mutates the plan while it is shared.
+        let plan = unsafe { &*self.plan.get() };
+        match k {
+            INPUT_IDS => &plan.input_ids,
+            POSITIONS => &plan.positions,
+            SLOT_MAPPING => &plan.slot_mapping,
+            QUERY_START_LOC => &plan.query_start_loc,
+            NUM_COMPUTED_TOKENS => &plan.num_computed_tokens,
+            SEQ_LENS => &plan.seq_lens,
+            LOGITS_INDICES => &plan.logits_indices,
+            SAMPLE_REQUEST_ROWS => &plan.sample_request_rows,
+            SLOTS => &plan.slots,
+            NEW_BLOCK_SLOTS => &plan.new_block_slots,
+            NEW_BLOCK_INDICES => &plan.new_block_indices,
+            NEW_BLOCK_IDS => &plan.new_block_ids,
+            BANNED_ROWS => &plan.banned_rows,
+            BANNED_IDS => &plan.banned_ids,
+            _ => unreachable!("a plan has {COLUMNS} columns"),
+        }
     }
 }
 
@@ -70,38 +89,44 @@ pub(super) struct PlanArrays {
 }
 
 impl PlanArrays {
-    fn new(py: Python<'_>, capacity: usize) -> PyResult<Self> {
+    /// Arrays of `plan`'s columns (its ids and masks taken out before), no view made yet.
+    pub(super) fn new(py: Python<'_>, plan: StepPlan) -> PyResult<Self> {
         Ok(PlanArrays {
-            buffer: Py::new(py, PlanBuffer::new(capacity))?,
+            buffer: Py::new(
+                py,
+                PlanBuffer {
+                    plan: UnsafeCell::new(plan),
+                },
+            )?,
             views: Default::default(),
         })
     }
 
-    /// Writes `columns` one after another (column k at `bounds[k]..bounds[k + 1]`) and moves
-    /// each view made to its column. The caller holds these arrays alone (new, or
-    /// [`PlanArrays::reusable`]) and the buffer holds `bounds[COLUMNS]` elements.
-    fn fill(&mut self, columns: &[&[i32]; COLUMNS], bounds: &[usize; COLUMNS + 1]) {
+    /// Takes the buffer's plan out, for the core to plan the next step into. The caller holds
+    /// these arrays alone ([`SpareArrays::take`]) and puts a plan back before a view is read.
+    pub(super) fn take_plan(&mut self) -> StepPlan {
+        // SAFETY: no one else refers to the buffer or a view (see `reusable`).
+        std::mem::take(unsafe { &mut *self.buffer.get().plan.get() })
+    }
+
+    /// Puts `plan` (its ids and masks taken out) in the buffer and moves each view made to its
+    /// column. The caller holds these arrays alone, as for [`PlanArrays::take_plan`].
+    pub(super) fn put_plan(&mut self, plan: StepPlan) {
         let buffer = self.buffer.get();
-        debug_assert!(bounds[COLUMNS] <= buffer.capacity);
-        let data = buffer.ptr();
-        for (k, column) in columns.iter().enumerate() {
-            // SAFETY: `bounds` splits the first `bounds[COLUMNS]` elements of the buffer,
-            // which nothing else reads or writes now.
-            unsafe {
-                std::ptr::copy_nonoverlapping(column.as_ptr(), data.add(bounds[k]), column.len())
-            };
-        }
+        // SAFETY: as above.
+        unsafe { *buffer.plan.get() = plan };
         for (k, view) in self.views.iter_mut().enumerate() {
             let view = *view.get_mut();
             if view.is_null() {
                 continue;
             }
-            // SAFETY: a view of this buffer, one-dimensional (checked by `reusable`), that no
+            let column = buffer.column(k);
+            // SAFETY: a one-dimensional view of this buffer (checked by `reusable`) that no
             // one else refers to: its place and length are set to column k's.
             unsafe {
                 let fields = &mut (*view.cast::<npyffi::PyArrayObject>()).fields;
-                fields.data = data.add(bounds[k]).cast();
-                *fields.dimensions = (bounds[k + 1] - bounds[k]) as npyffi::npy_intp;
+                fields.data = column.as_ptr().cast_mut().cast();
+                *fields.dimensions = column.len() as npyffi::npy_intp;
             }
         }
     }
@@ -150,18 +175,17 @@ impl PlanArrays {
         true
     }
 
-    /// Column k (`bounds[k]..bounds[k + 1]`) as a numpy view of the buffer (which it keeps
-    /// alive), made on first read and the same object after. The cache never blocks: a thread
-    /// that finds it set by another meanwhile drops its own view.
+    /// Column k as a numpy view of the buffer (which it keeps alive), made on first read and
+    /// the same object after. The cache never blocks: a thread that finds it set by another
+    /// meanwhile drops its own view.
     pub(super) fn column<'py>(
         &self,
         py: Python<'py>,
         k: usize,
-        bounds: &[usize; COLUMNS + 1],
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let mut cached = self.views[k].load(Ordering::Acquire);
         if cached.is_null() {
-            let view = self.view(py, bounds[k], bounds[k + 1])?.into_ptr();
+            let view = self.view(py, k)?.into_ptr();
             cached = match self.views[k].compare_exchange(
                 std::ptr::null_mut(),
                 view,
@@ -181,19 +205,16 @@ impl PlanArrays {
         Ok(unsafe { Bound::from_borrowed_ptr(py, cached).cast_into_unchecked() })
     }
 
-    /// A new view of `start..end`: numpy's constructor called with the ndarray type and the
-    /// int32 dtype, the buffer as its base.
-    fn view<'py>(
-        &self,
-        py: Python<'py>,
-        start: usize,
-        end: usize,
-    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    /// A new view of column k: numpy's constructor called with the ndarray type and the int32
+    /// dtype, the buffer as its base.
+    fn view<'py>(&self, py: Python<'py>, k: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let buffer = self.buffer.bind(py);
-        let mut dims = [(end - start) as npyffi::npy_intp];
-        // SAFETY: `start..end` lies in the written part of the buffer, whose memory never
-        // moves; the descr is passed with a reference of its own (the constructor takes it);
-        // the view takes a reference to the buffer as its base, so the memory outlives it.
+        let column = buffer.get().column(k);
+        let mut dims = [column.len() as npyffi::npy_intp];
+        // SAFETY: the column's memory does not move while the buffer is shared (the plan is
+        // changed only while no one else refers to it); the descr is passed with a reference
+        // of its own (the constructor takes it); the view takes a reference to the buffer as
+        // its base, so the memory outlives it.
         unsafe {
             let view = PY_ARRAY_API.PyArray_NewFromDescr(
                 py,
@@ -202,7 +223,7 @@ impl PlanArrays {
                 1,
                 dims.as_mut_ptr(),
                 std::ptr::null_mut(),
-                buffer.get().ptr().add(start).cast(),
+                column.as_ptr().cast_mut().cast(),
                 npyffi::NPY_ARRAY_WRITEABLE,
                 std::ptr::null_mut(),
             );
@@ -215,12 +236,9 @@ impl PlanArrays {
         }
     }
 
-    /// `start..end` of the buffer, read in place (the GIL held: no view writes meanwhile).
-    pub(super) fn slice<'a>(&'a self, _py: Python<'a>, start: usize, end: usize) -> &'a [i32] {
-        let buffer = self.buffer.get();
-        assert!(start <= end && end <= buffer.capacity);
-        // SAFETY: in bounds, and written by `fill` (a plan reads only its columns).
-        unsafe { std::slice::from_raw_parts(buffer.ptr().add(start), end - start) }
+    /// Column k, read in place.
+    pub(super) fn slice(&self, k: usize) -> &[i32] {
+        self.buffer.get().column(k)
     }
 }
 
@@ -268,33 +286,15 @@ impl SpareArrays {
         drop(arrays);
     }
 
-    /// Arrays holding `columns`, each view made before moved to its column: the last arrays
-    /// given back that no one else holds and that are large enough, or new ones.
-    pub(super) fn fill(
-        &self,
-        py: Python<'_>,
-        columns: &[&[i32]; COLUMNS],
-        bounds: &[usize; COLUMNS + 1],
-    ) -> PyResult<PlanArrays> {
-        let len = bounds[COLUMNS];
-        let mut arrays = None;
+    /// The last arrays given back that no one else holds, if any (the others are let go).
+    pub(super) fn take(&self, py: Python<'_>) -> Option<PlanArrays> {
         let mut int32 = None;
         loop {
-            let Some(mut spare) = self.spare.lock().pop() else {
-                break;
-            };
+            let mut spare = self.spare.lock().pop()?;
             let int32 = *int32.get_or_insert_with(|| i32::get_dtype(py).as_dtype_ptr());
-            if spare.buffer.get().capacity >= len && spare.reusable(py, int32) {
-                arrays = Some(spare);
-                break;
+            if spare.reusable(py, int32) {
+                return Some(spare);
             }
         }
-        let mut arrays = match arrays {
-            Some(arrays) => arrays,
-            // Room to grow: steps of the same kind fit in the arrays again.
-            None => PlanArrays::new(py, len.next_power_of_two().max(64))?,
-        };
-        arrays.fill(columns, bounds);
-        Ok(arrays)
     }
 }
