@@ -98,6 +98,10 @@ class BlockTable:
     def __len__(self) -> int: ...
 
 @final
+class PlanBuffer:
+    """The columns under a StepPlan's arrays (their `base`); opaque."""
+
+@final
 class StepPlan:
     """The work of one step as flat int32 arrays. Rows are requests (R of them), tokens are
     laid out request after request (T), S rows sample a token.
@@ -110,8 +114,11 @@ class StepPlan:
     once; the first ceil(seq_lens[r] / block_size) entries of `table[slots[r]]` are then row
     r's block ids. Waiting requests hold slots too, so slot numbers can exceed max_num_seqs.
 
-    Every array lies in one int32 buffer the step hands over: each is a view of it (its
-    `base`), made when first read and the same object after; a view keeps the buffer alive.
+    Every array is a view of the core's own column, held by the step's `PlanBuffer` (the
+    `base` of each; no copy), made when first read and the same object after; a view keeps the
+    buffer alive. A dropped plan's buffer and views are planned into again by a later step only
+    while nothing else refers to them (nor to a slice of them): an array still held never
+    changes.
     """
 
     @property

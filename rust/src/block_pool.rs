@@ -191,7 +191,7 @@ impl BlockPool {
     /// and new blocks are taken for the rest. All or nothing.
     pub fn allocate(&self, tokens: &[u32]) -> Result<BlockTable> {
         let mut inner = self.inner.lock();
-        let lease = self.wrap(inner.open_table(tokens, true));
+        let lease = self.wrap(inner.open_table(tokens, tokens.len(), true));
         match inner.reserve(lease.id, tokens.len()) {
             Ok(()) => {
                 inner.debug_check();
@@ -292,10 +292,11 @@ impl PoolInner {
     }
 
     /// A table holding the cached prefix of `tokens` (none with `read_cache` false; no new
-    /// blocks yet).
-    pub(crate) fn open_table(&mut self, tokens: &[u32], read_cache: bool) -> u32 {
+    /// blocks yet), with room for the blocks of `max_len` tokens (its sequence's longest), so
+    /// that growing to them never reallocates its block list.
+    pub(crate) fn open_table(&mut self, tokens: &[u32], max_len: usize, read_cache: bool) -> u32 {
         let mut state = TableState {
-            blocks: Vec::with_capacity(tokens.len().div_ceil(self.block_size)),
+            blocks: Vec::with_capacity(max_len.max(tokens.len()).div_ceil(self.block_size)),
             hashed_blocks: 0,
             last_hash: ROOT_HASH,
             num_cached_tokens: 0,

@@ -1,11 +1,7 @@
 //! The Python bindings: `aieng._core`. The one place where Rust meets Python;
 //! the logic lives in the plain-Rust modules.
 
-use numpy::npyffi::{self, PY_ARRAY_API};
-use numpy::{
-    PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
-    PyUntypedArrayMethods,
-};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -19,8 +15,11 @@ use crate::step_plan::StepPlan;
 use crate::structured::{Grammar, GrammarCompiler, GrammarSpec, PendingMasks};
 use crate::text::{ChatTemplate, Tokenizer};
 
+mod plan_arrays;
+
+use plan_arrays::*;
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -370,25 +369,19 @@ impl PyBlockTable {
 
 // ---------------------------------------------------------------- EngineCore
 
-/// The columns of a plan, in the order they lie in a `PyStepPlan`'s one buffer.
-const COLUMNS: usize = 14;
-
-/// The arrays of one engine step (see `_core.pyi` for their meaning). Every column lies in
-/// one int32 numpy array, filled in one pass: a step hands Python one array, not fourteen.
-/// Each named column is a view of it, made when first read (then the same object); the
-/// `request_ids` list is built when first read.
+/// The arrays of one engine step (see `_core.pyi` for their meaning): the core's plan, its
+/// columns read in place. Each named column is a numpy view of one of them, made when first
+/// read (then the same object); the `request_ids` list is built when first read. A dropped
+/// plan gives its columns and views back to the core for a later step (`plan_arrays`).
 #[pyclass(name = "StepPlan", module = "aieng._core", frozen)]
 struct PyStepPlan {
     #[pyo3(get)]
     num_requests: usize,
     #[pyo3(get)]
     num_tokens: usize,
-    /// The columns, one after another.
-    buffer: Py<PyArray1<i32>>,
-    /// Column k is `buffer[bounds[k]..bounds[k + 1]]`.
-    bounds: [usize; COLUMNS + 1],
-    /// Column k's view once made (null before): the plan holds a reference to each.
-    views: [AtomicPtr<pyo3::ffi::PyObject>; COLUMNS],
+    /// The columns and the views made; given back to `spare` when the plan is dropped.
+    arrays: ManuallyDrop<PlanArrays>,
+    spare: Arc<SpareArrays>,
     /// Each slot's request id as the core held them when it planned the step (shared,
     /// not copied): the `request_ids` list is built from them and `slots`.
     slot_ids: SlotIds,
@@ -396,147 +389,52 @@ struct PyStepPlan {
     grammar_masks: Option<PendingMasks>,
 }
 
-const INPUT_IDS: usize = 0;
-const POSITIONS: usize = 1;
-const SLOT_MAPPING: usize = 2;
-const QUERY_START_LOC: usize = 3;
-const NUM_COMPUTED_TOKENS: usize = 4;
-const SEQ_LENS: usize = 5;
-const LOGITS_INDICES: usize = 6;
-const SAMPLE_REQUEST_ROWS: usize = 7;
-const SLOTS: usize = 8;
-const NEW_BLOCK_SLOTS: usize = 9;
-const NEW_BLOCK_INDICES: usize = 10;
-const NEW_BLOCK_IDS: usize = 11;
-const BANNED_ROWS: usize = 12;
-const BANNED_IDS: usize = 13;
-
 impl PyStepPlan {
-    /// The arrays of `plan`, copied into one numpy array; its ids and masks are taken, its
-    /// buffers left for the core to reuse.
-    fn new(py: Python<'_>, plan: &mut StepPlan) -> Self {
-        let columns: [&[i32]; COLUMNS] = [
-            &plan.input_ids,
-            &plan.positions,
-            &plan.slot_mapping,
-            &plan.query_start_loc,
-            &plan.num_computed_tokens,
-            &plan.seq_lens,
-            &plan.logits_indices,
-            &plan.sample_request_rows,
-            &plan.slots,
-            &plan.new_block_slots,
-            &plan.new_block_indices,
-            &plan.new_block_ids,
-            &plan.banned_rows,
-            &plan.banned_ids,
-        ];
-        let mut bounds = [0; COLUMNS + 1];
-        for (k, column) in columns.iter().enumerate() {
-            bounds[k + 1] = bounds[k] + column.len();
-        }
-        // SAFETY: a fresh array no other code sees yet; every element is written below.
-        let buffer = unsafe { PyArray1::<i32>::new(py, [bounds[COLUMNS]], false) };
-        // SAFETY: as above; the array is contiguous and `bounds[COLUMNS]` long.
-        let data = unsafe { buffer.as_slice_mut() }.expect("a fresh array is contiguous");
-        for (k, column) in columns.iter().enumerate() {
-            data[bounds[k]..bounds[k + 1]].copy_from_slice(column);
-        }
-        PyStepPlan {
-            num_requests: plan.seq_lens.len(),
-            num_tokens: plan.input_ids.len(),
-            buffer: buffer.unbind(),
-            bounds,
-            views: Default::default(),
-            slot_ids: std::mem::take(&mut plan.request_ids),
-            id_list: PyOnceLock::new(),
-            grammar_masks: plan.grammar_masks.take(),
-        }
-    }
-
-    /// Column `k` as a numpy view of the buffer (which it keeps alive), made on first read and
-    /// the same object after. The cache never blocks: a thread that finds it set by another
-    /// meanwhile drops its own view.
-    fn column<'py>(&self, py: Python<'py>, k: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let mut cached = self.views[k].load(Ordering::Acquire);
-        if cached.is_null() {
-            let view = self.view(py, k)?.into_ptr();
-            cached = match self.views[k].compare_exchange(
-                std::ptr::null_mut(),
-                view,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => view,
-                Err(theirs) => {
-                    // SAFETY: `view` is our own reference, never shared.
-                    drop(unsafe { Bound::from_owned_ptr(py, view) });
-                    theirs
-                }
-            };
-        }
-        // SAFETY: the cache holds a reference to this view of column k until the plan is
-        // dropped; the caller gets one of its own.
-        Ok(unsafe { Bound::from_borrowed_ptr(py, cached).cast_into_unchecked() })
-    }
-
-    /// A new view of column `k`: numpy's constructor called with the buffer's own type and
-    /// dtype (no lookup of either), the buffer as its base.
-    fn view<'py>(&self, py: Python<'py>, k: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let buffer = self.buffer.bind(py);
-        let (start, end) = (self.bounds[k], self.bounds[k + 1]);
-        let mut dims = [(end - start) as npyffi::npy_intp];
-        // SAFETY: `start..end` lies in the buffer, which is never resized; the descr is passed
-        // with a reference of its own (the constructor takes it); the view takes a reference
-        // to the buffer as its base, so the memory outlives the view.
-        unsafe {
-            let view = PY_ARRAY_API.PyArray_NewFromDescr(
-                py,
-                pyo3::ffi::Py_TYPE(buffer.as_ptr()),
-                buffer.dtype().into_dtype_ptr(),
-                1,
-                dims.as_mut_ptr(),
-                std::ptr::null_mut(),
-                buffer.data().add(start).cast(),
-                npyffi::NPY_ARRAY_WRITEABLE,
-                std::ptr::null_mut(),
-            );
-            let view = Bound::from_owned_ptr_or_err(py, view)?;
-            let base = buffer.clone().into_ptr();
-            if PY_ARRAY_API.PyArray_SetBaseObject(py, view.as_ptr().cast(), base) < 0 {
-                return Err(PyErr::fetch(py));
+    /// The arrays of `plan`: its columns held as they are, in `reused` (arrays no one else
+    /// holds) or new ones; its ids and masks taken apart.
+    fn new(
+        py: Python<'_>,
+        mut plan: StepPlan,
+        reused: Option<PlanArrays>,
+        spare: &Arc<SpareArrays>,
+    ) -> PyResult<Self> {
+        let slot_ids = std::mem::take(&mut plan.request_ids);
+        let grammar_masks = plan.grammar_masks.take();
+        let (num_requests, num_tokens) = (plan.num_requests(), plan.num_tokens());
+        let arrays = match reused {
+            Some(mut arrays) => {
+                arrays.put_plan(plan);
+                arrays
             }
-            Ok(view.cast_into_unchecked())
-        }
+            None => PlanArrays::new(py, plan)?,
+        };
+        Ok(PyStepPlan {
+            num_requests,
+            num_tokens,
+            arrays: ManuallyDrop::new(arrays),
+            spare: Arc::clone(spare),
+            slot_ids,
+            id_list: PyOnceLock::new(),
+            grammar_masks,
+        })
+    }
+
+    /// Column `k` as a numpy view, made on first read and the same object after.
+    fn column<'py>(&self, py: Python<'py>, k: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.arrays.column(py, k)
     }
 
     /// Column `k`, read in place.
-    fn column_slice<'a>(&'a self, py: Python<'a>, k: usize) -> &'a [i32] {
-        // SAFETY: the buffer is contiguous and never resized; read with the GIL held.
-        let data = unsafe { self.buffer.bind(py).as_slice() }.expect("the buffer is contiguous");
-        &data[self.bounds[k]..self.bounds[k + 1]]
+    fn column_slice(&self, k: usize) -> &[i32] {
+        self.arrays.slice(k)
     }
 }
 
 impl Drop for PyStepPlan {
     fn drop(&mut self) {
-        let made = |view: &mut AtomicPtr<pyo3::ffi::PyObject>| !view.get_mut().is_null();
-        if !self.views.iter_mut().any(made) {
-            return;
-        }
-        // A plan is dropped by Python (its deallocation holds the GIL), so this attaches at
-        // once; a destructor never panics: when Python cannot be attached (at its shutdown)
-        // the views are left to it.
-        Python::try_attach(|py| {
-            for view in self
-                .views
-                .iter_mut()
-                .filter_map(|v| made(v).then(|| *v.get_mut()))
-            {
-                // SAFETY: the cache's own reference to a view, given back once.
-                drop(unsafe { Bound::from_owned_ptr(py, view) });
-            }
-        });
+        // SAFETY: taken once, here; the plan is not used after.
+        let arrays = unsafe { ManuallyDrop::take(&mut self.arrays) };
+        self.spare.give_back(arrays);
     }
 }
 
@@ -617,7 +515,7 @@ impl PyStepPlan {
         once(py, &self.id_list, || {
             PyList::new(
                 py,
-                self.column_slice(py, SLOTS).iter().map(|&slot| {
+                self.column_slice(SLOTS).iter().map(|&slot| {
                     self.slot_ids
                         .get(slot as u32)
                         .expect("a planned slot is named")
@@ -785,6 +683,8 @@ impl PyStepOutputs {
 #[pyclass(name = "EngineCore", module = "aieng._core")]
 struct PyEngineCore {
     core: EngineCore,
+    /// The arrays of dropped plans, refilled by later steps.
+    spare_arrays: Arc<SpareArrays>,
 }
 
 #[pymethods]
@@ -825,7 +725,10 @@ impl PyEngineCore {
         let tokenizer = tokenizer.map(|t| Arc::clone(&t.inner));
         let mut core = EngineCore::with_tokenizer(config, tokenizer)?;
         core.set_shared_step(Some(Duration::from_secs_f64(shared_step_ms / 1e3)));
-        Ok(PyEngineCore { core })
+        Ok(PyEngineCore {
+            core,
+            spare_arrays: Arc::default(),
+        })
     }
 
     /// Queues a request and returns its slot; refuses one that can never fit.
@@ -892,14 +795,17 @@ impl PyEngineCore {
 
     /// Plans the next step. The GIL is released only for a step that may be long.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
+        // A dropped plan's columns that no one holds any more are planned into again.
+        let mut reused = self.spare_arrays.take(py);
+        if let Some(arrays) = &mut reused {
+            self.core.recycle(arrays.take_plan());
+        }
         let core = &mut self.core;
-        let mut plan = match core.schedule_may_be_long() {
+        let plan = match core.schedule_may_be_long() {
             true => py.detach(|| core.schedule()),
             false => core.schedule(),
         }?;
-        let step = PyStepPlan::new(py, &mut plan);
-        self.core.recycle(plan);
-        Ok(step)
+        PyStepPlan::new(py, plan, reused, &self.spare_arrays)
     }
 
     /// Applies the tokens sampled for the last plan: one per sampling row, or
@@ -1282,6 +1188,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBlockTable>()?;
     m.add_class::<PyEngineCore>()?;
     m.add_class::<PyStepPlan>()?;
+    m.add_class::<plan_arrays::PlanBuffer>()?;
     m.add_class::<PyStepOutputs>()?;
     m.add_class::<PyFinishedRequest>()?;
     m.add_class::<PyGrammarCompiler>()?;

@@ -956,7 +956,7 @@ impl EngineCore {
     fn open_table(&mut self, pool: &mut PoolInner, slot: u32) {
         let table = {
             let r = self.req(slot);
-            let id = pool.open_table(&r.tokens, !r.params.skip_prefix_cache);
+            let id = pool.open_table(&r.tokens, r.stops.max_len, !r.params.skip_prefix_cache);
             self.pool.wrap(id)
         };
         let cached = pool.table(table.id()).num_cached_tokens;
