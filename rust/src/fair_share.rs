@@ -246,25 +246,31 @@ impl FairShare {
         smallest.saturating_mul(count)
     }
 
-    /// Finds the clients starting, from the live requests' `work` (client, prefill tokens
-    /// pending, whether it runs): clients with live requests none of which runs — a client
-    /// that sends one request at a time, at each new request. Returns their prefill demand
-    /// and requests; 0 and 0 with fewer than two clients live.
+    /// Finds the clients starting, from the live requests' `work` (client, priority, prefill
+    /// tokens pending, whether it runs): clients with live requests none of which runs — a
+    /// client that sends one request at a time, at each new request — and waiting requests in
+    /// the best priority class with prefill work (a worse class never goes first). Returns
+    /// those requests' prefill demand and their number; 0 and 0 with fewer than two clients
+    /// live, or when no client runs (nobody is ahead of another).
     pub fn find_starting(
         &mut self,
-        work: impl Iterator<Item = (ClientId, usize, bool)>,
+        work: impl Iterator<Item = (ClientId, i32, usize, bool)> + Clone,
     ) -> (usize, usize) {
         if self.num_live < 2 {
             return (0, 0);
         }
+        let prefills = work.clone().filter(|w| w.2 > 0);
+        let Some(best) = prefills.map(|w| w.1).min() else {
+            return (0, 0);
+        };
         for client in &mut self.clients {
             (client.runs, client.waiting_demand, client.waiting_requests) = (false, 0, 0);
         }
-        for (id, tokens, running) in work {
+        for (id, priority, tokens, running) in work {
             let client = &mut self.clients[id as usize];
             if running {
                 client.runs = true;
-            } else {
+            } else if priority == best {
                 client.waiting_demand = client.waiting_demand.saturating_add(tokens);
                 client.waiting_requests += 1;
             }
@@ -278,7 +284,6 @@ impl FairShare {
                 requests += client.waiting_requests;
             }
         }
-        // No client runs: nobody is ahead of another, nobody goes first.
         if running_clients == 0 {
             return (0, 0);
         }
@@ -519,12 +524,24 @@ mod tests {
         );
         // heavy runs a chunk and waits with another request; light waits only; other decodes.
         let work = [
-            (heavy, 900, true),
-            (heavy, 900, false),
-            (light, 12, false),
-            (light, 8, false),
-            (other, 0, true),
+            (heavy, 0, 900, true),
+            (heavy, 0, 900, false),
+            (light, 0, 12, false),
+            (light, 0, 8, false),
+            (other, 0, 0, true),
         ];
+        assert_eq!(fair.find_starting(work.into_iter()), (20, 2));
+        // A worse class does not go first: a shadow client starting, the light one not there.
+        let shadow = fair.join(Some("shadow"));
+        let with_shadow = [(heavy, 0, 900, true), (shadow, 10, 30, false)];
+        assert_eq!(fair.find_starting(with_shadow.into_iter()), (0, 0));
+        let with_both = [
+            (heavy, 0, 900, true),
+            (shadow, 10, 30, false),
+            (light, 0, 20, false),
+        ];
+        assert_eq!(fair.find_starting(with_both.into_iter()), (20, 1));
+        fair.leave(shadow);
         assert_eq!(fair.find_starting(work.into_iter()), (20, 2));
         fair.start_first();
         let step = [
@@ -539,7 +556,7 @@ mod tests {
         fair.begin_step(41, usize::MAX, step.into_iter());
         assert_eq!(deficits(&fair, &[heavy, light]), [20, 20]);
         // Nobody running: nobody starts first.
-        let waiting = [(heavy, 900, false), (light, 20, false)];
+        let waiting = [(heavy, 0, 900, false), (light, 0, 20, false)];
         assert_eq!(fair.find_starting(waiting.into_iter()), (0, 0));
     }
 

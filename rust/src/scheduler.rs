@@ -904,7 +904,12 @@ impl EngineCore {
         let mut tokens = tokens.max(MIN_PREFILL).max(whole_smallest);
         let work = live.map(|r| {
             let running = r.status == Status::Running;
-            (r.client, pending(r).unwrap_or(0), running)
+            (
+                r.client,
+                r.params.priority,
+                pending(r).unwrap_or(0),
+                running,
+            )
         });
         let (starting, requests) = self.fair.find_starting(work);
         if starting > 0 && self.room_to_start(pool, starting, requests) {
