@@ -115,3 +115,26 @@ def test_shutdown_fails_every_waiting_request():
         await asyncio.wait_for(gate.enter(HEAVY, "h9", 100), 1)  # counts cleared
 
     asyncio.run(scenario())
+
+
+def test_try_enter_lets_in_without_a_turn_of_the_loop_or_refuses_without_queueing():
+    async def scenario() -> None:
+        gate = FairGate(max_requests=1, max_tokens=1000)
+        heavy = await _fill(gate, 2)
+        assert gate.num_waiting == 1
+        # a newcomer flow goes in synchronously: no await, so no other task runs before it
+        assert gate.try_enter(LIGHT, "l0", 5)
+        # the same flow again must wait its turn: refused, and nothing queued for it
+        assert not gate.try_enter(LIGHT, "l1", 5)
+        assert gate.num_waiting == 1
+        waiting = asyncio.create_task(gate.enter(LIGHT, "l1", 5))
+        await settle()
+        assert not waiting.done() and gate.num_waiting == 2
+        for name in ("l0", "h0", "h1"):
+            gate.started(name)
+            await settle()
+        await asyncio.wait_for(asyncio.gather(waiting, *heavy), 1)
+        gate.started("l1")
+        assert gate.idle
+
+    asyncio.run(scenario())

@@ -134,6 +134,18 @@ def test_a_large_body_that_fits_is_served(server, big_loads):
     assert len(big_loads) == 1
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/completions"])
+def test_a_body_near_the_byte_limit_with_a_short_prompt_is_served(server, path):
+    """JSON may hold any amount of white space, so no route has a bound on its body's bytes
+    below the server's limit (`--max-body-bytes`): refusing by Content-Length before reading
+    a body would refuse requests like these, which are served."""
+    body = {"prompt": "In the beginning", **({"max_tokens": 1} if path != "/tokenize" else {})}
+    size = len(json.dumps(body))
+    status, answer = _post(server, path, body, pad=server.ctx.config.max_body_bytes - size)
+    assert status == 200, answer
+    assert (answer["count"] if path == "/tokenize" else answer["usage"]["prompt_tokens"]) > 0
+
+
 def test_what_strict_json_does_not_take_is_left_to_the_usual_path(server, big_loads):
     # A lone surrogate: Python's json takes it, the protocol refuses it by name.
     content = b'{"prompt": "\\ud800' + b"a" * BIG + b'"}'

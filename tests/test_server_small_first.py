@@ -6,13 +6,17 @@ import asyncio
 
 import httpx
 import pytest
+from fastapi import APIRouter, FastAPI
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from aieng.server.config import ServerConfig
+from aieng.server.context import ServerContext
 from aieng.server.middleware import BodyLimitMiddleware
+from aieng.server.offloop import OFF_LOOP_BYTES, OffLoopBodyRoute
 from aieng.server.small_first import SMALL_BODY_BYTES, SmallFirst
 
 
@@ -135,3 +139,38 @@ def test_small_bodies_do_not_wait_for_each_other():
         assert app.small_first.holding == 0
 
     asyncio.run(scenario())
+
+
+class _Text(BaseModel):
+    text: str
+
+
+def test_a_large_body_is_parsed_once_the_small_request_is_answered():
+    """A large body already read waits before its scan and parse too (the parsing pool's
+    core and the GIL go to the small request), for `hold_s` at most."""
+    router = APIRouter(route_class=OffLoopBodyRoute)
+
+    @router.post("/echo")
+    async def echo(body: _Text) -> dict:
+        return {"size": len(body.text)}
+
+    async def scenario(hold_ms: float) -> tuple[bool, dict]:
+        app = FastAPI()
+        app.include_router(router)
+        ctx = app.state.context = ServerContext(
+            ServerConfig(served_model_name="m", small_first_ms=hold_ms)
+        )
+        release = ctx.small_first.hold()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://s") as http:
+            body = {"text": "x" * (OFF_LOOP_BYTES + 1)}
+            parsed = asyncio.create_task(http.post("/echo", json=body))
+            await asyncio.sleep(0.3)
+            waited = not parsed.done()
+            release()
+            response = await asyncio.wait_for(parsed, 5)
+        return waited, response.json()
+
+    assert asyncio.run(scenario(30_000)) == (True, {"size": OFF_LOOP_BYTES + 1})
+    # a hold that lapses lets the parse go on without the release
+    assert asyncio.run(scenario(50)) == (False, {"size": OFF_LOOP_BYTES + 1})

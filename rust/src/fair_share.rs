@@ -55,6 +55,13 @@ struct Client {
     deficit: usize,
     /// When it was last given tokens (a counter, not a time); 0: never.
     last_served: u64,
+    /// Of the step being planned (see `find_starting`): whether it starts (it has requests
+    /// waiting, none running), whether it has a request running, and its waiting requests
+    /// and the prefill tokens they could take.
+    starting: bool,
+    runs: bool,
+    waiting_requests: usize,
+    waiting_demand: usize,
 }
 
 /// The clients of the live requests and their shares of the step being planned.
@@ -72,6 +79,8 @@ pub struct FairShare {
     rotation: usize,
     /// The step's prefill work, (priority, client, tokens): kept to reuse its memory.
     work: Vec<(i32, ClientId, usize)>,
+    /// Whether the next split is between the starting clients only (`find_starting`).
+    starting_only: bool,
 }
 
 impl Default for FairShare {
@@ -85,6 +94,7 @@ impl Default for FairShare {
             served: 0,
             rotation: 0,
             work: Vec::new(),
+            starting_only: false,
         }
     }
 }
@@ -150,6 +160,7 @@ impl FairShare {
         work: impl Iterator<Item = (ClientId, i32, usize, bool)>,
     ) {
         self.splitting = self.num_live > 1;
+        let starting_only = std::mem::take(&mut self.starting_only);
         if !self.splitting {
             return;
         }
@@ -158,7 +169,7 @@ impl FairShare {
         for (id, priority, tokens, decodes) in work {
             if decodes {
                 left = left.saturating_sub(tokens);
-            } else {
+            } else if !starting_only || self.clients[id as usize].starting {
                 self.work.push((priority, id, tokens.min(chunk_cap)));
             }
         }
@@ -233,6 +244,56 @@ impl FairShare {
             return 0;
         }
         smallest.saturating_mul(count)
+    }
+
+    /// Finds the clients starting, from the live requests' `work` (client, priority, prefill
+    /// tokens pending, whether it runs): clients with live requests none of which runs — a
+    /// client that sends one request at a time, at each new request — and waiting requests in
+    /// the best priority class with prefill work (a worse class never goes first). Returns
+    /// those requests' prefill demand and their number; 0 and 0 with fewer than two clients
+    /// live, or when no client runs (nobody is ahead of another).
+    pub fn find_starting(
+        &mut self,
+        work: impl Iterator<Item = (ClientId, i32, usize, bool)> + Clone,
+    ) -> (usize, usize) {
+        if self.num_live < 2 {
+            return (0, 0);
+        }
+        let prefills = work.clone().filter(|w| w.2 > 0);
+        let Some(best) = prefills.map(|w| w.1).min() else {
+            return (0, 0);
+        };
+        for client in &mut self.clients {
+            (client.runs, client.waiting_demand, client.waiting_requests) = (false, 0, 0);
+        }
+        for (id, priority, tokens, running) in work {
+            let client = &mut self.clients[id as usize];
+            if running {
+                client.runs = true;
+            } else if priority == best {
+                client.waiting_demand = client.waiting_demand.saturating_add(tokens);
+                client.waiting_requests += 1;
+            }
+        }
+        let (mut demand, mut requests, mut running_clients) = (0usize, 0, 0);
+        for client in &mut self.clients {
+            client.starting = !client.runs && client.waiting_demand > 0;
+            running_clients += usize::from(client.runs);
+            if client.starting {
+                demand = demand.saturating_add(client.waiting_demand);
+                requests += client.waiting_requests;
+            }
+        }
+        if running_clients == 0 {
+            return (0, 0);
+        }
+        (demand, requests)
+    }
+
+    /// The next `begin_step` splits its budget between the clients `find_starting` found
+    /// only: the others' prefill waits a step (their decodes do not).
+    pub fn start_first(&mut self) {
+        self.starting_only = true;
     }
 
     /// Whether the step being planned splits its budget between clients.
@@ -451,6 +512,52 @@ mod tests {
         let work = [(heavy, 0, 4096, false), (light, 0, 66, false)];
         fair.begin_step(132, usize::MAX, work.into_iter());
         assert_eq!(deficits(&fair, &[heavy, light]), [66, 66]);
+    }
+
+    #[test]
+    fn starting_clients_split_the_next_step_alone() {
+        let mut fair = FairShare::default();
+        let (heavy, light, other) = (
+            fair.join(Some("heavy")),
+            fair.join(Some("light")),
+            fair.join(Some("other")),
+        );
+        // heavy runs a chunk and waits with another request; light waits only; other decodes.
+        let work = [
+            (heavy, 0, 900, true),
+            (heavy, 0, 900, false),
+            (light, 0, 12, false),
+            (light, 0, 8, false),
+            (other, 0, 0, true),
+        ];
+        assert_eq!(fair.find_starting(work.into_iter()), (20, 2));
+        // A worse class does not go first: a shadow client starting, the light one not there.
+        let shadow = fair.join(Some("shadow"));
+        let with_shadow = [(heavy, 0, 900, true), (shadow, 10, 30, false)];
+        assert_eq!(fair.find_starting(with_shadow.into_iter()), (0, 0));
+        let with_both = [
+            (heavy, 0, 900, true),
+            (shadow, 10, 30, false),
+            (light, 0, 20, false),
+        ];
+        assert_eq!(fair.find_starting(with_both.into_iter()), (20, 1));
+        fair.leave(shadow);
+        assert_eq!(fair.find_starting(work.into_iter()), (20, 2));
+        fair.start_first();
+        let step = [
+            (heavy, 0, 900, false),
+            (heavy, 0, 900, false),
+            (light, 0, 20, false),
+            (other, 0, 1, true),
+        ];
+        fair.begin_step(21, usize::MAX, step.into_iter());
+        assert_eq!(deficits(&fair, &[heavy, light]), [0, 20]);
+        // Only the next step: then the usual split.
+        fair.begin_step(41, usize::MAX, step.into_iter());
+        assert_eq!(deficits(&fair, &[heavy, light]), [20, 20]);
+        // Nobody running: nobody starts first.
+        let waiting = [(heavy, 0, 900, false), (light, 0, 20, false)];
+        assert_eq!(fair.find_starting(waiting.into_iter()), (0, 0));
     }
 
     #[test]

@@ -453,7 +453,7 @@ impl EngineCore {
         let mut entries = std::mem::take(&mut self.spare_entries);
         let mut budget = self.config.max_num_batched_tokens;
         if self.shared.bounds(self.fair.num_clients() > 1) {
-            budget = self.bounded_budget(budget);
+            budget = self.bounded_budget(&guard, budget);
         }
         self.step_budget = budget;
         self.begin_fair_step(budget);
@@ -871,8 +871,9 @@ impl EngineCore {
     }
 
     /// The budget of a step bounded in time (see `shared_step`): every decode, and the prefill
-    /// tokens the cost model fits under the target, at least the floor; at most `full`.
-    fn bounded_budget(&mut self, full: usize) -> usize {
+    /// tokens the cost model fits under the target, at least the floor; at most `full`. With
+    /// clients starting that can start, at most their waiting tokens, given to them alone.
+    fn bounded_budget(&mut self, pool: &PoolInner, full: usize) -> usize {
         let chunk_cap = self.chunk_cap();
         let (mut decodes, mut prefill) = (StepWork::default(), StepWork::default());
         let requests = &self.requests;
@@ -896,10 +897,38 @@ impl EngineCore {
         let Some(tokens) = self.shared.prefill_tokens(decodes, context) else {
             return full;
         };
-        let prefills = live.filter_map(|r| pending(r).map(|tokens| (r.client, tokens)));
+        let prefills = live
+            .clone()
+            .filter_map(|r| pending(r).map(|tokens| (r.client, tokens)));
         let whole_smallest = self.fair.whole_smallest_demand(prefills);
-        let tokens = tokens.max(MIN_PREFILL).max(whole_smallest);
+        let mut tokens = tokens.max(MIN_PREFILL).max(whole_smallest);
+        let work = live.map(|r| {
+            let running = r.status == Status::Running;
+            (
+                r.client,
+                r.params.priority,
+                pending(r).unwrap_or(0),
+                running,
+            )
+        });
+        let (starting, requests) = self.fair.find_starting(work);
+        if starting > 0 && self.room_to_start(pool, starting, requests) {
+            // A client's new request goes first, in a step no longer than it needs.
+            self.fair.start_first();
+            tokens = tokens.min(starting);
+        }
         decodes.tokens.saturating_add(tokens).min(full)
+    }
+
+    /// Whether `requests` waiting requests of `tokens` prefill tokens in all can all start
+    /// in the next step: free slots, and free blocks for them (no prefix cache hit counted).
+    /// Else the clients starting do not go first: the others' prefill never waits for
+    /// requests that cannot start (embeddings mid-prefill hold the blocks they need).
+    fn room_to_start(&self, pool: &PoolInner, tokens: usize, requests: usize) -> bool {
+        let block_size = self.config.block_size;
+        let blocks = tokens.div_ceil(block_size) + requests;
+        self.running.len() + requests <= self.config.max_num_seqs
+            && pool.stats().num_free_blocks >= blocks
     }
 
     /// With several clients live, splits the step's prefill budget between them (see

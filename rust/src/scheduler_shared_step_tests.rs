@@ -8,10 +8,14 @@ use crate::shared_step::HOLD_OFF;
 const FULL: usize = 2048;
 
 fn core(target_ms: u64) -> EngineCore {
+    core_with_slots(target_ms, 64)
+}
+
+fn core_with_slots(target_ms: u64, max_num_seqs: usize) -> EngineCore {
     let mut core = EngineCore::new(SchedulerConfig {
         num_blocks: 4096,
         block_size: 16,
-        max_num_seqs: 64,
+        max_num_seqs,
         max_num_batched_tokens: FULL,
         max_model_len: 8192,
         enable_prefix_caching: false,
@@ -154,4 +158,49 @@ fn no_target_no_bound() {
         assert_eq!(step(&mut core).1, FULL);
     }
     assert!(!core.shared.learning());
+}
+
+#[test]
+fn a_starting_clients_request_goes_first_in_a_step_of_its_own() {
+    let mut core = core(50);
+    teach(&mut core);
+    add(&mut core, "heavy", 5000, Some("heavy"), 2);
+    assert_eq!(step(&mut core), (FULL, FULL), "alone: the full budget");
+    // The light client's new request: its whole prompt, the heavy prefill waits one step.
+    add(&mut core, "light", 20, Some("light"), 4);
+    assert_eq!(step(&mut core), (20, 20));
+    // Now it runs (a decode): the heavy prefill takes the bounded step again.
+    let (tokens, budget) = step(&mut core);
+    assert!((444..=449).contains(&budget), "{budget}");
+    assert_eq!(tokens, budget);
+    // A second client arriving while one runs goes first too, decodes beside it.
+    add(&mut core, "other", 30, Some("other"), 2);
+    assert_eq!(step(&mut core), (1 + 30, 1 + 30));
+}
+
+#[test]
+fn clients_all_starting_share_the_bounded_step() {
+    let mut core = core(50);
+    teach(&mut core);
+    add(&mut core, "heavy", 5000, Some("heavy"), 2);
+    add(&mut core, "light", 20, Some("light"), 4);
+    // Nobody runs: nobody goes first, the step is the bounded one with both prompts in it.
+    let (tokens, budget) = step(&mut core);
+    assert!((445..=450).contains(&budget), "{budget}");
+    assert_eq!(tokens, budget);
+}
+
+#[test]
+fn a_starting_client_without_a_free_slot_holds_nobody_back() {
+    let mut core = core_with_slots(50, 2);
+    teach(&mut core);
+    add(&mut core, "h1", 1000, Some("heavy"), 50);
+    add(&mut core, "h2", 5000, Some("heavy"), 2);
+    assert_eq!(step(&mut core), (FULL, FULL), "both heavy requests run");
+    assert_eq!(step(&mut core), (FULL, FULL), "a decode and a chunk");
+    // No slot for the light request: the heavy prefill does not wait for it.
+    add(&mut core, "light", 20, Some("light"), 4);
+    let (tokens, budget) = step(&mut core);
+    assert!(budget >= 400, "{budget}");
+    assert_eq!(tokens, budget);
 }

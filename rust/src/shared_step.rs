@@ -22,6 +22,12 @@
 //! whole demand under the equal split of `fair_share` — a light request's prompt goes in one
 //! step instead of in halves over several. Decodes always run: the cap is on top of them.
 //!
+//! A client's new request goes first: while a client has requests waiting and none running
+//! (`FairShare::find_starting`) beside a client that runs, and they can all start (free slots
+//! and blocks), the step's prefill goes to the starting clients alone and is capped at their
+//! waiting tokens — the light request's first token comes from a step of its own prompt and
+//! the decodes, and the others' prefill chunks wait that one step.
+//!
 //! One client alone (the library, an offline batch) is never bounded, and nothing here runs
 //! for it: no clock is read, no step is measured, until a second client appears.
 

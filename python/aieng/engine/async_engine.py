@@ -32,6 +32,7 @@ from aieng.config.engine_args import EngineArgs
 from aieng.engine.engine_client import EngineStats, ModelInfo
 from aieng.engine.llm_engine import EngineDeadError, LLMEngine
 from aieng.engine.thread_names import name_os_thread
+from aieng.engine.within import within
 from aieng.outputs import RequestOutput
 from aieng.pooling import PoolingParams
 from aieng.sampling import SamplingParams
@@ -307,8 +308,8 @@ async def _get(stream: asyncio.Queue, deadline: float | None):
     if remaining <= 0 and stream.empty():
         return None
     try:
-        return await asyncio.wait_for(stream.get(), max(remaining, 0.0))
-    except asyncio.TimeoutError:
+        return await within(stream.get(), max(remaining, 0.0))
+    except TimeoutError:
         return None
 
 

@@ -143,17 +143,27 @@ class Admission:
         self._client_tokens[client] += prompt_tokens
         self._in_flight.add(request_id)
 
+    def try_enter(
+        self, engine: EngineClient, request_id: str, kind: str, client: Client, tokens: int
+    ) -> bool:
+        """Lets the request go to `engine` now if it need not wait its turn (see FairGate);
+        else `enter` waits for it."""
+        return self._gate(engine, request_id).try_enter((kind, *client), request_id, tokens)
+
     async def enter(
         self, engine: EngineClient, request_id: str, kind: str, client: Client, tokens: int
     ) -> None:
         """Waits for the request's fair turn to go to `engine` (see FairGate)."""
+        await self._gate(engine, request_id).enter((kind, *client), request_id, tokens)
+
+    def _gate(self, engine: EngineClient, request_id: str) -> FairGate:
         gate = self._gates.get(id(engine))
         if gate is None:
             info = engine.model_info
             budget = info.max_num_batched_tokens or info.max_model_len
             gate = self._gates[id(engine)] = FairGate(info.max_num_seqs, 2 * budget)
         self._gate_of[request_id] = gate
-        await gate.enter((kind, *client), request_id, tokens)
+        return gate
 
     @property
     def num_at_gates(self) -> int:

@@ -33,7 +33,6 @@ from aieng.server.model_versions import (
 )
 from aieng.server.params import IGNORED_FIELDS_HEADER
 from aieng.server.served_schema import served_schema
-from aieng.server.small_first import SmallFirst
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +104,7 @@ def build_app(
         body_timeout=config.request_body_timeout,
         max_reads_per_client=config.max_body_reads_per_client,
         on_refused=ctx.metrics.rejected,
-        small_first=SmallFirst(config.small_first_ms / 1000) if config.small_first_ms else None,
+        small_first=ctx.small_first,
     )
     if config.api_key:  # outside the body limit: the key is checked before any body is read
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

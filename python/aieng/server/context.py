@@ -18,6 +18,7 @@ from aieng.server.errors import ApiError, invalid
 from aieng.server.fair_pool import FairPool
 from aieng.server.metrics import ServerMetrics
 from aieng.server.request_log import RequestRecord, log_request
+from aieng.server.small_first import SmallFirst
 from aieng.server.tokenizing import TokenizerPool
 from aieng.server.traffic_split import mirror
 from aieng.worker.gpu_memory import GpuMemory
@@ -35,6 +36,9 @@ class ServerContext:
         self.admission = Admission(config, self.stats)
         self.tokenizing = TokenizerPool()
         self.parsing = FairPool(1, "aieng-parse")  # large bodies: see offloop
+        # large bodies' reads and parses wait while small requests await their first answer
+        hold_s = config.small_first_ms / 1000
+        self.small_first: SmallFirst | None = SmallFirst(hold_s) if hold_s else None
         self.metrics = ServerMetrics(
             config.served_model_name,
             self.stats,

@@ -53,14 +53,22 @@ class FairGate:
     def idle(self) -> bool:
         return not self._inside and not len(self._waiting)
 
+    def try_enter(self, path: tuple[Hashable, ...], engine_id: str, tokens: int) -> bool:
+        """Lets the request in now if it may go without waiting (a newcomer flow, or room and
+        nobody waiting); `started(engine_id)` must follow. In the caller's turn of the loop:
+        a light request goes on to the engine without waiting for another one."""
+        newcomer = not self._inside_by_flow[path] and not self._waiting_by_flow[path]
+        if newcomer or (self._has_room() and not len(self._waiting)):
+            self._let_in(engine_id, tokens, path)
+            return True
+        return False
+
     async def enter(
         self, path: tuple[Hashable, Hashable, Hashable], engine_id: str, tokens: int
     ) -> None:
         """Returns once the request may go to the engine; `started(engine_id)` must follow
         (when its first output comes, or when it ends). Cancelled: it leaves the queue."""
-        newcomer = not self._inside_by_flow[path] and not self._waiting_by_flow[path]
-        if newcomer or (self._has_room() and not len(self._waiting)):
-            self._let_in(engine_id, tokens, path)
+        if self.try_enter(path, engine_id, tokens):
             return
         ticket = _Ticket(engine_id, tokens, path)
         self._waiting.push(path, ticket, tokens + 1)  # +1: no request is free

@@ -24,6 +24,7 @@ from fastapi import Request
 
 from aieng.engine.engine_client import EngineClient
 from aieng.engine.llm_engine import NO_VALID_TOKEN, EngineDeadError
+from aieng.engine.within import within
 from aieng.errors import AiengError, InvalidArgumentError, error_field
 from aieng.outputs import RequestMetrics, RequestOutput
 from aieng.pooling import PoolingParams
@@ -157,14 +158,13 @@ class Generation:
         prompt, params = self.prompts[index], self.params[index]
         try:
             kind = "embed" if isinstance(params, PoolingParams) else "generate"
-            entering = self.ctx.admission.enter(
-                self.engine, engine_id, kind, self.client, len(prompt)
-            )
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                await asyncio.wait_for(entering, wait)
-            except TimeoutError:
-                raise self._aborted_error() from None
+            turn = (self.engine, engine_id, kind, self.client, len(prompt))
+            if not self.ctx.admission.try_enter(*turn):
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    await within(self.ctx.admission.enter(*turn), wait)
+                except TimeoutError:
+                    raise self._aborted_error() from None
             mark(self.http.scope, "gate")
             stream = self.engine.generate(
                 engine_id, prompt, params, deadline=deadline, client=fair_share_key(self.client)

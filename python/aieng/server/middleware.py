@@ -3,16 +3,16 @@ is read), the body size limit, its read timeouts and the bounds on bodies read a
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from aieng.engine.within import within
 from aieng.server.errors import error_bytes
 from aieng.server.small_first import SMALL_BODY_BYTES, SmallFirst
 from aieng.server.stages import mark
@@ -88,21 +88,6 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
-
-
-async def _within(awaitable: Awaitable[Message], seconds: float | None) -> Message:
-    """`await awaitable`, TimeoutError past `seconds` (None: no limit). A body comes in many
-    chunks, each awaited so: `asyncio.timeout` (Python 3.11+) times it in the reading task,
-    where `asyncio.wait_for` before 3.12 makes a task of each, on the event loop, GIL held."""
-    if seconds is None:
-        return await awaitable
-    if _timeout is None:  # Python 3.10
-        return await asyncio.wait_for(awaitable, seconds)
-    async with _timeout(seconds):
-        return await awaitable
-
-
-_timeout = getattr(asyncio, "timeout", None)
 
 
 class BodyLimitMiddleware:
@@ -257,7 +242,7 @@ class BodyLimitMiddleware:
                 if wait is None or left < wait:
                     wait, whole = left, True
             try:
-                message = await _within(receive(), wait)
+                message = await within(receive(), wait)
             except TimeoutError:
                 await self._timed_out(send, whole)
                 return None

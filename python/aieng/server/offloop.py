@@ -8,7 +8,9 @@ takes as it is. The pool has one thread, served in fair shares of bytes between 
 parsing holds the GIL throughout, so several parses at once would starve the engine's thread
 (which gives the GIL up at every kernel) — a flood of large bodies queues behind itself.
 Before parsing, a body of a route in `oversize.TEXT_FIELDS` is scanned with the GIL released
-and refused unparsed if its text can never fit the model (see `oversize`).
+and refused unparsed if its text can never fit the model (see `oversize`). Like each chunk of
+a large body, its scan and parse first wait while small requests await their first answer
+(`small_first`): a core and the GIL go to them, not to a flood's bodies already read.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class OffLoopBodyRoute(APIRoute):
             body = await whole_body(request)
             if len(body) > OFF_LOOP_BYTES:
                 ctx = request.app.state.context
+                if ctx.small_first is not None:
+                    await ctx.small_first.turn()
                 bound = await oversize.text_bound(ctx, self.path)
                 parsed = await ctx.parsing.run(
                     client_of(request), len(body), _parse, model, body, bound
