@@ -13,7 +13,7 @@ from aieng.sampling import SamplingParams
 from aieng.worker.isolated_sampling import RowRules
 from aieng.worker.runner_io import SampledLogprobs
 from aieng.worker.sampler import Sampler, SamplerOutput, SamplingTable
-from aieng.worker.spec_verify import verify_and_sample
+from aieng.worker.spec_verify import draft_tokens, sampling_groups, verify_and_sample
 
 VOCAB = 8
 N = 6_000
@@ -129,3 +129,37 @@ def test_rows_that_process_their_logits_take_the_samplers_path(params):
     state = table(params)
     assert not state.plain_greedy(np.arange(3))
     assert table(SamplingParams(temperature=0)).plain_greedy(np.arange(3))
+    # One such slot among plain ones: only steps holding it leave the fast path; its slot
+    # taken over by a plain request, or removed, leaves no trace.
+    mixed = table(SamplingParams(temperature=0))
+    mixed.add_request(1, params, [1])
+    assert not mixed.plain_greedy(np.array([0, 1, 2]))
+    assert mixed.plain_greedy(np.array([0, 2]))
+    mixed.add_request(1, SamplingParams(temperature=0), [1])
+    assert mixed.plain_greedy(np.arange(3))
+    mixed.add_request(2, params, [1])
+    mixed.remove_request(2)
+    assert mixed.plain_greedy(np.arange(2)) and not mixed.not_plain
+
+
+class _Plan:
+    def __init__(self, input_ids, logits_indices):
+        self.input_ids = np.array(input_ids, np.int32)
+        self.logits_indices = np.array(logits_indices, np.int32)
+
+
+@pytest.mark.parametrize(
+    ("rows", "indices", "starts", "sizes", "drafts"),
+    [
+        ([], [], [], [], []),
+        ([4], [9], [0], [1], [-1]),
+        ([0, 2, 3], [1, 5, 9], [0, 1, 2], [1, 1, 1], [-1, -1, -1]),  # no drafts
+        ([0, 0, 0, 2], [0, 1, 2, 9], [0, 3], [3, 1], [11, 12, -1, -1]),  # 2 drafts, then none
+        ([1, 3, 3], [4, 7, 8], [0, 1], [1, 2], [-1, 18, -1]),
+    ],
+)
+def test_sampling_groups_and_their_drafts(rows, indices, starts, sizes, drafts):
+    groups = sampling_groups(np.array(rows, np.int32))
+    assert groups[0].tolist() == starts and groups[1].tolist() == sizes
+    plan = _Plan([10 + i for i in range(10)], indices)
+    assert draft_tokens(plan, groups).tolist() == drafts

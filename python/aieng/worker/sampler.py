@@ -113,6 +113,9 @@ class SamplingTable:
         self.has_grammar = np.zeros(0, bool)  # structured outputs: masks from the core
         self.num_logprobs = np.zeros(0, np.int32)  # -1: no logprobs
         self.num_output = np.zeros(0, np.int64)
+        # Slots whose rows are not plain greedy (see `plain_greedy`): a step of rows none of
+        # which is here skips every per-row check.
+        self.not_plain: set[int] = set()
         self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}  # slot -> (ids, biases)
         self.allowed_ids: dict[int, list[int]] = {}  # slot -> allowed_token_ids
         self.bad_words: dict[int, list[list[int]]] = {}  # slot -> bad words' token ids
@@ -189,8 +192,12 @@ class SamplingTable:
             outputs = torch.as_tensor(list(output_token_ids), dtype=torch.long)
             counts = torch.bincount(outputs, minlength=self.vocab_size).to(torch.int32)
             self.output_counts[slot] = counts.to(self.device)
+        self.not_plain.discard(slot)
+        if not self._plain(slot):
+            self.not_plain.add(slot)
 
     def remove_request(self, slot: int) -> None:
+        self.not_plain.discard(slot)
         self.logit_bias.pop(slot, None)
         self.allowed_ids.pop(slot, None)
         self.bad_words.pop(slot, None)
@@ -312,16 +319,20 @@ class SamplingTable:
                 banned.append(word[-1])
         return banned
 
-    def plain_greedy(self, slots: np.ndarray) -> bool:
-        """Whether every row of `slots` takes its argmax of the raw logits: greedy, without
-        penalties, token rules (logit bias, allowed ids, bad words), a grammar or logprobs."""
+    def _plain(self, slot: int) -> bool:
+        """Whether slot's rows take the argmax of the raw logits: greedy, without penalties,
+        token rules (logit bias, allowed ids, bad words), a grammar or logprobs."""
         return bool(
-            self.greedy[slots].all()
-            and not self.has_penalty[slots].any()
-            and not self.has_token_rules[slots].any()
-            and not self.has_grammar[slots].any()
-            and (self.num_logprobs[slots] < 0).all()
+            self.greedy[slot]
+            and not self.has_penalty[slot]
+            and not self.has_token_rules[slot]
+            and not self.has_grammar[slot]
+            and self.num_logprobs[slot] < 0
         )
+
+    def plain_greedy(self, slots: np.ndarray) -> bool:
+        """Whether every row of `slots` (added slots) takes its argmax of the raw logits."""
+        return not self.not_plain or self.not_plain.isdisjoint(np.asarray(slots).tolist())
 
     def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
         """Record accepted tokens: token i belongs to slots[i] (a slot may repeat)."""

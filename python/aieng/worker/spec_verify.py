@@ -45,7 +45,10 @@ def sampling_groups(sample_request_rows: np.ndarray) -> tuple[np.ndarray, np.nda
     """The plan's sampling requests: the first logits row of each (G,) and its number of
     logits rows, 1 + its drafts (G,)."""
     rows = np.asarray(sample_request_rows)
-    if not len(rows):
+    n = len(rows)
+    if n == 1 or (n > 1 and bool((rows[1:] != rows[:-1]).all())):  # no drafts
+        return np.arange(n, dtype=np.int64), np.ones(n, np.int64)
+    if not n:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
     sizes = np.diff(np.r_[starts, len(rows)])
@@ -57,6 +60,8 @@ def draft_tokens(plan, groups: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     after it (-1 on each request's last logits row, which has none)."""
     starts, sizes = groups
     indices = np.asarray(plan.logits_indices, np.int64)
+    if len(starts) == len(indices):  # one row per request: no drafts
+        return np.full(len(indices), -1, np.int64)
     last = np.zeros(len(indices), bool)
     last[starts + sizes - 1] = True
     following = np.minimum(indices + 1, len(plan.input_ids) - 1)
