@@ -137,7 +137,7 @@ mod tests {
                 state ^= state << 17;
                 // Mostly small, now and then an outlier that sets its block's scale.
                 let v = (state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0;
-                if state % 61 == 0 {
+                if state.is_multiple_of(61) {
                     v * 40.0
                 } else {
                     v
@@ -146,19 +146,19 @@ mod tests {
             .collect()
     }
 
-    /// Every field of the rows, floats as bits.
-    fn bits(q: &QuantizedRows) -> (usize, usize, Vec<i8>, Vec<i8>, Vec<Vec<u32>>, Vec<i32>) {
-        let floats = [&q.scales, &q.residual_scales, &q.scaled_sums]
-            .map(|v| v.iter().map(|f| f.to_bits()).collect())
-            .to_vec();
-        (
-            q.rows,
-            q.blocks,
-            q.values.clone(),
-            q.residuals.clone(),
-            floats,
-            q.sums.clone(),
-        )
+    /// Every field of the rows as integers, floats as their bits.
+    fn bits(q: &QuantizedRows) -> Vec<Vec<i64>> {
+        let ints = |v: &[i8]| v.iter().map(|&b| b as i64).collect();
+        let floats = |v: &[f32]| v.iter().map(|f| f.to_bits() as i64).collect();
+        vec![
+            vec![q.rows as i64, q.blocks as i64],
+            ints(&q.values),
+            ints(&q.residuals),
+            floats(&q.scales),
+            floats(&q.residual_scales),
+            floats(&q.scaled_sums),
+            q.sums.iter().map(|&s| s as i64).collect(),
+        ]
     }
 
     #[test]
