@@ -1,7 +1,7 @@
 //! The RMSNorm that feeds an int8 linear layer, fused with quantizing its output: per row, one
 //! pass adds the residual branch into x (when given) and sums the squares, and a second pass
-//! (over the row, now in L1) computes each block of 32 normed values into registers and
-//! quantizes it straight away. The normed row is never written in float32: the linear reads the
+//! (over the row, now in L1) computes each block of 32 normed values into a block-sized buffer
+//! and quantizes it straight away. The normed row is never written in float32: the linear reads the
 //! int8 rows (`QuantizedRows`, exactly as `quantize_rows` writes them) with
 //! `int8_matmul::matmul_quantized`.
 //!
@@ -12,43 +12,36 @@
 use super::elementwise::{add_inverse_rms, inverse_rms, rms_normed};
 use super::pool::ThreadCount;
 use super::quantize::{
-    check_finite, quantize_rows_from, Activations, QuantizedRows, RowPath, RowSource, SharedMut,
-    BLOCK,
+    check_finite, quantize_rows_from, Activations, BlockFn, QuantizedRows, RowPath, RowQuantizer,
+    RowSource, SharedMut, BLOCK,
 };
 use super::KernelError;
 
-/// One row of the norm as a source of blocks: `prepare` adds the branch and finds 1 / rms(x).
+/// One row of the norm as a source of blocks: x += branch, then its normed values 32 at a time.
 struct NormedRow<'a> {
     x: &'a mut [f32],
     branch: Option<&'a [f32]>,
     weight: &'a [f32],
     eps: f32,
-    inverse: f32,
 }
 
 impl RowSource for NormedRow<'_> {
     #[inline(always)]
-    fn len(&self) -> usize {
-        self.weight.len()
-    }
-
-    #[inline(always)]
-    fn prepare(&mut self) {
-        self.inverse = add_inverse_rms(self.x, self.branch, self.eps);
-    }
-
-    #[inline(always)]
-    fn block<'a>(&'a self, b: usize, buffer: &'a mut [f32; BLOCK]) -> &'a [f32] {
-        let at = b * BLOCK..((b + 1) * BLOCK).min(self.weight.len());
-        let n = at.len();
-        for ((o, &a), &w) in buffer
-            .iter_mut()
-            .zip(&self.x[at.clone()])
-            .zip(&self.weight[at])
+    fn blocks<B: BlockFn>(self, row: &mut RowQuantizer<'_, B>) {
+        let inverse = add_inverse_rms(self.x, self.branch, self.eps);
+        let mut buffer = [0f32; BLOCK];
+        for (b, (x, weight)) in self
+            .x
+            .chunks(BLOCK)
+            .zip(self.weight.chunks(BLOCK))
+            .enumerate()
         {
-            *o = rms_normed(a, w, self.inverse);
+            let normed = &mut buffer[..x.len()];
+            for ((o, &a), &w) in normed.iter_mut().zip(x).zip(weight) {
+                *o = rms_normed(a, w, inverse);
+            }
+            row.block(b, normed);
         }
-        &buffer[..n]
     }
 }
 
@@ -105,7 +98,6 @@ fn rms_norm_quantize_on(
         branch: branch.map(|b| &b[r * k..(r + 1) * k]),
         weight,
         eps,
-        inverse: 0.0,
     });
     if finite {
         return Ok(());

@@ -58,27 +58,58 @@ impl QuantizedRows {
 
 /// Where a row's values come from, block by block: a row of x as it is, or values computed as
 /// they are quantized (`norm_quantize`: the RMSNorm's output, never written in float32).
+/// Inlined into the row path's instructions (`RowPath`), with everything it computes.
 pub(super) trait RowSource {
-    /// Values in the row.
-    fn len(&self) -> usize;
-    /// A pass over the row before its blocks (the norm's sum of squares), run under the row
-    /// path's instructions.
-    #[inline(always)]
-    fn prepare(&mut self) {}
-    /// Block `b`'s values (the last block may be short): a slice of the row, or written into
-    /// `buffer`.
-    fn block<'a>(&'a self, b: usize, buffer: &'a mut [f32; BLOCK]) -> &'a [f32];
+    /// Hands each block b of the row, in order, to `row.block(b, values)` (the last block may
+    /// be short).
+    fn blocks<B: BlockFn>(self, row: &mut RowQuantizer<'_, B>);
 }
 
 impl RowSource for &[f32] {
     #[inline(always)]
-    fn len(&self) -> usize {
-        <[f32]>::len(self)
+    fn blocks<B: BlockFn>(self, row: &mut RowQuantizer<'_, B>) {
+        for (b, chunk) in self.chunks(BLOCK).enumerate() {
+            row.block(b, chunk);
+        }
     }
+}
 
+/// Quantizes one block as `quantize_block` does (values, second terms when wanted).
+pub(super) trait BlockFn: Fn(&[f32], &mut [i8], Option<&mut [i8]>) -> BlockSums {}
+
+impl<F: Fn(&[f32], &mut [i8], Option<&mut [i8]>) -> BlockSums> BlockFn for F {}
+
+/// A row's outputs, filled block by block (`RowSource::blocks`).
+pub(super) struct RowQuantizer<'a, B> {
+    out: RowOut<'a>,
+    terms: usize,
+    finite: bool,
+    quantize: B,
+}
+
+impl<B: BlockFn> RowQuantizer<'_, B> {
+    /// Quantizes block `b` of the row, `chunk` its values.
     #[inline(always)]
-    fn block<'a>(&'a self, b: usize, _: &'a mut [f32; BLOCK]) -> &'a [f32] {
-        &self[b * BLOCK..((b + 1) * BLOCK).min(<[f32]>::len(self))]
+    pub(super) fn block(&mut self, b: usize, chunk: &[f32]) {
+        let out = &mut self.out;
+        let terms = self.terms;
+        let at = b * BLOCK..(b + 1) * BLOCK;
+        let rest = out.residuals.as_deref_mut().map(|r| &mut r[at.clone()]);
+        let BlockSums {
+            scale,
+            sum,
+            residual_sum,
+        } = (self.quantize)(chunk, &mut out.values[at], rest);
+        self.finite &= scale.is_finite();
+        out.scales[b] = scale;
+        out.sums[b * terms] = sum;
+        if let Some(r) = out.residual_scales.as_deref_mut() {
+            r[b] = scale / RESIDUAL_STEPS;
+            out.sums[b * terms + 1] = residual_sum;
+            out.scaled_sums[b] = scale * (sum as f32 + residual_sum as f32 / RESIDUAL_STEPS);
+        } else {
+            out.scaled_sums[b] = scale * sum as f32;
+        }
     }
 }
 
@@ -94,7 +125,7 @@ pub(super) struct RowOut<'a> {
 
 /// A block's scale d and the sums of its int8 terms (Σ xr = 0 without the second terms).
 #[derive(Debug, Clone, Copy, PartialEq)]
-struct BlockSums {
+pub(super) struct BlockSums {
     scale: f32,
     sum: i32,
     residual_sum: i32,
@@ -142,44 +173,16 @@ fn quantize_block(x: &[f32], out: &mut [i8], residuals: Option<&mut [i8]>) -> Bl
 /// Returns false when the row holds a NaN or an infinity. `block` quantizes one block as
 /// `quantize_block` does.
 #[inline(always)]
-fn quantize_row<S: RowSource>(
-    mut x: S,
-    out: RowOut<'_>,
-    block: impl Fn(&[f32], &mut [i8], Option<&mut [i8]>) -> BlockSums,
-) -> bool {
-    let RowOut {
-        values,
-        mut residuals,
-        scales,
-        mut residual_scales,
-        scaled_sums,
-        sums,
-    } = out;
-    let terms = if residuals.is_some() { 2 } else { 1 };
-    let mut finite = true;
-    x.prepare();
-    let mut buffer = [0f32; BLOCK];
-    for b in 0..x.len().div_ceil(BLOCK) {
-        let chunk = x.block(b, &mut buffer);
-        let at = b * BLOCK..(b + 1) * BLOCK;
-        let rest = residuals.as_deref_mut().map(|r| &mut r[at.clone()]);
-        let BlockSums {
-            scale,
-            sum,
-            residual_sum,
-        } = block(chunk, &mut values[at], rest);
-        finite &= scale.is_finite();
-        scales[b] = scale;
-        sums[b * terms] = sum;
-        if let Some(r) = residual_scales.as_deref_mut() {
-            r[b] = scale / RESIDUAL_STEPS;
-            sums[b * terms + 1] = residual_sum;
-            scaled_sums[b] = scale * (sum as f32 + residual_sum as f32 / RESIDUAL_STEPS);
-        } else {
-            scaled_sums[b] = scale * sum as f32;
-        }
-    }
-    finite
+fn quantize_row<S: RowSource>(x: S, out: RowOut<'_>, block: impl BlockFn) -> bool {
+    let terms = if out.residuals.is_some() { 2 } else { 1 };
+    let mut row = RowQuantizer {
+        out,
+        terms,
+        finite: true,
+        quantize: block,
+    };
+    x.blocks(&mut row);
+    row.finite
 }
 
 /// The instructions a row is quantized with: every path gives the same bytes.
