@@ -2,10 +2,10 @@
 //! laid out row after row, as the core's StepPlan holds them.
 
 use super::kv::KvCaches;
-use super::{invalid, Activation, CpuDecoder, LayerWeights, NormPlacement, Scratch};
+use super::{invalid, Activation, CpuDecoder, LayerWeights, Linear, NormPlacement, Scratch};
 use crate::kernels::elementwise::{add_rms_norm, gelu_tanh_and_mul, rotary, silu_and_mul, Heads};
 use crate::kernels::paged_attention::{paged_attention, PagedShape, Scoring, StepRows};
-use crate::kernels::{Isa, KernelError, ThreadCount};
+use crate::kernels::{rms_norm_quantize, Isa, KernelError, QuantizedRows, ThreadCount};
 
 /// The step's arrays (the runner's plan): T tokens, R rows.
 #[derive(Debug, Clone, Copy)]
@@ -24,6 +24,42 @@ pub struct StepInputs<'a> {
 fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buffer.resize(len, 0.0);
     &mut buffer[..len]
+}
+
+/// Where a norm that feeds a linear layer writes its rows: float32 rows for float weights, the
+/// int8 rows the layer's kernels read for quantized ones.
+struct NormedRows<'a> {
+    h: &'a mut Vec<f32>,
+    hq: &'a mut QuantizedRows,
+}
+
+/// out (T, n) = linear(norm(x += branch)), x (T, hidden), the add when a branch is given. For a
+/// layer of int8 weights the norm writes its rows quantized, in the same pass
+/// (`rms_norm_quantize`), and the layer reads them as they are: the normed rows are never
+/// written in float32 (the same bits as norm, then quantize).
+#[allow(clippy::too_many_arguments)]
+fn norm_linear(
+    x: &mut [f32],
+    branch: Option<&[f32]>,
+    norm: &[f32],
+    eps: f32,
+    linear: &Linear,
+    rows: NormedRows,
+    out: &mut [f32],
+    isa: Isa,
+    threads: ThreadCount,
+) -> Result<(), KernelError> {
+    match linear.quantized_activations() {
+        Some(activations) => {
+            rms_norm_quantize(x, branch, norm, eps, activations, threads, rows.hq)?;
+            linear.apply_quantized(rows.hq, out, isa, threads)
+        }
+        None => {
+            let h = sized(rows.h, x.len());
+            add_rms_norm(x, branch, norm, eps, h, threads)?;
+            linear.apply(h, x.len() / norm.len(), out, isa, threads)
+        }
+    }
 }
 
 /// A (T, H, D) view of `data` whose rows are `row` values apart, heads from `offset`.
@@ -206,8 +242,8 @@ impl CpuDecoder {
         Ok(())
     }
 
-    /// The attention sublayer of layer `index`, its residual add (and the norm before the MLP,
-    /// into `s.h`, where the layer has one).
+    /// The attention sublayer of layer `index` and its residual add (pre-norm: `s.o` scaled,
+    /// added by the MLP's norm).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -226,9 +262,12 @@ impl CpuDecoder {
         let qkv = sized(&mut s.qkv, t * width);
         match &layer.input_norm {
             Some(norm) => {
-                let h = sized(&mut s.h, t * hidden);
-                add_rms_norm(&mut s.x, None, norm, c.eps, h, threads)?;
-                layer.qkv.apply(h, t, qkv, isa, threads)?;
+                let rows = NormedRows {
+                    h: &mut s.h,
+                    hq: &mut s.hq,
+                };
+                let x = &mut s.x[..t * hidden];
+                norm_linear(x, None, norm, c.eps, &layer.qkv, rows, qkv, isa, threads)?;
             }
             None => layer.qkv.apply(&s.x, t, qkv, isa, threads)?,
         }
@@ -302,32 +341,20 @@ impl CpuDecoder {
         let o = sized(&mut s.o, t * hidden);
         layer.o.apply(attn, t, o, isa, threads)?;
         match c.norms {
-            NormPlacement::Pre => {
-                scale(o, c.residual_scale);
-                let h = sized(&mut s.h, t * hidden);
-                add_rms_norm(
-                    &mut s.x,
-                    Some(o),
-                    &layer.post_attention_norm,
-                    c.eps,
-                    h,
-                    threads,
-                )?;
-            }
+            // The residual add is the MLP's: fused with the norm before it.
+            NormPlacement::Pre => scale(o, c.residual_scale),
             NormPlacement::Post | NormPlacement::Sandwich => {
                 let normed = sized(&mut s.tmp, t * hidden);
                 add_rms_norm(o, None, &layer.post_attention_norm, c.eps, normed, threads)?;
                 add(&mut s.x, normed);
-                if let Some(norm) = &layer.pre_feedforward_norm {
-                    let h = sized(&mut s.h, t * hidden);
-                    add_rms_norm(&mut s.x, None, norm, c.eps, h, threads)?;
-                }
             }
         }
         Ok(())
     }
 
-    /// The MLP sublayer and its residual add; its input is `s.h` (pre-norm, sandwich) or `s.x`.
+    /// The MLP sublayer and its residual add. Its input: pre-norm, the attention's residual
+    /// add (`s.o` into `s.x`) and the norm after it; sandwich, the norm before the MLP; post-norm,
+    /// `s.x` as it is.
     fn mlp(
         &self,
         layer: &LayerWeights,
@@ -339,11 +366,23 @@ impl CpuDecoder {
         let c = &self.config;
         let (hidden, inter) = (c.hidden, c.intermediate);
         let gate_up = sized(&mut s.gate_up, t * 2 * inter);
-        let input = match c.norms {
-            NormPlacement::Post => &s.x[..t * hidden],
-            NormPlacement::Pre | NormPlacement::Sandwich => &s.h[..t * hidden],
+        let x = &mut s.x[..t * hidden];
+        let (branch, norm) = match c.norms {
+            NormPlacement::Pre => (Some(&s.o[..t * hidden]), Some(&layer.post_attention_norm)),
+            NormPlacement::Sandwich => (None, layer.pre_feedforward_norm.as_ref()),
+            NormPlacement::Post => (None, None),
         };
-        layer.gate_up.apply(input, t, gate_up, isa, threads)?;
+        match norm {
+            Some(norm) => {
+                let rows = NormedRows {
+                    h: &mut s.h,
+                    hq: &mut s.hq,
+                };
+                let up = &layer.gate_up;
+                norm_linear(x, branch, norm, c.eps, up, rows, gate_up, isa, threads)?
+            }
+            None => layer.gate_up.apply(x, t, gate_up, isa, threads)?,
+        }
         let act = sized(&mut s.act, t * inter);
         match c.activation {
             Activation::Silu => silu_and_mul(gate_up, act, inter, t, threads)?,

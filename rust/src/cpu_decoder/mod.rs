@@ -11,7 +11,8 @@
 //!   paged attention through the block table → O → residual add + norm → gate/up → act·mul →
 //!   down → residual → final norm → the LM head for the sampled rows only.
 //!
-//! Activations are float32 throughout; every op is one of `crate::kernels` on its persistent
+//! Activations are float32 between ops, except that a norm feeding an int8 layer (QKV, gate/up)
+//! writes the layer's quantized rows itself (`kernels::rms_norm_quantize`); every op is one of `crate::kernels` on its persistent
 //! pool (whose workers watch for the next op rather than sleep, so a step pays no wake-up per op).
 
 mod forward;
@@ -89,7 +90,9 @@ impl DecoderConfig {
 #[derive(Default)]
 struct Scratch {
     x: Vec<f32>,
+    /// The normed rows a linear layer reads: float32, or quantized for int8 weights.
     h: Vec<f32>,
+    hq: crate::kernels::QuantizedRows,
     qkv: Vec<f32>,
     q_in: Vec<f32>,
     q_normed: Vec<f32>,

@@ -2,8 +2,10 @@
 //! and against itself: a prompt run whole, in chunks, and batched with another gives the same
 //! logits; bad steps are refused with a named error.
 
+use std::sync::Arc;
+
 use super::*;
-use crate::kernels::{Isa, ThreadCount};
+use crate::kernels::{Activations, Isa, PackedWeights, ThreadCount};
 
 struct Rng(u64);
 
@@ -399,27 +401,14 @@ fn weights_that_do_not_fit_the_config_are_refused() {
     assert!(err.is_err());
 }
 
-/// The decoder with every weight rounded to bfloat16, as bfloat16 bits.
-fn bf16_decoder(seed: u64) -> CpuDecoder {
-    let f32_decoder = decoder(config(NormPlacement::Pre, Activation::Silu), true, seed);
-    let bits = |lin: &Linear| {
-        let LinearWeights::F32(w) = &lin.weights else {
-            unreachable!()
-        };
-        let w: Vec<u16> = w
-            .as_slice()
-            .iter()
-            .map(|v| (v.to_bits() >> 16) as u16)
-            .collect();
-        Linear::new(
-            lin.n,
-            lin.k,
-            LinearWeights::Bf16(Buffer::owned(w)),
-            lin.bias.clone(),
-        )
-        .unwrap()
-    };
-    let layers = f32_decoder
+/// `d` again, every layer's linear layers through `convert`, with this embedding and head.
+fn rebuild(
+    d: &CpuDecoder,
+    convert: impl Fn(&Linear) -> Linear,
+    table: Table,
+    head: Linear,
+) -> CpuDecoder {
+    let layers = d
         .layers
         .iter()
         .map(|l| LayerWeights {
@@ -429,35 +418,124 @@ fn bf16_decoder(seed: u64) -> CpuDecoder {
             post_feedforward_norm: l.post_feedforward_norm.clone(),
             q_norm: l.q_norm.clone(),
             k_norm: l.k_norm.clone(),
-            qkv: bits(&l.qkv),
-            o: bits(&l.o),
-            gate_up: bits(&l.gate_up),
-            down: bits(&l.down),
+            qkv: convert(&l.qkv),
+            o: convert(&l.o),
+            gate_up: convert(&l.gate_up),
+            down: convert(&l.down),
             window: l.window,
             rope: l.rope,
         })
         .collect();
-    let Table::F32(table) = &f32_decoder.embedding else {
-        unreachable!()
-    };
-    let table: Vec<u16> = table
-        .as_slice()
-        .iter()
-        .map(|v| (v.to_bits() >> 16) as u16)
-        .collect();
-    let rope = &f32_decoder.ropes[0];
+    let rope = &d.ropes[0];
     CpuDecoder::new(
-        f32_decoder.config.clone(),
-        Table::Bf16(Buffer::owned(table)),
+        d.config.clone(),
+        table,
         layers,
-        f32_decoder.final_norm.clone(),
-        bits(&f32_decoder.head),
+        d.final_norm.clone(),
+        head,
         vec![RopeTable {
             cos: Buffer::owned(rope.cos.as_slice().to_vec()),
             sin: Buffer::owned(rope.sin.as_slice().to_vec()),
         }],
     )
     .unwrap()
+}
+
+fn f32_weights(lin: &Linear) -> &[f32] {
+    let LinearWeights::F32(w) = &lin.weights else {
+        unreachable!()
+    };
+    w.as_slice()
+}
+
+fn f32_table(d: &CpuDecoder) -> Vec<f32> {
+    let Table::F32(table) = &d.embedding else {
+        unreachable!()
+    };
+    table.as_slice().to_vec()
+}
+
+/// The decoder with every weight rounded to bfloat16, as bfloat16 bits.
+fn bf16_decoder(seed: u64) -> CpuDecoder {
+    let f32_decoder = decoder(config(NormPlacement::Pre, Activation::Silu), true, seed);
+    let to_bits =
+        |w: &[f32]| -> Vec<u16> { w.iter().map(|v| (v.to_bits() >> 16) as u16).collect() };
+    let bits = |lin: &Linear| {
+        let w = to_bits(f32_weights(lin));
+        let w = LinearWeights::Bf16(Buffer::owned(w));
+        Linear::new(lin.n, lin.k, w, lin.bias.clone()).unwrap()
+    };
+    let table = Table::Bf16(Buffer::owned(to_bits(&f32_table(&f32_decoder))));
+    let head = bits(&f32_decoder.head);
+    rebuild(&f32_decoder, bits, table, head)
+}
+
+/// `d`'s layers with 8-bit weights (per row, symmetric), packed for the int8 kernels reading
+/// `activations`, and the same weights dequantized as float32: (int8 decoder, float twin).
+fn int8_decoder_and_twin(d: &CpuDecoder, activations: Activations) -> (CpuDecoder, CpuDecoder) {
+    let packed = |lin: &Linear| {
+        let w = f32_weights(lin);
+        let mut q = Vec::with_capacity(w.len());
+        let mut scales = Vec::with_capacity(lin.n);
+        for row in w.chunks(lin.k) {
+            let s = row.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+            q.extend(row.iter().map(|v| ((v / s).round() + 128.0) as u8));
+            scales.push(s);
+        }
+        let zeros = vec![128.0; lin.n];
+        Arc::new(PackedWeights::pack(&q, &scales, &zeros, lin.n, lin.k, 8).unwrap())
+    };
+    let int8 = |lin: &Linear| {
+        let w = LinearWeights::Packed(packed(lin), activations);
+        Linear::new(lin.n, lin.k, w, lin.bias.clone()).unwrap()
+    };
+    let twin = |lin: &Linear| {
+        let w = LinearWeights::F32(Buffer::owned(packed(lin).dequantize()));
+        Linear::new(lin.n, lin.k, w, lin.bias.clone()).unwrap()
+    };
+    let head = || {
+        let w = LinearWeights::F32(Buffer::owned(f32_weights(&d.head).to_vec()));
+        Linear::new(d.head.n, d.head.k, w, None).unwrap()
+    };
+    let table = || Table::F32(Buffer::owned(f32_table(d)));
+    (
+        rebuild(d, int8, table(), head()),
+        rebuild(d, twin, table(), head()),
+    )
+}
+
+#[test]
+fn int8_weights_fed_by_the_fused_norm_match_their_float_twin_for_every_norm_placement() {
+    // Pre-norm and sandwich layers' norms write the quantized rows of QKV and gate/up
+    // (`rms_norm_quantize`); against the same weights dequantized, only the activations'
+    // rounding differs: ~2^-15 of a block's largest value with two terms, 2^-8 with one (up
+    // to ~0.1 on these logits, measured; a norm fed the wrong rows moves them by ~1).
+    let prompt: Vec<i32> = (0..9).map(|i| (i * 7 + 3) % VOCAB as i32).collect();
+    let blocks = [2, 7, 4];
+    for (norms, act) in [
+        (NormPlacement::Pre, Activation::Silu),
+        (NormPlacement::Post, Activation::Silu),
+        (NormPlacement::Sandwich, Activation::GeluTanh),
+    ] {
+        let d = decoder(config(norms, act), true, 13);
+        for (activations, tolerance) in [(Activations::Int8x2, 2e-3), (Activations::Int8, 0.2)] {
+            let (int8, twin) = int8_decoder_and_twin(&d, activations);
+            let row = |done: usize, tokens| Row {
+                done,
+                tokens,
+                blocks: &blocks,
+            };
+            let want = step(&twin, &caches(), &[row(0, &prompt)]);
+            let whole = step(&int8, &caches(), &[row(0, &prompt)]);
+            close(&whole[0], &want[0], tolerance);
+            // In a chunk and decode rows: the same logits as the whole prompt (one row and many).
+            let cache = caches();
+            step(&int8, &cache, &[row(0, &prompt[..5])]);
+            step(&int8, &cache, &[row(5, &prompt[5..8])]);
+            let last = step(&int8, &cache, &[row(8, &prompt[8..])]);
+            close(&last[0], &whole[0], 1e-5);
+        }
+    }
 }
 
 #[test]

@@ -67,18 +67,38 @@ pub fn add_rms_norm(
             // SAFETY: each row belongs to one range of one thread.
             let x = unsafe { std::slice::from_raw_parts_mut(xs.get().add(r * hidden), hidden) };
             let out = unsafe { std::slice::from_raw_parts_mut(outs.get().add(r * hidden), hidden) };
-            if let Some(b) = branch {
-                for (a, b) in x.iter_mut().zip(&b[r * hidden..][..hidden]) {
-                    *a += b;
-                }
-            }
-            let inverse = 1.0 / (sum_of_squares(x) / hidden as f32 + eps).sqrt();
-            for ((o, a), w) in out.iter_mut().zip(x.iter()).zip(weight) {
-                *o = w * (a * inverse);
+            let inverse = add_inverse_rms(x, branch.map(|b| &b[r * hidden..][..hidden]), eps);
+            for ((o, &a), &w) in out.iter_mut().zip(x.iter()).zip(weight) {
+                *o = rms_normed(a, w, inverse);
             }
         }
     });
     Ok(())
+}
+
+/// One row of the norm: x += branch (when given), then 1 / rms(x). The norm's arithmetic
+/// lives here and in [`rms_normed`] only: `add_rms_norm` and the norm that writes quantized rows
+/// (`quantize::rms_norm_quantize`) give the same bits.
+#[inline(always)]
+pub(crate) fn add_inverse_rms(x: &mut [f32], branch: Option<&[f32]>, eps: f32) -> f32 {
+    if let Some(b) = branch {
+        for (a, b) in x.iter_mut().zip(b) {
+            *a += b;
+        }
+    }
+    inverse_rms(x, eps)
+}
+
+/// 1 / rms(x) = 1 / sqrt(mean(x²) + eps).
+#[inline(always)]
+pub(crate) fn inverse_rms(x: &[f32], eps: f32) -> f32 {
+    1.0 / (sum_of_squares(x) / x.len() as f32 + eps).sqrt()
+}
+
+/// One normed value: weight · (x / rms(x)).
+#[inline(always)]
+pub(crate) fn rms_normed(x: f32, weight: f32, inverse: f32) -> f32 {
+    weight * (x * inverse)
 }
 
 #[inline(always)]

@@ -16,6 +16,7 @@ mod decode_lanes;
 pub mod dense_gemv;
 pub mod elementwise;
 mod isa;
+mod norm_quantize;
 mod packed;
 pub mod paged_attention;
 #[cfg(target_arch = "x86_64")]
@@ -33,6 +34,7 @@ pub(crate) mod py;
 mod py_elementwise;
 
 pub use isa::{Isa, ISA_ENV};
+pub use norm_quantize::rms_norm_quantize;
 pub use packed::PackedWeights;
 pub use pool::ThreadCount;
 pub use quantize::{quantize_rows, Activations, QuantizedRows, BLOCK};

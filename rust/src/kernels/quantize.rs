@@ -56,8 +56,65 @@ impl QuantizedRows {
     }
 }
 
+/// Where a row's values come from, block by block: a row of x as it is, or values computed as
+/// they are quantized (`norm_quantize`: the RMSNorm's output, never written in float32).
+/// Inlined into the row path's instructions (`RowPath`), with everything it computes.
+pub(super) trait RowSource {
+    /// Hands each block b of the row, in order, to `row.block(b, values)` (the last block may
+    /// be short).
+    fn blocks<B: BlockFn>(self, row: &mut RowQuantizer<'_, B>);
+}
+
+impl RowSource for &[f32] {
+    #[inline(always)]
+    fn blocks<B: BlockFn>(self, row: &mut RowQuantizer<'_, B>) {
+        for (b, chunk) in self.chunks(BLOCK).enumerate() {
+            row.block(b, chunk);
+        }
+    }
+}
+
+/// Quantizes one block as `quantize_block` does (values, second terms when wanted).
+pub(super) trait BlockFn: Fn(&[f32], &mut [i8], Option<&mut [i8]>) -> BlockSums {}
+
+impl<F: Fn(&[f32], &mut [i8], Option<&mut [i8]>) -> BlockSums> BlockFn for F {}
+
+/// A row's outputs, filled block by block (`RowSource::blocks`).
+pub(super) struct RowQuantizer<'a, B> {
+    out: RowOut<'a>,
+    terms: usize,
+    finite: bool,
+    quantize: B,
+}
+
+impl<B: BlockFn> RowQuantizer<'_, B> {
+    /// Quantizes block `b` of the row, `chunk` its values.
+    #[inline(always)]
+    pub(super) fn block(&mut self, b: usize, chunk: &[f32]) {
+        let out = &mut self.out;
+        let terms = self.terms;
+        let at = b * BLOCK..(b + 1) * BLOCK;
+        let rest = out.residuals.as_deref_mut().map(|r| &mut r[at.clone()]);
+        let BlockSums {
+            scale,
+            sum,
+            residual_sum,
+        } = (self.quantize)(chunk, &mut out.values[at], rest);
+        self.finite &= scale.is_finite();
+        out.scales[b] = scale;
+        out.sums[b * terms] = sum;
+        if let Some(r) = out.residual_scales.as_deref_mut() {
+            r[b] = scale / RESIDUAL_STEPS;
+            out.sums[b * terms + 1] = residual_sum;
+            out.scaled_sums[b] = scale * (sum as f32 + residual_sum as f32 / RESIDUAL_STEPS);
+        } else {
+            out.scaled_sums[b] = scale * sum as f32;
+        }
+    }
+}
+
 /// One row's share of the outputs.
-struct RowOut<'a> {
+pub(super) struct RowOut<'a> {
     values: &'a mut [i8],
     residuals: Option<&'a mut [i8]>,
     scales: &'a mut [f32],
@@ -68,7 +125,7 @@ struct RowOut<'a> {
 
 /// A block's scale d and the sums of its int8 terms (Σ xr = 0 without the second terms).
 #[derive(Debug, Clone, Copy, PartialEq)]
-struct BlockSums {
+pub(super) struct BlockSums {
     scale: f32,
     sum: i32,
     residual_sum: i32,
@@ -116,46 +173,21 @@ fn quantize_block(x: &[f32], out: &mut [i8], residuals: Option<&mut [i8]>) -> Bl
 /// Returns false when the row holds a NaN or an infinity. `block` quantizes one block as
 /// `quantize_block` does.
 #[inline(always)]
-fn quantize_row(
-    x: &[f32],
-    out: RowOut<'_>,
-    block: impl Fn(&[f32], &mut [i8], Option<&mut [i8]>) -> BlockSums,
-) -> bool {
-    let RowOut {
-        values,
-        mut residuals,
-        scales,
-        mut residual_scales,
-        scaled_sums,
-        sums,
-    } = out;
-    let terms = if residuals.is_some() { 2 } else { 1 };
-    let mut finite = true;
-    for (b, chunk) in x.chunks(BLOCK).enumerate() {
-        let at = b * BLOCK..(b + 1) * BLOCK;
-        let rest = residuals.as_deref_mut().map(|r| &mut r[at.clone()]);
-        let BlockSums {
-            scale,
-            sum,
-            residual_sum,
-        } = block(chunk, &mut values[at], rest);
-        finite &= scale.is_finite();
-        scales[b] = scale;
-        sums[b * terms] = sum;
-        if let Some(r) = residual_scales.as_deref_mut() {
-            r[b] = scale / RESIDUAL_STEPS;
-            sums[b * terms + 1] = residual_sum;
-            scaled_sums[b] = scale * (sum as f32 + residual_sum as f32 / RESIDUAL_STEPS);
-        } else {
-            scaled_sums[b] = scale * sum as f32;
-        }
-    }
-    finite
+fn quantize_row<S: RowSource>(x: S, out: RowOut<'_>, block: impl BlockFn) -> bool {
+    let terms = if out.residuals.is_some() { 2 } else { 1 };
+    let mut row = RowQuantizer {
+        out,
+        terms,
+        finite: true,
+        quantize: block,
+    };
+    x.blocks(&mut row);
+    row.finite
 }
 
 /// The instructions a row is quantized with: every path gives the same bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum RowPath {
+pub(super) enum RowPath {
     Portable,
     /// The portable loop compiled for AVX2 (rounding and the max vectorise there).
     Avx2,
@@ -164,7 +196,7 @@ enum RowPath {
 }
 
 impl RowPath {
-    fn best() -> RowPath {
+    pub(super) fn best() -> RowPath {
         if super::Isa::Avx512Vnni.supported() {
             RowPath::Avx512
         } else if super::Isa::Avx2.supported() {
@@ -174,7 +206,20 @@ impl RowPath {
         }
     }
 
-    fn quantize(self, x: &[f32], out: RowOut<'_>) -> bool {
+    /// Every path available on this CPU, the portable one first.
+    #[cfg(test)]
+    pub(super) fn available() -> Vec<RowPath> {
+        let mut paths = vec![RowPath::Portable];
+        if super::Isa::Avx2.supported() {
+            paths.push(RowPath::Avx2);
+        }
+        if super::Isa::Avx512Vnni.supported() {
+            paths.push(RowPath::Avx512);
+        }
+        paths
+    }
+
+    fn quantize<S: RowSource>(self, x: S, out: RowOut<'_>) -> bool {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `best` found AVX-512 F and BW (AVX-512 VNNI implies them).
@@ -191,15 +236,15 @@ impl RowPath {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{quantize_block, quantize_row, BlockSums, RowOut, RESIDUAL_STEPS};
+    use super::{quantize_block, quantize_row, BlockSums, RowOut, RowSource, RESIDUAL_STEPS};
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn quantize_row_avx2(x: &[f32], out: RowOut<'_>) -> bool {
+    pub(super) fn quantize_row_avx2<S: RowSource>(x: S, out: RowOut<'_>) -> bool {
         quantize_row(x, out, quantize_block)
     }
 
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) fn quantize_row_avx512(x: &[f32], out: RowOut<'_>) -> bool {
+    pub(super) fn quantize_row_avx512<S: RowSource>(x: S, out: RowOut<'_>) -> bool {
         // SAFETY: this function has the block's features.
         quantize_row(x, out, |x, o, r| unsafe { quantize_block_avx512(x, o, r) })
     }
@@ -268,14 +313,14 @@ mod x86 {
     }
 }
 
-fn check_finite(x: &[f32], k: usize) -> Result<(), KernelError> {
-    match x.iter().position(|v| !v.is_finite()) {
+/// The error for the first value of `x` (rows of `k`) that is not finite (Ok if none is).
+pub(super) fn check_finite(x: impl Iterator<Item = f32>, k: usize) -> Result<(), KernelError> {
+    match x.enumerate().find(|(_, v)| !v.is_finite()) {
         None => Ok(()),
-        Some(i) => Err(KernelError::NotFinite(format!(
-            "activation row {} column {} is {} (the int8 kernels take finite inputs only)",
+        Some((i, v)) => Err(KernelError::NotFinite(format!(
+            "activation row {} column {} is {v} (the int8 kernels take finite inputs only)",
             i / k,
             i % k,
-            x[i]
         ))),
     }
 }
@@ -295,6 +340,27 @@ pub fn quantize_rows(
             x.len()
         )));
     }
+    let path = RowPath::best();
+    if quantize_rows_from(path, m, k, activations, threads, out, |r| {
+        &x[r * k..(r + 1) * k]
+    }) {
+        Ok(())
+    } else {
+        check_finite(x.iter().copied(), k)
+    }
+}
+
+/// Rows 0..m of k values, row r's from `row(r)` (called once per row, on the thread that
+/// quantizes it), quantized on `path` into `out`. Returns false when a row is not finite.
+pub(super) fn quantize_rows_from<S: RowSource>(
+    path: RowPath,
+    m: usize,
+    k: usize,
+    activations: Activations,
+    threads: ThreadCount,
+    out: &mut QuantizedRows,
+    row: impl Fn(usize) -> S + Sync,
+) -> bool {
     let blocks = k.div_ceil(BLOCK);
     let split_terms = activations == Activations::Int8x2;
     out.rows = m;
@@ -308,7 +374,6 @@ pub fn quantize_rows(
     out.scaled_sums.resize(m * blocks, 0.0);
     let terms = if split_terms { 2 } else { 1 };
     out.sums.resize(m * blocks * terms, 0);
-    let path = RowPath::best();
     let values = SharedMut::new(out.values.as_mut_ptr());
     let residuals = SharedMut::new(out.residuals.as_mut_ptr());
     let scales = SharedMut::new(out.scales.as_mut_ptr());
@@ -349,16 +414,12 @@ pub fn quantize_rows(
                     ),
                 }
             };
-            if !path.quantize(&x[r * k..(r + 1) * k], row_out) {
+            if !path.quantize(row(r), row_out) {
                 finite.store(false, Ordering::Relaxed);
             }
         }
     });
-    if finite.load(Ordering::Relaxed) {
-        Ok(())
-    } else {
-        check_finite(x, k)
-    }
+    finite.load(Ordering::Relaxed)
 }
 
 /// A raw pointer handed to the pool's threads, each of which writes a disjoint part.
@@ -509,13 +570,7 @@ mod tests {
         let ties = [127.0, 2.5, -3.5, 0.5, -0.5, 126.5, -126.5, 1.5];
         x[2 * BLOCK..2 * BLOCK + ties.len()].copy_from_slice(&ties);
         x[7] = 3.0e30;
-        let mut paths = vec![RowPath::Portable];
-        if crate::kernels::Isa::Avx2.supported() {
-            paths.push(RowPath::Avx2);
-        }
-        if crate::kernels::Isa::Avx512Vnni.supported() {
-            paths.push(RowPath::Avx512);
-        }
+        let paths = RowPath::available();
         for split in [false, true] {
             for len in [k, 5, BLOCK, 17] {
                 let want = row_with(RowPath::Portable, &x[..len], split);

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use super::Buffer;
 use crate::kernels::dense_gemv::{dense_gemm, DenseWeights};
-use crate::kernels::int8_matmul::int8_matmul;
-use crate::kernels::{Activations, Isa, KernelError, PackedWeights, ThreadCount};
+use crate::kernels::int8_matmul::{int8_matmul, matmul_quantized};
+use crate::kernels::{Activations, Isa, KernelError, PackedWeights, QuantizedRows, ThreadCount};
 
 pub enum LinearWeights {
     F32(Buffer<f32>),
@@ -74,14 +74,65 @@ impl Linear {
                 int8_matmul(x, m, w, out, *activations, isa, threads)?
             }
         }
+        self.add_bias(out);
+        Ok(())
+    }
+
+    /// How the int8 kernels of this layer take their activations, for a caller that quantizes
+    /// them itself (`rms_norm_quantize`); None for float weights, which read float32 rows.
+    pub fn quantized_activations(&self) -> Option<Activations> {
+        match &self.weights {
+            LinearWeights::Packed(_, activations) => Some(*activations),
+            LinearWeights::F32(_) | LinearWeights::Bf16(_) => None,
+        }
+    }
+
+    /// out (m, n) = x · Wᵀ + b, x (m, k) already quantized as `quantized_activations` says.
+    pub fn apply_quantized(
+        &self,
+        x: &QuantizedRows,
+        out: &mut [f32],
+        isa: Isa,
+        threads: ThreadCount,
+    ) -> Result<(), KernelError> {
+        let LinearWeights::Packed(w, activations) = &self.weights else {
+            return Err(KernelError::InvalidArgument(
+                "a linear layer of float weights takes float32 rows, not quantized ones".into(),
+            ));
+        };
+        let split = *activations == Activations::Int8x2;
+        if x.blocks != w.blocks || x.split() != split || out.len() != x.rows * self.n {
+            return Err(KernelError::InvalidArgument(format!(
+                "quantized rows ({} of {} blocks, second terms: {}) and an output of {} values \
+                 do not fit a ({}, {}) layer taking {activations:?}",
+                x.rows,
+                x.blocks,
+                x.split(),
+                out.len(),
+                self.n,
+                self.k
+            )));
+        }
+        if !isa.supported() {
+            return Err(KernelError::InvalidArgument(format!(
+                "this CPU cannot run {isa}"
+            )));
+        }
+        if x.rows > 0 {
+            matmul_quantized(x, w, out, isa, threads);
+        }
+        self.add_bias(out);
+        Ok(())
+    }
+
+    fn add_bias(&self, out: &mut [f32]) {
         if let Some(bias) = &self.bias {
-            for row in out.chunks_exact_mut(n) {
+            for row in out.chunks_exact_mut(self.n) {
                 for (y, b) in row.iter_mut().zip(bias) {
                     *y += b;
                 }
             }
         }
-        Ok(())
     }
 
     /// Bytes of the weights this layer reads per pass.
