@@ -139,6 +139,16 @@ def test_a_switch_under_load_fails_no_request_and_frees_the_old_version(model_di
         for c in clients:
             c.start()
         time.sleep(1.0)
+        # The load is held until the second request is answered: a tiny model can load, switch
+        # and drain before a busy server answers the next request.
+        versions_of = s.ctx.catalog.get(MODEL_NAME)
+        load_version, held = versions_of._load_version, threading.Event()
+
+        def held_load(folder):
+            assert held.wait(60)
+            return load_version(folder)
+
+        versions_of._load_version = held_load
         loading = httpx.post(
             f"{s.url}/admin/models/{MODEL_NAME}/load", json={"version": "1.1.0"}, headers=ADMIN
         )
@@ -146,6 +156,7 @@ def test_a_switch_under_load_fails_no_request_and_frees_the_old_version(model_di
         busy = httpx.post(
             f"{s.url}/admin/models/{MODEL_NAME}/load", json={"version": "2.0.0-rc.1"}, headers=ADMIN
         )
+        held.set()
         assert busy.status_code == 409  # one load at a time
         deadline = time.monotonic() + 120
         while versions(s)["1.0.0"]["state"] != "unloaded":
