@@ -368,6 +368,11 @@ def paged_attention(
     """out (T, H, D) float32 = attention of q over the paged K/V caches, read in place: float32,
     bfloat16 (as uint16 bits) or int8 with k_scale/v_scale (float32 or bfloat16 bits)."""
 
+def cpu_pool_stats() -> tuple[int, int, int]:
+    """(calls, blocks, backoffs) of the CPU kernels' thread pools since the process started:
+    calls handed to workers, times a worker blocked (to be woken by a later call), times a
+    worker found its core contended and stopped watching for a while. Monotonic."""
+
 def int8_peak_ops(threads: int, iterations: int = 20_000_000) -> float | None:
     """Int8 operations per second of independent vpdpbusd chains (None without AVX-512 VNNI)."""
 

@@ -36,7 +36,7 @@ mod py_elementwise;
 pub use isa::{Isa, ISA_ENV};
 pub use norm_quantize::rms_norm_quantize;
 pub use packed::PackedWeights;
-pub use pool::ThreadCount;
+pub use pool::{pool_stats, PoolStats, ThreadCount};
 pub use quantize::{quantize_rows, Activations, QuantizedRows, BLOCK};
 
 use thiserror::Error;

@@ -11,8 +11,9 @@
 //! is longer than the spin, so an idle engine's workers sleep. While watching, a worker yields
 //! its core every few microseconds (`sched_yield`), so torch's OpenMP threads running the
 //! elementwise ops between two kernel calls get the core at once rather than after a time
-//! slice; and a yield that let another thread run (it took ≥ 30 µs) ends the watch, and the
-//! worker blocks at once for the next 200 ms: on a contended core a watching worker queues
+//! slice; and when a worker finds twice within 50 ms that its core ran something else for
+//! ≥ 500 µs between two of its checks, it blocks at once for the next 200 ms (one such gap
+//! alone is a hiccup of the host, and is ignored): on a contended core a watching worker queues
 //! behind the other thread for a time slice per call (4× slower decode steps, measured with a
 //! training job on the second core), while a blocked worker is woken ahead of it. The caller waits for the workers' ranges the same way (spin, then yield): the ranges
 //! are balanced, so that wait is short.
@@ -34,6 +35,35 @@ const SPINS_PER_YIELD: u32 = 32;
 const CONTENDED: Duration = Duration::from_micros(500);
 /// How long a worker that found its core contended blocks at once before it watches again.
 const CONTENDED_BACKOFF: Duration = Duration::from_millis(200);
+/// A core is contended when a worker finds it so twice within this window: one long gap alone
+/// is a hiccup (the host preempting the VM's CPU, an interrupt), not a thread competing for
+/// the core. On a quiet 2-core VM such gaps came about once a second, and backing off on each
+/// put the workers in blocking mode (a wake-up per kernel call) for a fifth of the time.
+const CONTENDED_WINDOW: Duration = Duration::from_millis(50);
+
+/// What the pools did since the process started (every pool together).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolStats {
+    /// Calls handed to workers (`split` calls that used the pool).
+    pub calls: u64,
+    /// Times a worker blocked: its watch ran out, or it found its core contended.
+    pub blocks: u64,
+    /// Times a worker found its core contended and stopped watching for `CONTENDED_BACKOFF`.
+    pub backoffs: u64,
+}
+
+static CALLS: AtomicU64 = AtomicU64::new(0);
+static BLOCKS: AtomicU64 = AtomicU64::new(0);
+static BACKOFFS: AtomicU64 = AtomicU64::new(0);
+
+/// The counts of every pool so far (monotonic; take differences around the work of interest).
+pub fn pool_stats() -> PoolStats {
+    PoolStats {
+        calls: CALLS.load(Ordering::Relaxed),
+        blocks: BLOCKS.load(Ordering::Relaxed),
+        backoffs: BACKOFFS.load(Ordering::Relaxed),
+    }
+}
 
 /// How many threads a kernel call may use (at least one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,9 +144,9 @@ impl Pool {
 
     fn work_loop(&self, index: usize) {
         let mut seen = 0;
-        let mut watch_after = Instant::now();
+        let mut watch = Watch::new(Instant::now());
         loop {
-            seen = self.next_generation(seen, &mut watch_after);
+            seen = self.next_generation(seen, &mut watch);
             let job = self.job.load(Ordering::Acquire);
             // SAFETY: `run` set `job` before bumping the generation seen here, and keeps the
             // work (and the reference to it) alive until this worker's `pending` decrement. A
@@ -130,10 +160,10 @@ impl Pool {
     }
 
     /// Waits for a generation other than `seen`: watches for `spin`, then blocks. A worker that
-    /// found its core contended blocks at once until `watch_after`.
-    fn next_generation(&self, seen: u64, watch_after: &mut Instant) -> u64 {
+    /// found its core contended blocks at once until `watch.after`.
+    fn next_generation(&self, seen: u64, watch: &mut Watch) -> u64 {
         let start = Instant::now();
-        if start >= *watch_after {
+        if start >= watch.after {
             let mut last = start;
             let mut spins = 0u32;
             while last.duration_since(start) < self.spin {
@@ -145,16 +175,18 @@ impl Pool {
                     continue;
                 }
                 let now = Instant::now();
-                if now.duration_since(last) >= CONTENDED {
-                    // Another thread ran on this core meanwhile (the yield, or a preemption):
+                if now.duration_since(last) >= CONTENDED && watch.contended(now) {
+                    // Another thread keeps running on this core (the yield, or preemptions):
                     // watching would queue this worker behind it for a time slice per call,
                     // where a blocked worker is woken ahead of it.
-                    *watch_after = now + CONTENDED_BACKOFF;
+                    watch.after = now + CONTENDED_BACKOFF;
+                    BACKOFFS.fetch_add(1, Ordering::Relaxed);
                     break;
                 }
                 last = now;
             }
         }
+        BLOCKS.fetch_add(1, Ordering::Relaxed);
         let mut guard = lock(&self.sleep);
         // Dekker's pattern with `run`: this increment and the caller's generation bump are
         // both SeqCst, so either the load below sees the new generation or the caller sees
@@ -173,6 +205,7 @@ impl Pool {
     /// Runs work(0) here and work(1..=workers) on the workers; returns when all are done.
     fn run<'a>(&self, work: &'a (dyn Fn(usize) + Sync + 'a)) {
         let _one_call = lock(&self.calls);
+        CALLS.fetch_add(1, Ordering::Relaxed);
         // SAFETY: only the lifetime is erased; `WaitForWorkers` keeps `work` (and `erased`,
         // which the workers read through `job`) borrowed until every worker has finished
         // with it, even if work(0) unwinds.
@@ -198,6 +231,31 @@ impl Pool {
         }
         let _wait = WaitForWorkers(self);
         work(0);
+    }
+}
+
+/// A worker's watching state: until when it blocks at once, and when it last found its core
+/// contended.
+struct Watch {
+    after: Instant,
+    last_contended: Option<Instant>,
+}
+
+impl Watch {
+    fn new(now: Instant) -> Self {
+        Watch {
+            after: now,
+            last_contended: None,
+        }
+    }
+
+    /// A long gap seen at `now`: whether it is the second within `CONTENDED_WINDOW`.
+    fn contended(&mut self, now: Instant) -> bool {
+        let again = self
+            .last_contended
+            .is_some_and(|at| now.duration_since(at) < CONTENDED_WINDOW);
+        self.last_contended = Some(now);
+        again
     }
 }
 
@@ -289,6 +347,22 @@ mod tests {
     #[test]
     fn workers_that_watch_then_block_still_wake() {
         calls_with_gaps(Duration::from_micros(300));
+    }
+
+    #[test]
+    fn one_long_gap_is_a_hiccup_two_close_ones_are_contention() {
+        let t0 = Instant::now();
+        let mut watch = Watch::new(t0);
+        assert!(!watch.contended(t0 + Duration::from_millis(1)));
+        assert!(!watch.contended(t0 + Duration::from_millis(100))); // 99 ms later: apart
+        assert!(watch.contended(t0 + Duration::from_millis(120))); // 20 ms later: again
+    }
+
+    #[test]
+    fn stats_count_calls() {
+        let before = pool_stats();
+        split(ThreadCount::new(2), 4, |_| {});
+        assert!(pool_stats().calls > before.calls);
     }
 
     #[test]

@@ -405,8 +405,17 @@ fn int8_peak_ops(py: Python<'_>, threads: usize, iterations: usize) -> Option<f6
     py.detach(|| super::peak::int8_peak_ops(ThreadCount::new(threads), iterations))
 }
 
+/// The CPU kernels' thread pools since the process started: calls handed to workers, times a
+/// worker blocked (and was woken for a later call), times it found its core contended.
+#[pyfunction]
+fn cpu_pool_stats() -> (u64, u64, u64) {
+    let s = super::pool_stats();
+    (s.calls, s.blocks, s.backoffs)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(int8_peak_ops, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_pool_stats, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(dense_gemv, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_isa, m)?)?;
