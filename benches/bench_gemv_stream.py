@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_int8_gemm import weights
 
 from aieng import _core
 from aieng.benchmarks.offline import machine
-from aieng.kernels.cpu_int8 import pack_int8_weights
 
 SHAPES = {  # name: (out_features, in_features)
     "1.5B gate_up": (17920, 1536),
@@ -37,15 +37,6 @@ SHAPES = {  # name: (out_features, in_features)
 KERNELS = {"w4a8": (4, 128), "w8a8": (8, None)}  # bits, group (None: per channel)
 STREAM_BYTES = 512 << 20
 REPS = 3
-
-
-def packed(n: int, k: int, bits: int, group: int | None, seed: int) -> _core.Int8Weights:
-    generator = torch.Generator().manual_seed(seed)
-    groups = k // group if group else 1
-    q = torch.randint(0, 1 << bits, (n, k), generator=generator)
-    s = torch.rand(n, groups, generator=generator) * 0.01 + 1e-3
-    z = torch.full((n, groups), float(1 << (bits - 1)))
-    return pack_int8_weights(q, s, z, bits)
 
 
 def gemv_rate(matrices: list, threads: int, passes: int, reps: int) -> float:
@@ -101,12 +92,12 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     for name, (n, k) in shapes.items():
         for kernel, (bits, group) in KERNELS.items():
-            one = packed(n, k, bits, group, seed=1)
+            one = weights(n, k, bits, group)
             cached = gemv_rate(
                 [one], args.threads, passes=max(1, (64 << 20) // one.nbytes), reps=reps
             )
             count = max(2, stream_bytes // one.nbytes)
-            matrices = [one] + [packed(n, k, bits, group, seed=s) for s in range(2, count + 1)]
+            matrices = [one] + [weights(n, k, bits, group) for _ in range(count - 1)]
             streamed = gemv_rate(matrices, args.threads, passes=1, reps=reps)
             total = sum(w.nbytes for w in matrices)
             del matrices

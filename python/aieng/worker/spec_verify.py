@@ -46,10 +46,8 @@ def sampling_groups(sample_request_rows: np.ndarray) -> tuple[np.ndarray, np.nda
     logits rows, 1 + its drafts (G,)."""
     rows = np.asarray(sample_request_rows)
     n = len(rows)
-    if n == 1 or (n > 1 and bool((rows[1:] != rows[:-1]).all())):  # no drafts
+    if n < 2 or bool((rows[1:] != rows[:-1]).all()):  # no drafts (or no rows)
         return np.arange(n, dtype=np.int64), np.ones(n, np.int64)
-    if not n:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
     sizes = np.diff(np.r_[starts, len(rows)])
     return starts.astype(np.int64), sizes.astype(np.int64)
